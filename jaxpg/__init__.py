@@ -1,0 +1,29 @@
+"""jaxpg: torch.distributed's process groups, DDP and pipeline parallelism for JAX.
+
+A rank is a device; a process group is an ordered set of devices (a Mesh). Every
+collective runs eagerly from host code or, inside ``jaxpg.spmd``, lowers to ``lax``
+collectives under ``shard_map``.
+"""
+
+from jaxpg.collectives import *  # noqa: F403
+from jaxpg.collectives import __all__ as _collectives_all
+from jaxpg.errors import (
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    DistTimeoutError,
+)
+from jaxpg.groups import *  # noqa: F403
+from jaxpg.groups import __all__ as _groups_all
+from jaxpg.reduce_op import RedOpType, ReduceOp
+from jaxpg.spmd import spmd
+
+__version__ = "0.1.0"
+
+__all__ = [
+    *_collectives_all,
+    *_groups_all,
+    "DistBackendError", "DistError", "DistNetworkError", "DistStoreError", "DistTimeoutError",
+    "ReduceOp", "RedOpType", "spmd",
+]

@@ -1,0 +1,36 @@
+"""Every torch.distributed collective, in an SPMD and an eager lowering."""
+
+from jaxpg.collectives.all_to_all import all_to_all, all_to_all_single
+from jaxpg.collectives.barrier import barrier, monitored_barrier
+from jaxpg.collectives.gathers import (
+    all_gather,
+    all_gather_into_tensor,
+    all_gather_single,
+    broadcast,
+    gather,
+    scatter,
+)
+from jaxpg.collectives.objects import (
+    PerRank,
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    scatter_object_list,
+)
+from jaxpg.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, permute, recv, send
+from jaxpg.collectives.reductions import (
+    all_reduce,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_single,
+    reduce_scatter_tensor,
+)
+from jaxpg.collectives.work import Work
+
+__all__ = [
+    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "all_gather",
+    "all_gather_into_tensor", "all_gather_single", "broadcast", "gather", "scatter", "PerRank",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "P2POp", "batch_isend_irecv", "irecv", "isend", "permute", "recv", "send", "all_reduce",
+    "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "Work",
+]

@@ -1,0 +1,162 @@
+"""all_to_all (lists, per-pair sizes may differ) and all_to_all_single (split sizes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpg.collectives._dispatch import resolve
+from jaxpg.collectives.eager import local_count, run_eager
+from jaxpg.collectives.gathers import exchange_sizes
+from jaxpg.collectives.work import completed
+
+__all__ = ["all_to_all", "all_to_all_single"]
+
+
+def _exchange(pg: Any, chunks: list[list[Any]], api: str) -> list[list[Any]]:
+    """Eager core: ``chunks[l][i]`` (local rank l's array for group rank i) -> received.
+
+    Returns ``received[l][i]``: what local rank ``l`` got from group rank ``i``. Chunks may
+    differ in dim 0; they are padded to the largest, exchanged in one kernel and cut back.
+    """
+    k = pg.size()
+    local = pg.local_members()
+    sizes = np.array([[c.shape[0] if c.ndim else 1 for c in row] for row in chunks])
+    all_sizes = exchange_sizes(pg, sizes, api)  # [members, k]: member m sends sizes[m][i] to i
+    biggest = int(all_sizes.max()) if all_sizes.size else 0
+    trailing = chunks[0][0].shape[1:]
+    padded = []
+    for row in chunks:
+        padded.append(jnp.stack([
+            jnp.pad(c, [(0, biggest - c.shape[0])] + [(0, 0)] * (c.ndim - 1)) for c in row
+        ]))
+    data = padded[0] if len(local) == 1 else jnp.stack(padded)
+    out = run_eager(pg, api, biggest, lambda lay, x: lay.all_to_all(x), {"x": data})
+    member_pos = {r: p for p, r in enumerate(pg.members)}
+    received = []
+    for li, r in enumerate(local):
+        got = out if len(local) == 1 else out[li]
+        me = pg.group_rank(r)
+        row = []
+        for i in range(k):
+            n = int(all_sizes[member_pos[pg.ranks[i]], me])
+            row.append(got[i][:n].reshape((n, *trailing)))
+        received.append(row)
+    return received
+
+
+def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
+               async_op: bool = False) -> Any:
+    """Rank ``j`` sends ``input_tensor_list[i]`` to rank ``i``; returns the received list.
+
+    Chunks may differ in dim 0 per pair (eager). In a process holding several ranks, each
+    list entry stacks those ranks' chunks along a leading axis (same shapes), or pass a list
+    of per-rank lists for uneven chunks.
+    """
+    api = "all_to_all"
+    pg, ctx = resolve(group, api)
+    k = pg.size()
+    if not isinstance(input_tensor_list, (list, tuple)):
+        raise TypeError(f"{api}: input_tensor_list must be a list of {k} arrays; got "
+                        f"{type(input_tensor_list).__name__}.")
+    if ctx is not None:
+        if len(input_tensor_list) != k:
+            raise ValueError(f"{api}: input_tensor_list has {len(input_tensor_list)} arrays; "
+                             f"the group has {k} ranks.")
+        shapes = {jnp.shape(x) for x in input_tensor_list}
+        if len(shapes) > 1:
+            raise ValueError(f"{api}: in SPMD code every chunk must have the same shape; got "
+                             f"{sorted(shapes)}.")
+        out = ctx.layout(pg).all_to_all(jnp.stack([jnp.asarray(x) for x in input_tensor_list]))
+        return completed([out[i] for i in range(k)], async_op, api)
+    n_local = local_count(pg, api)
+    nested = n_local > 1 and all(isinstance(x, (list, tuple)) for x in input_tensor_list)
+    if nested:
+        rows = [[jnp.asarray(c) for c in row] for row in input_tensor_list]
+    elif n_local == 1:
+        rows = [[jnp.asarray(c) for c in input_tensor_list]]
+    else:
+        rows = [[jnp.asarray(c)[li] for c in input_tensor_list] for li in range(n_local)]
+    if len(rows) != n_local or any(len(r) != k for r in rows):
+        raise ValueError(f"{api}: need {k} chunks for each of this process's {n_local} ranks; "
+                         f"got {[len(r) for r in rows]}.")
+    for row in rows:
+        if len({(c.shape[1:], c.dtype) for c in row}) > 1:
+            raise ValueError(f"{api}: chunks may differ in dim 0 only; got "
+                             f"{[(c.shape, str(c.dtype)) for c in row]}.")
+    received = _exchange(pg, rows, api)
+    if n_local == 1:
+        return completed(received[0], async_op, api)
+    if nested or len({tuple(c.shape) for row in received for c in row}) > 1:
+        return completed(received, async_op, api)
+    return completed([jnp.stack([received[li][i] for li in range(n_local)])
+                      for i in range(k)], async_op, api)
+
+
+def all_to_all_single(input: Any, output_split_sizes: Sequence[int] | None = None,  # noqa: A002
+                      input_split_sizes: Sequence[int] | None = None, group: Any = None,
+                      async_op: bool = False) -> Any:
+    """Splits ``input`` along dim 0 by ``input_split_sizes`` (even if None), sends split ``i``
+    to rank ``i``, and concatenates what arrives.
+
+    ``output_split_sizes`` is optional (jaxpg learns the sizes); when given it is checked.
+    In a process holding several ranks, ``input`` is a list of per-rank arrays and the
+    split sizes are lists of per-rank lists (or one list for all).
+    """
+    api = "all_to_all_single"
+    pg, ctx = resolve(group, api)
+    k = pg.size()
+    if ctx is not None:
+        x = jnp.asarray(input)
+        if input_split_sizes is not None or output_split_sizes is not None:
+            raise ValueError(f"{api}: SPMD code needs even splits (shapes are static); pass "
+                             "no split sizes, or call it eagerly.")
+        if x.shape[0] % k:
+            raise ValueError(f"{api}: input's dim 0 ({x.shape[0]}) must divide by the group "
+                             f"size {k} for even splits.")
+        out = ctx.layout(pg).all_to_all(x.reshape((k, -1, *x.shape[1:])))
+        return completed(out.reshape(x.shape), async_op, api)
+    n_local = local_count(pg, api)
+    inputs = [jnp.asarray(input)] if n_local == 1 else (
+        [jnp.asarray(a) for a in input] if isinstance(input, (list, tuple))
+        else [jnp.asarray(input)[i] for i in range(n_local)])
+
+    def per_rank(spec: Any, li: int, arg: str, dim0: int | None) -> list[int] | None:
+        if spec is None:
+            return None
+        row = spec[li] if spec and isinstance(spec[0], (list, tuple)) else spec
+        row = [int(s) for s in row]
+        if len(row) != k or min(row) < 0:
+            raise ValueError(f"{api}: {arg}={list(spec)} needs {k} non-negative sizes.")
+        if dim0 is not None and sum(row) != dim0:
+            raise ValueError(f"{api}: {arg}={row} sums to {sum(row)}, but input's dim 0 is "
+                             f"{dim0}.")
+        return row
+
+    rows = []
+    for li, x in enumerate(inputs):
+        splits = per_rank(input_split_sizes, li, "input_split_sizes", x.shape[0])
+        if splits is None:
+            if x.shape[0] % k:
+                raise ValueError(f"{api}: input's dim 0 ({x.shape[0]}) must divide by the "
+                                 f"group size {k}, or pass input_split_sizes.")
+            splits = [x.shape[0] // k] * k
+        bounds = np.cumsum([0] + splits)
+        rows.append([x[bounds[i]:bounds[i + 1]] for i in range(k)])
+    received = _exchange(pg, rows, api)
+    outs = []
+    for li, row in enumerate(received):
+        want = per_rank(output_split_sizes, li, "output_split_sizes", None)
+        got = [c.shape[0] for c in row]
+        if want is not None and want != got:
+            raise ValueError(f"{api}: output_split_sizes={want} does not match what the "
+                             f"ranks sent, {got}.")
+        outs.append(jnp.concatenate(row))
+    if n_local == 1:
+        return completed(outs[0], async_op, api)
+    if len({o.shape for o in outs}) == 1:
+        return completed(jnp.stack(outs), async_op, api)
+    return completed(outs, async_op, api)

@@ -1,0 +1,134 @@
+"""The eager (host) lowering: this process's data in, a cached SPMD kernel, its part out.
+
+A process passes the data of its own ranks of the group (of the group's family): a plain
+array when it holds one such rank (torch's model), or the ranks' arrays stacked along a
+leading axis in rank order when it holds several (a notebook with 8 devices). The data
+becomes a global array over the family's mesh, a jitted ``shard_map`` kernel runs the same
+code the SPMD lowering runs, and the process gets back its ranks' results in the same form.
+Kernels are compiled once per (group, op, static arguments, shapes, dtypes) and cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpg.spmd import SpmdContext
+
+__all__ = ["run_eager", "local_count", "clear_kernel_cache"]
+
+_kernels: dict[tuple, Callable[..., Any]] = {}
+
+
+def clear_kernel_cache() -> None:
+    """Forgets every compiled eager kernel (``destroy_process_group`` calls it)."""
+    _kernels.clear()
+
+
+def local_count(group: Any, api: str) -> int:
+    """Returns how many ranks of ``group``'s family this process holds (raises if none)."""
+    n = len(group.local_members())
+    if n == 0:
+        raise ValueError(
+            f"{api}: this process holds no rank of group {group.group_name!r} "
+            f"(ranks {list(group.members)}); only members may call it, as in torch."
+        )
+    return n
+
+
+def _as_stacked(x: Any, n_local: int, api: str, arg: str) -> Any:
+    if isinstance(x, jax.Array):
+        arr = x
+    else:
+        arr = np.asarray(x)
+        if arr.dtype == np.float64 and not jax.config.jax_enable_x64:
+            arr = arr.astype(np.float32)
+        elif arr.dtype == np.int64 and not jax.config.jax_enable_x64:
+            arr = arr.astype(np.int32)
+    if n_local == 1:
+        return arr[None]
+    if arr.ndim == 0 or arr.shape[0] != n_local:
+        raise ValueError(
+            f"{api}: this process holds {n_local} ranks of the group, so {arg} must stack "
+            f"their data along a leading axis of size {n_local}; got shape {tuple(arr.shape)}."
+        )
+    return arr
+
+
+def _to_global(arr: Any, group: Any, sharding: NamedSharding) -> jax.Array:
+    if isinstance(arr, jax.Array) and arr.sharding == sharding:
+        return arr
+    n = len(group.members)
+    if len(group.local_members()) == n:
+        return jax.device_put(arr, sharding)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(arr),
+                                                  (n, *arr.shape[1:]))
+
+
+def _local_part(out: jax.Array, group: Any, n_local: int) -> Any:
+    if len(group.local_members()) == len(group.members):
+        return out[0] if n_local == 1 else out
+    shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start)
+    if n_local == 1:
+        return shards[0].data[0]
+    devices = [s.device for s in shards]
+    mesh = Mesh(np.array(devices, dtype=object), ("local",))
+    return jax.make_array_from_single_device_arrays(
+        (n_local, *out.shape[1:]), NamedSharding(mesh, P("local")), [s.data for s in shards]
+    )
+
+
+def run_eager(
+    group: Any,
+    api: str,
+    static_key: Any,
+    body: Callable[..., Any],
+    inputs: dict[str, Any],
+    *,
+    mark_arrival: bool = True,
+) -> Any:
+    """Runs ``body(layout, **per_rank_inputs)`` on every rank of ``group``'s family.
+
+    Args:
+        group: the ProcessGroup.
+        api: the collective's name, for errors and the cache key.
+        static_key: hashable static arguments that change the kernel (op, src, ...).
+        body: traced per rank; returns a pytree of per-rank arrays.
+        inputs: this process's data by argument name (plain or stacked, see module doc).
+        mark_arrival: multi-process runs check that every rank arrives (with the group's
+            timeout) before the kernel starts; point-to-point sets its own check.
+
+    Returns:
+        The pytree ``body`` returns, with this process's ranks' parts (plain or stacked).
+    """
+    n_local = local_count(group, api)
+    state = group._world
+    axis = group.axis_name
+    mesh = group.family_mesh
+    sharding = NamedSharding(mesh, P(axis))
+    names = sorted(inputs)
+    stacked = [_as_stacked(inputs[k], n_local, api, k) for k in names]
+    sig = tuple((tuple(a.shape[1:]), str(a.dtype)) for a in stacked)
+    key = (group.id, api, static_key, tuple(names), sig)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        def per_rank(*args: Any) -> Any:
+            with SpmdContext(mesh, state) as ctx:
+                out = body(ctx.layout(group), **{k: a[0] for k, a in zip(names, args)})
+            return jax.tree.map(lambda a: jnp.expand_dims(a, 0), out)
+
+        kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis),
+                                       out_specs=P(axis), check_vma=False))
+        _kernels[key] = kernel
+    if state.multiprocess and mark_arrival:
+        from jaxpg.groups import multiprocess
+
+        multiprocess.before_collective(group, api)
+    out = kernel(*[_to_global(a, group, sharding) for a in stacked])
+    return jax.tree.map(lambda o: _local_part(o, group, n_local), out)

@@ -1,0 +1,102 @@
+"""all_reduce, reduce, reduce_scatter and reduce_scatter_tensor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpg.collectives._dispatch import check_same_shapes, group_rank_of, resolve
+from jaxpg.collectives.eager import run_eager
+from jaxpg.collectives.work import completed
+from jaxpg.reduce_op import ReduceOp, as_reduce_op
+
+__all__ = [
+    "all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+]
+
+
+def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
+               async_op: bool = False) -> Any:
+    """Reduces ``tensor`` across the group; every rank gets the result.
+
+    Returns the result (torch reduces in place). In SPMD code a non-member of the group
+    gets its input back.
+
+    Example:
+        >>> jaxpg.all_reduce(jnp.arange(8.0)[:, None])   # 8 local ranks, stacked
+    """
+    api = "all_reduce"
+    pg, ctx = resolve(group, api)
+    op = as_reduce_op(op, jnp.result_type(tensor), api=api)
+    if ctx is not None:
+        return completed(ctx.layout(pg).all_reduce(jnp.asarray(tensor), op), async_op, api)
+    out = run_eager(pg, api, op, lambda lay, x: lay.all_reduce(x, op), {"x": tensor})
+    return completed(out, async_op, api)
+
+
+def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, group: Any = None,
+           async_op: bool = False, group_dst: int | None = None) -> Any:
+    """Reduces ``tensor`` onto rank ``dst``; other ranks get their input back unchanged."""
+    api = "reduce"
+    pg, ctx = resolve(group, api)
+    op = as_reduce_op(op, jnp.result_type(tensor), api=api)
+    d = group_rank_of(pg, dst, group_dst, api, "dst")
+
+    def body(lay: Any, x: Any) -> Any:
+        return jnp.where(lay.member_index() == d, lay.all_reduce(x, op), x)
+
+    if ctx is not None:
+        return completed(body(ctx.layout(pg), jnp.asarray(tensor)), async_op, api)
+    return completed(run_eager(pg, api, (op, d), body, {"x": tensor}), async_op, api)
+
+
+def reduce_scatter_tensor(input: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,  # noqa: A002
+                          async_op: bool = False) -> Any:
+    """Reduces ``input`` (dim 0 = group size x chunk) and gives rank ``i`` chunk ``i``."""
+    api = "reduce_scatter_tensor"
+    pg, ctx = resolve(group, api)
+    op = as_reduce_op(op, jnp.result_type(input), api=api)
+    k = pg.size()
+    shape = np.shape(input)
+    per_rank_shape = shape if ctx is not None or len(pg.local_members()) == 1 else shape[1:]
+    if not per_rank_shape or per_rank_shape[0] % k:
+        raise ValueError(
+            f"{api}: input's dim 0 must be a multiple of the group size {k}; got shape "
+            f"{tuple(per_rank_shape)}."
+        )
+    if ctx is not None:
+        return completed(ctx.layout(pg).reduce_scatter(jnp.asarray(input), op), async_op, api)
+    out = run_eager(pg, api, op, lambda lay, x: lay.reduce_scatter(x, op), {"x": input})
+    return completed(out, async_op, api)
+
+
+reduce_scatter_single = reduce_scatter_tensor
+
+
+def reduce_scatter(input_list: list[Any], op: ReduceOp = ReduceOp.SUM, group: Any = None,
+                   async_op: bool = False) -> Any:
+    """Reduces ``input_list[i]`` over ranks onto rank ``i``; returns this rank's result."""
+    api = "reduce_scatter"
+    pg, _ = resolve(group, api)
+    if not isinstance(input_list, (list, tuple)) or len(input_list) != pg.size():
+        n = len(input_list) if isinstance(input_list, (list, tuple)) else type(input_list)
+        raise ValueError(
+            f"{api}: input_list must be a list of group size {pg.size()} arrays; got {n}."
+        )
+    check_same_shapes(list(input_list), api, "input_list")
+    axis = 1 if _stacked(pg) else 0
+    joined = jnp.stack([jnp.asarray(x) for x in input_list], axis=axis)
+    out = reduce_scatter_tensor(joined, op, pg, False)
+    return completed(jnp.squeeze(out, axis), async_op, api)
+
+
+def _stacked(pg: Any) -> bool:
+    from jaxpg.spmd import current_context
+
+    return current_context() is None and len(pg.local_members()) > 1

@@ -1,0 +1,31 @@
+"""The error classes callers catch, named as torch.distributed names them."""
+
+from __future__ import annotations
+
+__all__ = [
+    "DistError",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "DistTimeoutError",
+]
+
+
+class DistError(RuntimeError):
+    """Base class of every error jaxpg raises for a distributed failure."""
+
+
+class DistBackendError(DistError):
+    """A backend (XLA collectives, the coordination service) failed or is unavailable."""
+
+
+class DistNetworkError(DistError):
+    """A peer could not be reached, or went away."""
+
+
+class DistStoreError(DistError):
+    """A key/value store operation failed or timed out."""
+
+
+class DistTimeoutError(DistError, TimeoutError):
+    """A collective or barrier did not finish in time; the message names the missing ranks."""

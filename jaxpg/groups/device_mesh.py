@@ -1,0 +1,163 @@
+"""DeviceMesh: named mesh dimensions over the world's ranks, as torch's ``init_device_mesh``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import cached_property
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxpg.groups import world as _world
+from jaxpg.groups.process_group import ProcessGroup
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+_DEVICE_TYPES = {"cpu": ("cpu",), "cuda": ("gpu", "cuda"), "gpu": ("gpu", "cuda"),
+                 "tpu": ("tpu",), "rocm": ("gpu", "rocm")}
+
+
+class DeviceMesh:
+    """An n-dimensional arrangement of global ranks with named dimensions.
+
+    ``mesh["dp"]`` is the 1-D sub-mesh along ``dp`` that holds the acting rank, and
+    ``mesh.get_group("dp")`` the ProcessGroup of that dimension: one group per position of
+    the other dimensions, forming a family (see ProcessGroup), so inside ``jaxpg.spmd(...,
+    mesh=mesh)`` a collective on it lowers to ``lax`` collectives on the axis ``"dp"``.
+    ``jax_mesh`` is the ``jax.sharding.Mesh`` with the same axis names, for ``shard_map``.
+    """
+
+    def __init__(self, ranks: np.ndarray, mesh_dim_names: Sequence[str],
+                 _root: DeviceMesh | None = None):
+        self._state = _world.current()
+        self.mesh = np.asarray(ranks, dtype=np.int64)
+        self.mesh_dim_names = tuple(mesh_dim_names)
+        self._root = _root or self
+        self._groups: dict[str, ProcessGroup] = {}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.mesh.ndim
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Number of ranks in the mesh, or along one dimension."""
+        if mesh_dim is None:
+            return int(self.mesh.size)
+        return self.shape[self._dim(mesh_dim)]
+
+    @cached_property
+    def jax_mesh(self) -> Mesh:
+        """The ``jax.sharding.Mesh`` over these ranks' devices, with the dimension names."""
+        devs = np.vectorize(lambda r: self._state.devices[r], otypes=[object])(self.mesh)
+        return Mesh(devs, self.mesh_dim_names)
+
+    def _dim(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if mesh_dim not in self.mesh_dim_names:
+                raise KeyError(f"DeviceMesh: mesh_dim={mesh_dim!r} is not one of "
+                               f"{self.mesh_dim_names}.")
+            return self.mesh_dim_names.index(mesh_dim)
+        if not 0 <= mesh_dim < self.ndim:
+            raise ValueError(f"DeviceMesh: mesh_dim={mesh_dim} is out of range for a "
+                             f"{self.ndim}-D mesh.")
+        return mesh_dim
+
+    def get_group(self, mesh_dim: int | str | None = None) -> ProcessGroup:
+        """The group along ``mesh_dim`` holding the acting rank (its family spans the mesh)."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError("DeviceMesh.get_group: name mesh_dim for a mesh of "
+                                 f"{self.ndim} dimensions {self.mesh_dim_names}.")
+            mesh_dim = 0
+        d = self._dim(mesh_dim)
+        name = self.mesh_dim_names[d]
+        if name not in self._groups:
+            moved = np.moveaxis(self.mesh, d, -1).reshape(-1, self.shape[d])
+            family = tuple(tuple(int(r) for r in row) for row in moved)
+            groups = [ProcessGroup(self._state, row, family=family, name=f"{name}{i}_{id(self)}")
+                      for i, row in enumerate(family)]
+            for g in groups:
+                self._state.groups[g.group_name] = g
+            acting = self._state.acting_rank()
+            self._groups[name] = next((g for g in groups if acting in g.ranks), groups[0])
+        return self._groups[name]
+
+    def get_all_groups(self) -> list[ProcessGroup]:
+        return [self.get_group(n) for n in self.mesh_dim_names]
+
+    def get_coordinate(self) -> list[int] | None:
+        """The acting rank's coordinates in the mesh, or None if it is not in it."""
+        where = np.argwhere(self.mesh == self._state.acting_rank())
+        return None if where.size == 0 else [int(c) for c in where[0]]
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """The acting rank's coordinate along ``mesh_dim``."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError("DeviceMesh.get_local_rank: name mesh_dim for an n-D mesh.")
+            mesh_dim = 0
+        coord = self.get_coordinate()
+        if coord is None:
+            raise ValueError("DeviceMesh.get_local_rank: the acting rank is not in this mesh.")
+        return coord[self._dim(mesh_dim)]
+
+    def get_rank(self) -> int:
+        return self._state.acting_rank()
+
+    def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
+        names = (names,) if isinstance(names, str) else tuple(names)
+        dims = [self._dim(n) for n in names]
+        coord = self.get_coordinate() or [0] * self.ndim
+        index = tuple(slice(None) if i in dims else coord[i] for i in range(self.ndim))
+        kept = sorted(dims)  # the order the indexed array keeps them in
+        sub = np.transpose(self.mesh[index], [kept.index(d) for d in dims])
+        child = DeviceMesh(sub, names, _root=self._root)
+        for n in names:  # a sub-mesh's groups are the parent's, so families stay whole
+            child._groups[n] = self.get_group(n)
+        return child
+
+    def __repr__(self) -> str:
+        return f"DeviceMesh({self.mesh.tolist()}, mesh_dim_names={self.mesh_dim_names})"
+
+
+def init_device_mesh(device_type: str | Sequence[int], mesh_shape: Sequence[int] | None = None,
+                     *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """Arranges the world's ranks (row-major) into a mesh with named dimensions.
+
+    Accepts torch's ``init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "pp"))`` and the
+    shorter ``init_device_mesh((2, 4), ("dp", "pp"))``. Initialises the default group first
+    if needed, as torch does.
+    """
+    if not isinstance(device_type, str):
+        if mesh_shape is not None and mesh_dim_names is None:
+            mesh_dim_names = mesh_shape
+        device_type, mesh_shape = None, device_type
+    if device_type is not None:
+        platform = jax.default_backend()
+        if device_type.lower() not in _DEVICE_TYPES:
+            raise ValueError(f"init_device_mesh: device_type={device_type!r} is not known; use "
+                             f"one of {sorted(_DEVICE_TYPES)}.")
+        if platform not in _DEVICE_TYPES[device_type.lower()]:
+            raise ValueError(f"init_device_mesh: device_type={device_type!r} does not match "
+                             f"JAX's platform {platform!r}.")
+    if mesh_shape is None:
+        raise ValueError("init_device_mesh: mesh_shape is required.")
+    shape = tuple(int(s) for s in mesh_shape)
+    if not _world.is_initialized():
+        _world.init_process_group()
+    state = _world.current()
+    if any(s <= 0 for s in shape) or math.prod(shape) != len(state.devices):
+        raise ValueError(f"init_device_mesh: mesh_shape={shape} must multiply to the world size "
+                         f"{len(state.devices)}.")
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else tuple(
+        f"dim{i}" for i in range(len(shape)))
+    if len(names) != len(shape) or len(set(names)) != len(names):
+        raise ValueError(f"init_device_mesh: mesh_dim_names={names} must be {len(shape)} "
+                         "distinct names.")
+    return DeviceMesh(np.arange(len(state.devices)).reshape(shape), names)

@@ -1,0 +1,157 @@
+"""The SPMD lowering's context: ``jaxpg.spmd`` runs a function once per rank under shard_map.
+
+While such a function is traced, collectives see the active :class:`SpmdContext` and lower
+to ``lax`` collectives over its mesh axes; outside one, they take the eager (host) path.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["spmd", "SpmdContext", "current_context"]
+
+_local = threading.local()
+
+
+def current_context() -> SpmdContext | None:
+    """Returns the innermost active SPMD context, or None in host code."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+class SpmdContext:
+    """The mesh a function runs on per rank, and how global ranks map onto its positions.
+
+    Positions number the mesh's devices row-major over ``axes``, which is the linear index
+    ``lax.axis_index(axes)`` and ``lax.ppermute(..., axes)`` use.
+    """
+
+    def __init__(self, mesh: Mesh, world: Any, axes: tuple[str, ...] | None = None):
+        self.mesh = mesh
+        self.world = world
+        self.axes = tuple(axes or mesh.axis_names)
+        devices = np.asarray(mesh.devices).reshape(-1)
+        self.rank_at_position = np.array([world.rank_of_device(d) for d in devices], np.int32)
+        self.position_of_rank = {int(r): i for i, r in enumerate(self.rank_at_position)}
+        self._layouts: dict[int, Any] = {}
+
+    def __enter__(self) -> SpmdContext:
+        _local.__dict__.setdefault("stack", []).append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.stack.pop()
+
+    @property
+    def size(self) -> int:
+        return len(self.rank_at_position)
+
+    def position(self) -> jax.Array:
+        """This rank's (traced) position."""
+        return lax.axis_index(self.axes)
+
+    def layout(self, group: Any) -> Any:
+        """Returns the :class:`GroupLayout` of ``group`` on this mesh (cached)."""
+        from jaxpg.collectives.layout import GroupLayout
+
+        lay = self._layouts.get(group.id)
+        if lay is None:
+            lay = GroupLayout(self, group)
+            self._layouts[group.id] = lay
+        return lay
+
+    def traced_group_rank(self, group: Any) -> jax.Array:
+        """This rank's rank in ``group`` (-1 for non-members), traced."""
+        table = np.array(
+            [group.group_rank(int(r)) for r in self.rank_at_position], dtype=np.int32
+        )
+        return jnp.asarray(table)[self.position()]
+
+
+def _stacked_specs(tree: Any, axis: str) -> Any:
+    return jax.tree.map(lambda _: P(axis), tree)
+
+
+def spmd(
+    fn: Callable[..., Any] | None = None,
+    *,
+    group: Any = None,
+    mesh: Any = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    check_vma: bool = False,
+) -> Callable[..., Any]:
+    """Runs ``fn`` once per rank under ``jax.shard_map``; collectives inside lower to lax ops.
+
+    Two forms:
+
+    * ``spmd(fn, group=g)`` (the world for None): every argument and result is a pytree
+      whose leaves are stacked along a leading axis of size ``g.size()`` in group-rank order;
+      ``fn`` sees one rank's slice (without the leading axis).
+    * ``spmd(fn, mesh=m, in_specs=..., out_specs=...)``: a thin wrapper over ``jax.shard_map``
+      on a ``DeviceMesh`` or ``jax.sharding.Mesh``; groups that are mesh axes (``m["dp"]``)
+      lower to collectives on that axis name.
+
+    Inside ``fn``, ``jaxpg.get_rank()`` is the traced global rank. The result composes with
+    ``jax.jit`` and ``jax.grad``.
+
+    Example:
+        >>> f = jaxpg.spmd(lambda x: jaxpg.all_reduce(x) * jaxpg.get_rank())
+        >>> f(jnp.ones((8, 3)))[:, 0]   # 8 ranks
+        Array([ 0.,  8., 16., 24., 32., 40., 48., 56.], dtype=float32)
+    """
+    if fn is None:
+        return functools.partial(
+            spmd, group=group, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+            check_vma=check_vma,
+        )
+    from jaxpg.groups import world as _world
+
+    state = _world.current()
+    if mesh is not None:
+        if group is not None:
+            raise ValueError("spmd: pass group= or mesh=, not both.")
+        jax_mesh = getattr(mesh, "jax_mesh", mesh)
+        if in_specs is None or out_specs is None:
+            raise ValueError("spmd(mesh=...) needs in_specs and out_specs, as jax.shard_map.")
+
+        def body(*args: Any) -> Any:
+            with SpmdContext(jax_mesh, state):
+                return fn(*args)
+
+        return jax.shard_map(
+            body, mesh=jax_mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+        )
+
+    pg = _world._resolve_group(group, "spmd")
+    if len(pg.family) > 1:
+        jax_mesh = pg.family_mesh
+    else:
+        jax_mesh = pg.mesh
+    axis = pg.axis_name
+
+    def per_rank(*args: Any) -> Any:
+        squeezed = jax.tree.map(lambda a: a[0], args)
+        with SpmdContext(jax_mesh, state):
+            out = fn(*squeezed)
+        return jax.tree.map(lambda a: jnp.expand_dims(a, 0), out)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any) -> Any:
+        in_s = _stacked_specs(args, axis) if in_specs is None else in_specs
+        out_s = out_specs if out_specs is not None else P(axis)
+        return jax.shard_map(
+            per_rank, mesh=jax_mesh, in_specs=in_s, out_specs=out_s, check_vma=check_vma
+        )(*args)
+
+    return wrapped
