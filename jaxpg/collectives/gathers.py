@@ -188,9 +188,10 @@ def scatter(tensor: Any = None, scatter_list: list[Any] | None = None, src: int 
         template = jnp.asarray(tensor)
         shape = template.shape if n_local == 1 else template.shape[1:]
         rows = jnp.zeros((k, *shape), template.dtype)
-    local = pg.local_members()
-    src_slot = local.index(pg.ranks[s]) if holds_src else None
+    # every local rank that is src of its subgroup (of the family) sends scatter_list
+    src_ranks = {sub[s] for sub in pg.family if s < len(sub)}
     data = rows if n_local == 1 else jnp.stack(
-        [rows if i == src_slot else jnp.zeros_like(rows) for i in range(n_local)])
+        [rows if r in src_ranks and holds_src else jnp.zeros_like(rows)
+         for r in pg.local_members()])
     out = run_eager(pg, api, s, lambda lay, x: lay.all_to_all(x)[s], {"x": data})
     return completed(out, async_op, api)

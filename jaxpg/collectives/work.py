@@ -15,7 +15,9 @@ __all__ = ["Work"]
 
 
 def _leaves(result: Any) -> list[Any]:
-    return [x for x in jax.tree.leaves(result) if isinstance(x, jax.Array)]
+    """The concrete arrays of ``result``; traced values (SPMD code) are always "ready"."""
+    return [x for x in jax.tree.leaves(result)
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
 
 
 class Work:

@@ -1,0 +1,285 @@
+"""The pipeline executor: one jitted SPMD loop that runs a timetable on a mesh.
+
+``pipeline_value_and_grad`` computes the mean loss over all microbatches and its
+gradient, with the model cut into ``S = p * v`` stages over the mesh's pipeline axis
+(``p`` ranks, ``v`` chunks per rank). The work is a ``shard_map`` over the mesh whose
+body is one ``lax.scan`` over the ticks of the timetable, so compile time does not grow
+with the number of microbatches ``m``.
+
+Model and parameters:
+    * ``stage_fn(stage_params, x) -> y``, the repeated block; every stage maps an
+      activation (any pytree of arrays) to one of the same shapes and dtypes.
+    * Stage parameters are stacked in **model order** with leading dimension ``S``:
+      stage ``s`` runs on rank ``s % p`` as chunk ``s // p``. Inside, they are viewed as
+      ``[v, p, ...]`` and sharded ``P(None, 'pp')``. With ``v == 1`` a ``P('pp')``
+      placement of the ``[p, ...]`` stack is exact; with ``v > 1`` XLA reshards the
+      model-order stack once per call.
+    * ``first_fn(first_params, inputs_mb) -> x`` (optional embedding) runs on stage 0;
+      ``loss_fn(last_params, y, targets_mb) -> scalar`` (head + loss, the mean over the
+      microbatch) runs on stage ``S - 1``. Their parameters are replicated over the
+      pipeline axis; only the rank that uses them gets a nonzero gradient, which is then
+      ``psum``-ed over ``'pp'`` so every rank holds the same gradient.
+
+Per tick, each rank reads one row of the ``BufferPlan`` (branch, microbatch, chunk,
+slots) by ``lax.axis_index('pp')`` and runs it with ``lax.switch``:
+
+    * ``F``: reads the stage input from the activation buffer (stage 0 embeds the
+      microbatch and stores the result there), applies the stage and sends the output
+      to rank ``r + 1`` (ring; rank ``p - 1``'s chunk ``c`` feeds rank 0's chunk
+      ``c + 1``). The last stage applies head + loss at once and stores ``d(loss / m)``
+      in the gradient buffer.
+    * ``B``: **stage-input remat**: recomputes the stage from its saved input with
+      ``jax.vjp``, accumulates the weight gradient and sends the input gradient to rank
+      ``r - 1``. With ``split_backward`` (ZB-H1) ``B`` differentiates by the input
+      only, and ``W`` recomputes once more and differentiates by the weights; the saved
+      input and output gradient live until ``W``.
+
+After the switch, two ``ppermute``s move the forward (+1) and backward (-1) messages,
+and each rank stores what it received into the slot the plan names. Only stage inputs
+and output gradients are kept between ticks, in buffers of exactly the size the
+schedule needs (1F1B: about ``p`` slots, independent of ``m``); the price is one extra
+stage forward per backward (two for split schedules).
+
+With a data-parallel axis (``'dp'`` in the mesh), the batch is sharded over it; each
+replica splits its part into ``m`` microbatches, and ``grad_reducer`` (default:
+``pmean`` over ``'dp'``) reduces each rank's gradients before they leave the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
+from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
+from jaxpg.pipeline.stage_meta import infer_stage_metadata
+from jaxpg.pipeline.tick_program import store, tick_branches
+
+__all__ = ["StagedParams", "pipeline_value_and_grad", "resolve_schedule"]
+
+
+class StagedParams(NamedTuple):
+    """Parameters of a pipelined model.
+
+    Attributes:
+        stages: the repeated block's parameters, stacked in model order (leading
+            dimension ``p * v``).
+        first: the embedding's parameters (used by ``first_fn`` on stage 0), or ``()``.
+        last: the head's parameters (used by ``loss_fn`` on the last stage), or ``()``.
+    """
+
+    stages: Any
+    first: Any = ()
+    last: Any = ()
+
+
+def resolve_schedule(schedule: Any, num_ranks: int, num_microbatches: int | None, v: int):
+    """Returns the timetable for ``schedule`` (a name or a ``Timetable``), checked."""
+    if isinstance(schedule, str):
+        if num_microbatches is None:
+            raise ValueError(
+                f"num_microbatches is required when schedule is a name ({schedule!r})."
+            )
+        from jaxpg.pipeline.schedules import get_schedule
+
+        return get_schedule(schedule, num_ranks, num_microbatches, v)
+    if not hasattr(schedule, "grid"):
+        raise TypeError(
+            f"schedule must be a schedule name or a Timetable, got {type(schedule).__name__}."
+        )
+    checks = {"num_stages": num_ranks, "num_chunks": v}
+    if num_microbatches is not None:
+        checks["num_microbatches"] = num_microbatches
+    for field, want in checks.items():
+        if getattr(schedule, field) != want:
+            raise ValueError(
+                f"Timetable {schedule.name!r} has {field}={getattr(schedule, field)}, but "
+                f"the mesh and parameters need {field}={want}."
+            )
+    return schedule
+
+
+class _Config(NamedTuple):
+    stage_fn: Callable
+    loss_fn: Callable
+    first_fn: Callable | None
+    mesh: Mesh
+    timetable: Any
+    pp_axis: str
+    dp_axis: str | None
+    grad_reducer: Callable | None
+
+
+def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
+    """Runs on one (dp, pp) rank inside ``shard_map``."""
+    p = cfg.mesh.shape[cfg.pp_axis]
+    m = cfg.timetable.num_microbatches
+    rank = lax.axis_index(cfg.pp_axis)
+    stages = jax.tree.map(lambda a: a[:, 0], params.stages)  # [v, ...] on this rank
+    first_p, last_p = params.first, params.last
+    inputs = split_microbatches(inputs, m)
+    targets = split_microbatches(targets, m)
+    branches = tick_branches(
+        cfg.stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches, act_struct,
+        (stages, first_p, last_p), inputs, targets,
+    )  # fmt: skip
+
+    def buffer(n):
+        return jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), act_struct)
+
+    state = {
+        "act": buffer(plan.num_act_slots),
+        "grad": buffer(plan.num_grad_slots),
+        "g_stages": jax.tree.map(jnp.zeros_like, stages),
+        "g_first": jax.tree.map(jnp.zeros_like, first_p),
+        "g_last": jax.tree.map(jnp.zeros_like, last_p),
+        "loss": jnp.zeros((), jnp.float32),
+    }
+    forward_perm = [(i, (i + 1) % p) for i in range(p)]
+    backward_perm = [(i, (i - 1) % p) for i in range(p)]
+
+    def tick(state, row):
+        op = lax.dynamic_index_in_dim(row, rank, 0, keepdims=False)
+        branch, mb, chunk, act_slot, grad_slot, recv_act, recv_grad = (op[i] for i in range(7))
+        state, send_f, send_b = lax.switch(branch, branches, state, mb, chunk, act_slot, grad_slot)
+        got_f = lax.ppermute(send_f, cfg.pp_axis, forward_perm)
+        got_b = lax.ppermute(send_b, cfg.pp_axis, backward_perm)
+        state = dict(state, act=store(state["act"], recv_act, got_f))
+        state["grad"] = store(state["grad"], recv_grad, got_b)
+        return state, None
+
+    state, _ = lax.scan(tick, state, jnp.asarray(plan.table))
+    loss = lax.psum(state["loss"], cfg.pp_axis)
+    grads = StagedParams(
+        state["g_stages"],
+        lax.psum(state["g_first"], cfg.pp_axis),
+        lax.psum(state["g_last"], cfg.pp_axis),
+    )
+    if cfg.dp_axis is not None:
+        loss = lax.pmean(loss, cfg.dp_axis)
+        reducer = cfg.grad_reducer or functools.partial(lax.pmean, axis_name=cfg.dp_axis)
+        grads = reducer(grads)
+    elif cfg.grad_reducer is not None:
+        grads = cfg.grad_reducer(grads)
+    grads = grads._replace(stages=jax.tree.map(lambda a: a[:, None], grads.stages))
+    return loss, grads
+
+
+def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
+    p = cfg.mesh.shape[cfg.pp_axis]
+    tt = cfg.timetable
+    v, m = tt.num_chunks, tt.num_microbatches
+    dp = cfg.mesh.shape[cfg.dp_axis] if cfg.dp_axis is not None else 1
+    size = microbatch_size(inputs, 1)
+    if microbatch_size(targets, 1) != size:
+        raise ValueError(
+            f"inputs have batch size {size} but targets have {microbatch_size(targets, 1)}."
+        )
+    if size % (dp * m):
+        raise ValueError(
+            f"batch size {size} is not divisible by data-parallel size {dp} x "
+            f"num_microbatches {m} = {dp * m}; use a batch size that is a multiple of {dp * m}."
+        )
+    mb = size // (dp * m)
+
+    def mb_struct(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((mb, *a.shape[1:]), a.dtype), tree)
+
+    metas = infer_stage_metadata(
+        cfg.stage_fn, params.stages, mb_struct(inputs), num_ranks=p, num_chunks=v,
+        first_fn=cfg.first_fn, first_params=params.first, loss_fn=cfg.loss_fn,
+        last_params=params.last, targets=mb_struct(targets),
+    )  # fmt: skip
+    stages = jax.tree.map(lambda a: a.reshape(v, p, *a.shape[1:]), params.stages)
+    batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
+    param_spec = StagedParams(P(None, cfg.pp_axis), P(), P())
+    body = functools.partial(_body, cfg, plan, metas[0].input)
+    loss, grads = jax.shard_map(
+        body,
+        mesh=cfg.mesh,
+        in_specs=(param_spec, batch_spec, batch_spec),
+        out_specs=(P(), param_spec),
+        check_vma=False,
+    )(params._replace(stages=stages), inputs, targets)
+    stacked = jax.tree.map(lambda a: a.reshape(v * p, *a.shape[2:]), grads.stages)
+    return loss, grads._replace(stages=stacked)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(cfg: _Config):
+    return jax.jit(functools.partial(_run, cfg, plan_buffers(cfg.timetable)))
+
+
+def pipeline_value_and_grad(
+    stage_fn: Callable[[Any, Any], Any],
+    loss_fn: Callable[[Any, Any, Any], Any],
+    params: StagedParams | Any,
+    inputs: Any,
+    targets: Any,
+    *,
+    mesh: Mesh,
+    schedule: Any = "1f1b",
+    num_microbatches: int | None = None,
+    first_fn: Callable[[Any, Any], Any] | None = None,
+    pp_axis: str = "pp",
+    dp_axis: str = "dp",
+    grad_reducer: Callable[[Any], Any] | None = None,
+) -> tuple[jax.Array, Any]:
+    """Mean loss over the batch and its gradient, computed by a pipeline schedule.
+
+    Args:
+        stage_fn: ``stage_fn(stage_params, x) -> y``, the repeated block.
+        loss_fn: ``loss_fn(last_params, y, targets_mb) -> scalar``: head + mean loss of
+            one microbatch.
+        params: a ``StagedParams``, or only the stage-stacked parameters (leading
+            dimension ``p * v`` in model order; then ``first_fn`` and the head take ``()``).
+        inputs: a pytree of arrays with the (global) batch as dimension 0.
+        targets: a pytree of arrays with the same batch dimension.
+        mesh: a mesh with axis ``pp_axis`` and optionally ``dp_axis``.
+        schedule: a schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
+            ``"zb_h1"``) or a ``Timetable``.
+        num_microbatches: ``m``; required with a schedule name.
+        first_fn: optional ``first_fn(first_params, inputs_mb) -> x`` on stage 0.
+        pp_axis: the mesh axis of the pipeline.
+        dp_axis: the data-parallel mesh axis, used if the mesh has it.
+        grad_reducer: reduces each rank's gradients (a ``StagedParams`` of its local
+            stage gradients ``[v, ...]`` and the replicated first/last gradients) over the
+            data-parallel axis; default ``pmean`` over ``dp_axis``. Without a ``dp_axis``
+            it is applied as given (default: none).
+
+    Returns:
+        ``(loss, grads)``: the mean loss, and gradients of the same structure as ``params``.
+
+    Raises:
+        ValueError: on a mesh without ``pp_axis``, a stage count that is not a multiple
+            of the pipeline size, a batch not divisible by ``dp * m``, stage shapes that
+            do not chain, or a timetable that does not fit.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if pp_axis not in mesh.axis_names:
+        raise ValueError(
+            f"mesh has axes {mesh.axis_names} but no pipeline axis {pp_axis!r}; build it "
+            "with jaxpg.pipeline.pipeline_mesh or pass pp_axis=."
+        )
+    staged = params if isinstance(params, StagedParams) else StagedParams(params)
+    p = mesh.shape[pp_axis]
+    counts = {jnp.shape(a)[0] if jnp.ndim(a) else 0 for a in jax.tree.leaves(staged.stages)}
+    if len(counts) != 1 or 0 in counts or next(iter(counts)) % p:
+        raise ValueError(
+            f"Stage parameters must be stacked with a leading dimension of p * v stages, a "
+            f"multiple of the pipeline size p={p}; got leading dimensions {sorted(counts)}."
+        )
+    v = next(iter(counts)) // p
+    timetable = resolve_schedule(schedule, p, num_microbatches, v)
+    dp = dp_axis if dp_axis in mesh.axis_names else None
+    cfg = _Config(stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer)
+    loss, grads = _compiled(cfg)(staged, inputs, targets)
+    return loss, grads if isinstance(params, StagedParams) else grads.stages

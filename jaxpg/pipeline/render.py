@@ -1,0 +1,147 @@
+"""Pictures of a timetable: a text grid and a PNG, drawn as the papers draw them.
+
+Rows are ranks, columns are ticks. Cells are ``F3`` (forward of microbatch
+3), ``B3`` (backward, or input gradient when the backward is split) and
+``W3`` (weight gradient); with several chunks per rank a letter names the
+chunk (``F3a`` chunk 0, ``F3b`` chunk 1). Idle ticks are ``.`` in text and
+white in the PNG.
+
+Example:
+    >>> from jaxpg.pipeline.schedules import gpipe
+    >>> print(render_text(gpipe(2, 2)))
+    gpipe: p=2 m=2 v=1, 6 ticks, bubble 33.3%
+    tick   | 0  1  2  3  4  5
+    rank 0 | F0 F1 .  .  B0 B1
+    rank 1 | .  F0 F1 B0 B1 .
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxpg.pipeline.timetable import Timetable
+
+__all__ = ["render_png", "render_text"]
+
+# Per kind, one color per chunk (darker for chunk 0), cycled for more chunks.
+_COLORS = {
+    "F": ("#3b75af", "#8fb8de"),
+    "B": ("#3a9e5f", "#98d4a8"),
+    "W": ("#e08a2c", "#f4c48d"),
+}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+
+
+def _title(tt: Timetable) -> str:
+    return (
+        f"{tt.name}: p={tt.num_stages} m={tt.num_microbatches} v={tt.num_chunks}, "
+        f"{tt.num_ticks} ticks, bubble {tt.bubble_fraction:.1%}"
+    )
+
+
+def render_text(tt: Timetable, header: bool = True) -> str:
+    """The timetable as a fixed-width text grid, one line per rank.
+
+    Args:
+      tt: The timetable.
+      header: Whether to start with a title line and a line of tick numbers.
+
+    Returns:
+      The grid as a string, without a trailing newline.
+    """
+    cells = [
+        ["." if a is None else a.label(tt.num_chunks) for a in (row[r] for row in tt.grid)]
+        for r in range(tt.num_stages)
+    ]
+    width = max([2] + [len(c) for line in cells for c in line])
+    prefix = f"rank {tt.num_stages - 1}"
+    lines = []
+    if header:
+        ticks = [str(t) if len(str(t)) <= width else "" for t in range(tt.num_ticks)]
+        lines += [_title(tt), "tick".ljust(len(prefix)) + " | " + _join(ticks, width)]
+    for r, line in enumerate(cells):
+        lines.append(f"rank {r}".ljust(len(prefix)) + " | " + _join(line, width))
+    return "\n".join(lines)
+
+
+def _join(cells: list[str], width: int) -> str:
+    return " ".join(c.ljust(width) for c in cells).rstrip()
+
+
+def render_png(tt: Timetable, path: str | os.PathLike, *, dpi: int = 120) -> None:
+    """Draw the timetable as colored boxes and save it as a PNG.
+
+    F is blue, B green, W orange, idle white; each box shows its microbatch
+    number. With several chunks per rank, chunk 0 is the darker shade.
+
+    Args:
+      tt: The timetable.
+      path: Where to write the PNG.
+      dpi: Resolution of the image.
+
+    Raises:
+      ImportError: If matplotlib is not installed.
+    """
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch, Rectangle
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "render_png draws with matplotlib, which is not installed; "
+            "run `pip install matplotlib` and try again."
+        ) from err
+
+    p, ticks = tt.num_stages, tt.num_ticks
+    cell = 0.32
+    height = 1.3 + 0.45 * p
+    fig = Figure(figsize=(max(6.0, 1.2 + cell * ticks), height))
+    ax = fig.add_subplot()
+    fontsize = 7 if tt.num_microbatches < 10 else 6
+    for t, row in enumerate(tt.grid):
+        for r, action in enumerate(row):
+            face = "white"
+            if action is not None:
+                shades = _COLORS[action.kind]
+                face = shades[action.chunk % len(shades)]
+            ax.add_patch(Rectangle((t, r), 1, 1, facecolor=face, edgecolor="#555555", lw=0.5))
+            if action is not None:
+                color = "white" if action.chunk % 2 == 0 else "black"
+                ax.text(
+                    t + 0.5,
+                    r + 0.5,
+                    str(action.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=fontsize,
+                    color=color,
+                )
+    ax.set_xlim(0, ticks)
+    ax.set_ylim(p, 0)
+    ax.set_yticks([r + 0.5 for r in range(p)], [f"rank {r}" for r in range(p)])
+    step = max(1, ticks // 20)
+    ax.set_xticks([t + 0.5 for t in range(0, ticks, step)], [str(t) for t in range(0, ticks, step)])
+    ax.set_xlabel("tick")
+    ax.tick_params(length=0, labelsize=8)
+    ax.set_title(_title(tt), fontsize=9)
+    kinds = ("F", "B", "W") if tt.split_backward else ("F", "B")
+    if tt.num_chunks == 1:
+        shades = [""]
+    elif tt.num_chunks == 2:
+        shades = [" (chunk 0)", " (chunk 1)"]
+    else:
+        shades = [" (even chunks)", " (odd chunks)"]
+    handles = [
+        Patch(facecolor=_COLORS[k][c], edgecolor="#555555", label=_NAMES[k] + shade)
+        for k in kinds
+        for c, shade in enumerate(shades)
+    ]
+    handles.append(Patch(facecolor="white", edgecolor="#555555", label="idle"))
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.5 / (0.77 * height)),
+        ncol=len(handles),
+        fontsize=7,
+        frameon=False,
+    )
+    fig.savefig(os.fspath(path), dpi=dpi, bbox_inches="tight")
