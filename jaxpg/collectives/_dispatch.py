@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpg.groups import world as _world
@@ -25,13 +26,15 @@ def is_traced(x: Any) -> bool:
 
 def check_same_shapes(arrays: list[Any], api: str, arg: str) -> None:
     """Raises if the arrays of a list argument differ in shape or dtype."""
-    first = arrays[0]
+    def sig(a: Any) -> tuple:
+        return np.shape(a), str(jnp.result_type(a))
+
+    first = sig(arrays[0])
     for i, a in enumerate(arrays[1:], 1):
-        if np.shape(a) != np.shape(first) or np.result_type(a) != np.result_type(first):
+        if sig(a) != first:
             raise ValueError(
                 f"{api}: every array in {arg} must have the same shape and dtype; {arg}[0] is "
-                f"{np.shape(first)} {np.result_type(first)} but {arg}[{i}] is "
-                f"{np.shape(a)} {np.result_type(a)}."
+                f"{first[0]} {first[1]} but {arg}[{i}] is {sig(a)[0]} {sig(a)[1]}."
             )
 
 

@@ -35,7 +35,7 @@ class DeviceMesh:
         self.mesh = np.asarray(ranks, dtype=np.int64)
         self.mesh_dim_names = tuple(mesh_dim_names)
         self._root = _root or self
-        self._groups: dict[str, ProcessGroup] = {}
+        self._groups: dict[str, list[ProcessGroup]] = {}
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -84,9 +84,10 @@ class DeviceMesh:
                       for i, row in enumerate(family)]
             for g in groups:
                 self._state.groups[g.group_name] = g
-            acting = self._state.acting_rank()
-            self._groups[name] = next((g for g in groups if acting in g.ranks), groups[0])
-        return self._groups[name]
+            self._groups[name] = groups
+        groups = self._groups[name]
+        acting = self._state.acting_rank()
+        return next((g for g in groups if acting in g.ranks), groups[0])
 
     def get_all_groups(self) -> list[ProcessGroup]:
         return [self.get_group(n) for n in self.mesh_dim_names]
@@ -119,7 +120,8 @@ class DeviceMesh:
         sub = np.transpose(self.mesh[index], [kept.index(d) for d in dims])
         child = DeviceMesh(sub, names, _root=self._root)
         for n in names:  # a sub-mesh's groups are the parent's, so families stay whole
-            child._groups[n] = self.get_group(n)
+            self.get_group(n)
+            child._groups[n] = self._groups[n]
         return child
 
     def __repr__(self) -> str:
