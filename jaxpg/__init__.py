@@ -18,6 +18,9 @@ from jaxpg.groups import *  # noqa: F403
 from jaxpg.groups import __all__ as _groups_all
 from jaxpg.reduce_op import RedOpType, ReduceOp
 from jaxpg.spmd import spmd
+from jaxpg.stores import FileStore, HashStore, PrefixStore, Store, TCPStore
+
+from jaxpg import ddp, pipeline  # noqa: E402  (subpackages, after the core they build on)
 
 __version__ = "0.1.0"
 
@@ -25,5 +28,6 @@ __all__ = [
     *_collectives_all,
     *_groups_all,
     "DistBackendError", "DistError", "DistNetworkError", "DistStoreError", "DistTimeoutError",
-    "ReduceOp", "RedOpType", "spmd",
+    "ReduceOp", "RedOpType", "spmd", "Store", "HashStore", "FileStore", "PrefixStore",
+    "TCPStore", "ddp", "pipeline",
 ]

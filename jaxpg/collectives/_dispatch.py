@@ -9,15 +9,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpg.groups import world as _world
+from jaxpg.reduce_op import ReduceOp, as_reduce_op
 from jaxpg.spmd import SpmdContext, current_context
 
-__all__ = ["resolve", "is_traced", "check_same_shapes", "group_rank_of"]
+__all__ = ["resolve", "is_traced", "check_same_shapes", "group_rank_of", "checked_op"]
+
+_checked_ops: dict[tuple[Any, Any], ReduceOp] = {}
 
 
 def resolve(group: Any, api: str) -> tuple[Any, SpmdContext | None]:
     """Returns ``(ProcessGroup, active SPMD context or None)``."""
     pg = _world._resolve_group(group, api)
     return pg, current_context()
+
+
+def checked_op(op: Any, x: Any, api: str) -> ReduceOp:
+    """``as_reduce_op(op, dtype of x)``, remembered per (op, dtype): a small eager call
+    should not pay for the dtype checks every time."""
+    dtype = x.dtype if isinstance(x, (jax.Array, np.ndarray)) else jnp.result_type(x)
+    try:
+        key = (op, dtype)
+        checked = _checked_ops.get(key)
+    except TypeError:  # an unhashable op: as_reduce_op says what is wrong with it
+        return as_reduce_op(op, dtype, api=api)
+    if checked is None:
+        checked = as_reduce_op(op, dtype, api=api)
+        if len(_checked_ops) >= 1024:  # e.g. a new PREMUL_SUM factor every step
+            _checked_ops.clear()
+        _checked_ops[key] = checked
+    return checked
 
 
 def is_traced(x: Any) -> bool:

@@ -48,6 +48,14 @@ def _exchange(pg: Any, chunks: list[list[Any]], api: str) -> list[list[Any]]:
     return received
 
 
+def _one_kernel_suffices(pg: Any) -> bool:
+    """True when this process holds every rank of the family and its subgroups are all the
+    group's size: each rank's chunks are then known here and equal in shape."""
+    k = pg.size()
+    return (len(pg.local_members()) == len(pg.members)
+            and all(len(sub) == k for sub in pg.family))
+
+
 def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
                async_op: bool = False) -> Any:
     """Rank ``j`` sends ``input_tensor_list[i]`` to rank ``i``; returns the received list.
@@ -120,6 +128,17 @@ def all_to_all_single(input: Any, output_split_sizes: Sequence[int] | None = Non
         out = ctx.layout(pg).all_to_all(x.reshape((k, -1, *x.shape[1:])))
         return completed(out.reshape(x.shape), async_op, api)
     n_local = local_count(pg, api)
+    if (input_split_sizes is None and output_split_sizes is None
+            and not isinstance(input, (list, tuple)) and _one_kernel_suffices(pg)):
+        shape = np.shape(input)
+        dims = shape if n_local == 1 else shape[1:]
+        if dims and dims[0] % k == 0 and (n_local == 1 or shape[0] == n_local):
+            # even splits and every rank's data here: the SPMD lowering, in one kernel
+            def body(lay: Any, x: Any) -> Any:
+                rows = x.reshape((k, x.shape[0] // k, *x.shape[1:]))
+                return lay.all_to_all(rows).reshape(x.shape)
+
+            return completed(run_eager(pg, api, "even", body, {"x": input}), async_op, api)
     inputs = [jnp.asarray(input)] if n_local == 1 else (
         [jnp.asarray(a) for a in input] if isinstance(input, (list, tuple))
         else [jnp.asarray(input)[i] for i in range(n_local)])

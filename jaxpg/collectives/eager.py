@@ -24,22 +24,34 @@ from jaxpg.spmd import SpmdContext
 __all__ = ["run_eager", "local_count", "clear_kernel_cache"]
 
 _kernels: dict[tuple, Callable[..., Any]] = {}
+# group.id -> (ranks of the family held here, whether that is all of them, input sharding):
+# fixed for a group's lifetime, and computed once so a small eager call costs little.
+_plans: dict[int, tuple[int, bool, NamedSharding]] = {}
 
 
 def clear_kernel_cache() -> None:
     """Forgets every compiled eager kernel (``destroy_process_group`` calls it)."""
     _kernels.clear()
+    _plans.clear()
+
+
+def _plan(group: Any, api: str) -> tuple[int, bool, NamedSharding]:
+    plan = _plans.get(group.id)
+    if plan is None:
+        local, members = group.local_members(), group.members
+        if not local:
+            raise ValueError(
+                f"{api}: this process holds no rank of group {group.group_name!r} "
+                f"(ranks {list(members)}); only members may call it, as in torch."
+            )
+        sharding = NamedSharding(group.family_mesh, P(group.axis_name))
+        plan = _plans[group.id] = (len(local), len(local) == len(members), sharding)
+    return plan
 
 
 def local_count(group: Any, api: str) -> int:
     """Returns how many ranks of ``group``'s family this process holds (raises if none)."""
-    n = len(group.local_members())
-    if n == 0:
-        raise ValueError(
-            f"{api}: this process holds no rank of group {group.group_name!r} "
-            f"(ranks {list(group.members)}); only members may call it, as in torch."
-        )
-    return n
+    return _plan(group, api)[0]
 
 
 def _as_stacked(x: Any, n_local: int, api: str, arg: str) -> Any:
@@ -61,18 +73,17 @@ def _as_stacked(x: Any, n_local: int, api: str, arg: str) -> Any:
     return arr
 
 
-def _to_global(arr: Any, group: Any, sharding: NamedSharding) -> jax.Array:
+def _to_global(arr: Any, group: Any, sharding: NamedSharding, all_local: bool) -> jax.Array:
     if isinstance(arr, jax.Array) and arr.sharding == sharding:
         return arr
-    n = len(group.members)
-    if len(group.local_members()) == n:
+    if all_local:
         return jax.device_put(arr, sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(arr),
-                                                  (n, *arr.shape[1:]))
+                                                  (len(group.members), *arr.shape[1:]))
 
 
-def _local_part(out: jax.Array, group: Any, n_local: int) -> Any:
-    if len(group.local_members()) == len(group.members):
+def _local_part(out: jax.Array, group: Any, n_local: int, all_local: bool) -> Any:
+    if all_local:
         return out[0] if n_local == 1 else out
     shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start)
     if n_local == 1:
@@ -90,8 +101,6 @@ def run_eager(
     static_key: Any,
     body: Callable[..., Any],
     inputs: dict[str, Any],
-    *,
-    mark_arrival: bool = True,
 ) -> Any:
     """Runs ``body(layout, **per_rank_inputs)`` on every rank of ``group``'s family.
 
@@ -101,23 +110,21 @@ def run_eager(
         static_key: hashable static arguments that change the kernel (op, src, ...).
         body: traced per rank; returns a pytree of per-rank arrays.
         inputs: this process's data by argument name (plain or stacked, see module doc).
-        mark_arrival: multi-process runs check that every rank arrives (with the group's
-            timeout) before the kernel starts; point-to-point sets its own check.
 
     Returns:
         The pytree ``body`` returns, with this process's ranks' parts (plain or stacked).
     """
-    n_local = local_count(group, api)
+    n_local, all_local, sharding = _plan(group, api)
     state = group._world
-    axis = group.axis_name
-    mesh = group.family_mesh
-    sharding = NamedSharding(mesh, P(axis))
-    names = sorted(inputs)
+    names = tuple(sorted(inputs))
     stacked = [_as_stacked(inputs[k], n_local, api, k) for k in names]
-    sig = tuple((tuple(a.shape[1:]), str(a.dtype)) for a in stacked)
-    key = (group.id, api, static_key, tuple(names), sig)
+    sig = tuple((tuple(a.shape[1:]), a.dtype) for a in stacked)
+    key = (group.id, api, static_key, names, sig)
     kernel = _kernels.get(key)
     if kernel is None:
+        axis = group.axis_name
+        mesh = group.family_mesh
+
         def per_rank(*args: Any) -> Any:
             with SpmdContext(mesh, state) as ctx:
                 out = body(ctx.layout(group), **{k: a[0] for k, a in zip(names, args)})
@@ -126,9 +133,17 @@ def run_eager(
         kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis),
                                        out_specs=P(axis), check_vma=False))
         _kernels[key] = kernel
-    if state.multiprocess and mark_arrival:
+    if state.multiprocess:
         from jaxpg.groups import multiprocess
 
         multiprocess.before_collective(group, api)
-    out = kernel(*[_to_global(a, group, sharding) for a in stacked])
-    return jax.tree.map(lambda o: _local_part(o, group, n_local), out)
+    args = [_to_global(a, group, sharding, all_local) for a in stacked]
+    if state.multiprocess:
+        from jaxpg.groups import multiprocess
+
+        out = multiprocess.run_with_timeout(group, lambda: kernel(*args))
+    else:
+        out = kernel(*args)
+    if isinstance(out, jax.Array):
+        return _local_part(out, group, n_local, all_local)
+    return jax.tree.map(lambda o: _local_part(o, group, n_local, all_local), out)

@@ -82,7 +82,8 @@ def all_gather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
         return completed(out, async_op, api)
     biggest = int(sizes.max())
     if per_rank:
-        padded = jnp.stack([_pad_dim0(a, biggest) for a in arrays])
+        padded = [_pad_dim0(a, biggest) for a in arrays]
+        padded = padded[0] if n_local == 1 else jnp.stack(padded)
     else:
         padded = _pad_dim0(jnp.asarray(tensor), biggest) if n_local == 1 else tensor
     stack = run_eager(pg, api, biggest, lambda lay, x: lay.gather(x), {"x": padded})

@@ -93,8 +93,6 @@ def _local_objects(pg: Any, obj: Any, api: str) -> list[Any]:
 def _gather_bytes(pg: Any, objs: list[Any], allow_pickle: bool, api: str) -> list[Any]:
     encoded = [encode_object(o, allow_pickle) for o in objs]
     parts = all_gather(tuple(encoded), group=pg)
-    first = parts[0] if len(encoded) == 1 else None
-    del first
     rows = [p if len(encoded) == 1 else p[0] for p in parts]
     return [decode_object(jax.device_get(r), allow_pickle) for r in rows]
 

@@ -72,18 +72,15 @@ def _check_naninf(tensor: Any, rank: int, api: str) -> None:
 
 
 # ----------------------------------------------------------------- eager, across processes
-_pair_groups: dict[tuple, Any] = {}
-
-
 def _pair_group(state: Any, a: int, b: int) -> Any:
+    """The two-rank group a transfer between ``a`` and ``b`` runs on (kept on the world)."""
     from jaxpg.groups.process_group import ProcessGroup
 
-    key = (id(state), min(a, b), max(a, b))
-    g = _pair_groups.get(key)
-    if g is None:
-        g = ProcessGroup(state, sorted((a, b)), name=f"p2p_{min(a, b)}_{max(a, b)}")
-        _pair_groups[key] = g
-    return g
+    pairs = state.__dict__.setdefault("_pair_groups", {})
+    key = (min(a, b), max(a, b))
+    if key not in pairs:
+        pairs[key] = ProcessGroup(state, key, name=f"p2p_{key[0]}_{key[1]}")
+    return pairs[key]
 
 
 def _wire(state: Any, src: int, dst: int, data: Any, api: str) -> Any:
@@ -93,31 +90,39 @@ def _wire(state: Any, src: int, dst: int, data: Any, api: str) -> Any:
     return run_eager(pair, api, (s, d), lambda lay, x: lay.permute(x, [(s, d)]), {"x": data})
 
 
-def _remote_send(state: Any, tensor: jax.Array, src: int, dst: int, meta: bool) -> None:
+def _remote_send(state: Any, tensor: Any, src: int, dst: int, meta: bool) -> None:
+    several = isinstance(tensor, (list, tuple))
+    arrays = [jnp.asarray(t) for t in tensor] if several else [jnp.asarray(tensor)]
     if meta:
-        header = encode_meta([TensorMeta(tuple(tensor.shape), str(tensor.dtype))],
-                             several=False)
+        header = encode_meta([TensorMeta(tuple(a.shape), str(a.dtype)) for a in arrays],
+                             several=several)
         _wire(state, src, dst, np.array([header.size], np.int32), "send.meta_len")
         _wire(state, src, dst, header, "send.meta")
-    _wire(state, src, dst, tensor, "send")
+    for a in arrays:
+        _wire(state, src, dst, a, "send")
 
 
-def _remote_recv(state: Any, template: Any, src: int, dst: int, meta: bool) -> jax.Array:
+def _remote_recv(state: Any, template: Any, src: int, dst: int, meta: bool) -> Any:
+    given = None
+    if template is not None:
+        items = template if isinstance(template, (list, tuple)) else [template]
+        given = [TensorMeta(tuple(np.shape(t)), str(jnp.result_type(t))) for t in items]
     if meta:
         n = int(np.asarray(_wire(state, src, dst, np.zeros(1, np.int32), "send.meta_len"))[0])
         words = np.asarray(_wire(state, src, dst, np.zeros(n, np.int32), "send.meta"))
-        (info,), _ = decode_meta(words.tolist())
-        if template is not None and (tuple(np.shape(template)), str(jnp.result_type(template))
-                                     ) != (info.shape, info.dtype):
+        metas, several = decode_meta(words.tolist())
+        if given is not None and [(m.shape, m.dtype) for m in given] != [
+                (m.shape, m.dtype) for m in metas]:
             raise ValueError(
-                f"recv: tensor has shape {tuple(np.shape(template))} and dtype "
-                f"{jnp.result_type(template)}, but rank {src} sent {info.shape} {info.dtype}."
+                f"recv: tensor describes {[(m.shape, m.dtype) for m in given]}, but rank {src} "
+                f"sent {[(m.shape, m.dtype) for m in metas]}."
             )
-        template = np.zeros(info.shape, info.dtype)
-    elif template is None:
+    elif given is None:
         raise ValueError("recv: pass tensor (shape and dtype) when the sender uses meta=False.")
-    return _wire(state, src, dst, jnp.zeros(np.shape(template), jnp.result_type(template)),
-                 "send")
+    else:
+        metas, several = given, isinstance(template, (list, tuple))
+    out = [_wire(state, src, dst, jnp.zeros(m.shape, m.dtype), "send") for m in metas]
+    return out if several else out[0]
 
 
 # ------------------------------------------------------------------------------- public
@@ -126,7 +131,7 @@ def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
     """Sends ``tensor`` to ``dst``. Blocks until the receiver has it when it is remote.
 
     Args:
-        tensor: the array.
+        tensor: the array, or a list of arrays (the header then describes each).
         dst: global rank of the receiver (or ``group_dst``, its group rank).
         group: the group (the world for None).
         tag: matches sends with receives.
@@ -152,7 +157,8 @@ def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
     me = _acting_rank(pg, api) if src is None else int(src)
     if me == dst_rank:
         raise ValueError(f"{api}: dst={dst_rank} is this rank; a rank cannot send to itself.")
-    arr = jnp.asarray(tensor)
+    arr = [jnp.asarray(t) for t in tensor] if isinstance(tensor, (list, tuple)) else \
+        jnp.asarray(tensor)
     state = pg._world
     if dst_rank in state.local_ranks:
         with _mail_cv:
@@ -208,11 +214,12 @@ def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int
     wait_s = timeout if timeout is not None else pg.timeout.total_seconds()
     if src_rank in state.local_ranks:
         arr = _take_mail(pg, src_rank, me, tag, wait_s)
-        if tensor is not None and (tuple(np.shape(tensor)), jnp.result_type(tensor)) != (
-                arr.shape, arr.dtype):
-            raise ValueError(f"{api}: tensor has shape {tuple(np.shape(tensor))} "
-                             f"{jnp.result_type(tensor)}, but rank {src_rank} sent "
-                             f"{arr.shape} {arr.dtype}.")
+        if tensor is not None:
+            sig = lambda t: [(tuple(np.shape(a)), str(jnp.result_type(a)))
+                             for a in (t if isinstance(t, (list, tuple)) else [t])]
+            if sig(tensor) != sig(arr):
+                raise ValueError(f"{api}: tensor describes {sig(tensor)}, but rank {src_rank} "
+                                 f"sent {sig(arr)}.")
         return jax.device_put(arr, state.devices[me])
     return _remote_recv(state, tensor, src_rank, me, meta)
 

@@ -7,10 +7,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpg.collectives._dispatch import check_same_shapes, group_rank_of, resolve
+from jaxpg.collectives._dispatch import check_same_shapes, checked_op, group_rank_of, resolve
 from jaxpg.collectives.eager import run_eager
 from jaxpg.collectives.work import completed
-from jaxpg.reduce_op import ReduceOp, as_reduce_op
+from jaxpg.reduce_op import ReduceOp
 
 __all__ = [
     "all_reduce",
@@ -33,7 +33,7 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     """
     api = "all_reduce"
     pg, ctx = resolve(group, api)
-    op = as_reduce_op(op, jnp.result_type(tensor), api=api)
+    op = checked_op(op, tensor, api)
     if ctx is not None:
         return completed(ctx.layout(pg).all_reduce(jnp.asarray(tensor), op), async_op, api)
     out = run_eager(pg, api, op, lambda lay, x: lay.all_reduce(x, op), {"x": tensor})
@@ -45,7 +45,7 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, gro
     """Reduces ``tensor`` onto rank ``dst``; other ranks get their input back unchanged."""
     api = "reduce"
     pg, ctx = resolve(group, api)
-    op = as_reduce_op(op, jnp.result_type(tensor), api=api)
+    op = checked_op(op, tensor, api)
     d = group_rank_of(pg, dst, group_dst, api, "dst")
 
     def body(lay: Any, x: Any) -> Any:
@@ -61,7 +61,7 @@ def reduce_scatter_tensor(input: Any, op: ReduceOp = ReduceOp.SUM, group: Any = 
     """Reduces ``input`` (dim 0 = group size x chunk) and gives rank ``i`` chunk ``i``."""
     api = "reduce_scatter_tensor"
     pg, ctx = resolve(group, api)
-    op = as_reduce_op(op, jnp.result_type(input), api=api)
+    op = checked_op(op, input, api)
     k = pg.size()
     shape = np.shape(input)
     per_rank_shape = shape if ctx is not None or len(pg.local_members()) == 1 else shape[1:]

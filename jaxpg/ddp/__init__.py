@@ -1,6 +1,8 @@
-"""DistributedDataParallel building blocks: bucket plans, the reducer, hooks, sampler."""
+"""DistributedDataParallel: bucket plans, the reducer, hooks, the DDP wrapper and its step,
+join, SyncBatchNorm, checkpoints and the sampler."""
 
 from jaxpg.ddp.bucket_plan import Bucket, BucketPlan, make_bucket_plan
+from jaxpg.ddp.checkpoint import latest_step, restore_checkpoint, save_checkpoint
 from jaxpg.ddp.comm_hooks import (
     allreduce_hook,
     bf16_compress_hook,
@@ -8,7 +10,10 @@ from jaxpg.ddp.comm_hooks import (
     make_comm_hook,
     noop_hook,
 )
+from jaxpg.ddp.distributed import DistributedDataParallel
 from jaxpg.ddp.grad_bucket import GradBucket
+from jaxpg.ddp.join import Join
+from jaxpg.ddp.param_sync import param_signature, verify_param_shapes
 from jaxpg.ddp.powersgd import (
     PowerSGDConfig,
     PowerSGDState,
@@ -18,23 +23,33 @@ from jaxpg.ddp.powersgd import (
 )
 from jaxpg.ddp.reducer import fused_pmean, reduce_gradients
 from jaxpg.ddp.sampler import DistributedSampler
+from jaxpg.ddp.sync_batchnorm import convert_sync_batchnorm, sync_batchnorm_axis
 
 __all__ = [
     "Bucket",
     "BucketPlan",
+    "DistributedDataParallel",
     "DistributedSampler",
     "GradBucket",
+    "Join",
     "PowerSGDConfig",
     "PowerSGDState",
     "allreduce_hook",
     "bf16_compress_hook",
+    "convert_sync_batchnorm",
     "fp16_compress_hook",
     "fused_pmean",
     "init_powerSGD_state",
+    "latest_step",
     "make_bucket_plan",
     "make_comm_hook",
     "noop_hook",
+    "param_signature",
     "powerSGD_compression_stats",
     "powerSGD_hook",
     "reduce_gradients",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "sync_batchnorm_axis",
+    "verify_param_shapes",
 ]

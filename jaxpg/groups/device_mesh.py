@@ -80,7 +80,8 @@ class DeviceMesh:
         if name not in self._groups:
             moved = np.moveaxis(self.mesh, d, -1).reshape(-1, self.shape[d])
             family = tuple(tuple(int(r) for r in row) for row in moved)
-            groups = [ProcessGroup(self._state, row, family=family, name=f"{name}{i}_{id(self)}")
+            prefix = self._state.next_group_name(f"mesh_{name}_")
+            groups = [ProcessGroup(self._state, row, family=family, name=f"{prefix}_{i}")
                       for i, row in enumerate(family)]
             for g in groups:
                 self._state.groups[g.group_name] = g

@@ -45,7 +45,7 @@ class ProcessGroup:
         self._world = world
         self.id = next(_group_ids)
         self.ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
-        self.group_name = name or f"group{self.id}"
+        self.group_name = name or world.next_group_name()
         self.timeout = timeout or world.timeout
         self.family: tuple[tuple[int, ...], ...] = family or (self.ranks,)
         self.axis_name = f"_jaxpg_{self.group_name}"

@@ -52,11 +52,19 @@ class WorldState:
     owns_jax_distributed: bool = False
     world_group: ProcessGroup = dataclasses.field(init=False)
     groups: dict[str, ProcessGroup] = dataclasses.field(default_factory=dict)
+    group_count: int = 0
+    process_index: int = 0
+    process_count: int = 1
     _acting: threading.local = dataclasses.field(default_factory=threading.local)
 
     def __post_init__(self) -> None:
         self.world_group = ProcessGroup(self, range(len(self.devices)), name="WORLD")
         self.groups["WORLD"] = self.world_group
+
+    def next_group_name(self, prefix: str = "group") -> str:
+        """A name every process gives the same group, if all create groups in one order."""
+        self.group_count += 1
+        return f"{prefix}{self.group_count}"
 
     def acting_rank(self) -> int:
         """The global rank host code acts as: this process's first rank, or ``as_rank``'s."""
@@ -178,6 +186,9 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             from jaxpg.groups import multiprocess
 
             multiprocess.shutdown_world(state)
+        from jaxpg.collectives.eager import clear_kernel_cache
+
+        clear_kernel_cache()
         _state = None
         return
     if group is GroupMember.NON_GROUP_MEMBER:

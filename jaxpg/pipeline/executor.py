@@ -35,7 +35,8 @@ slots) by ``lax.axis_index('pp')`` and runs it with ``lax.switch``:
       input and output gradient live until ``W``.
 
 After the switch, two ``ppermute``s move the forward (+1) and backward (-1) messages,
-and each rank stores what it received into the slot the plan names. Only stage inputs
+and each rank stores what it received into the slot the plan names. Both run on every
+tick (a rank with nothing to send sends zeros), as SPMD collectives must. Only stage inputs
 and output gradients are kept between ticks, in buffers of exactly the size the
 schedule needs (1F1B: about ``p`` slots, independent of ``m``); the price is one extra
 stage forward per backward (two for split schedules).
@@ -43,6 +44,15 @@ stage forward per backward (two for split schedules).
 With a data-parallel axis (``'dp'`` in the mesh), the batch is sharded over it; each
 replica splits its part into ``m`` microbatches, and ``grad_reducer`` (default:
 ``pmean`` over ``'dp'``) reduces each rank's gradients before they leave the loop.
+
+Limits, by design:
+    * Every pipeline rank of a data-parallel replica holds that replica's inputs and
+      targets (replicated over ``'pp'``), though only the first stage reads inputs and
+      only the last reads targets.
+    * All repeated stages share one activation structure; change widths in
+      ``first_fn`` or the head.
+    * Compiled programs are cached per (functions, mesh, timetable, axes, reducer):
+      pass the same function objects on every call, or call from inside ``jax.jit``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """A jitted optax training step around the pipeline executor.
 
-Example:
-    >>> step = make_train_step(block, head_loss, optax.adam(1e-3), mesh=mesh,
-    ...                        schedule="1f1b", num_microbatches=8, first_fn=embed)
-    >>> params, opt_state = init_train_state(params, optax.adam(1e-3), mesh)
-    >>> params, opt_state, loss = step(params, opt_state, inputs, targets)
+Example (``block``, ``head_loss``, ``embed``, ``params`` as in ``pipeline_value_and_grad``)::
+
+    mesh = pipeline_mesh(4)  # dp=2 x pp=4 on 8 devices
+    optimizer = optax.adam(1e-3)
+    params, opt_state = init_train_state(params, optimizer, mesh)
+    step = make_train_step(block, head_loss, optimizer, mesh=mesh, schedule="1f1b",
+                           num_microbatches=8, first_fn=embed)
+    params, opt_state, loss = step(params, opt_state, inputs, targets)
 """
 
 from __future__ import annotations

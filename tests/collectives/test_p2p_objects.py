@@ -36,7 +36,7 @@ def test_recv_times_out_naming_the_missing_rank():
 
 def test_recv_shape_mismatch():
     jaxpg.send(jnp.ones(3), dst=1)
-    with jaxpg.as_rank(1), pytest.raises(ValueError, match="rank 0 sent"):
+    with jaxpg.as_rank(1), pytest.raises(ValueError, match="but rank 0 sent"):
         jaxpg.recv(jnp.ones(4), src=0)
 
 

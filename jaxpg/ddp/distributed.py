@@ -1,0 +1,362 @@
+"""``DistributedDataParallel`` for Flax NNX modules (or a Linen parameter pytree) with optax.
+
+torch's DDP wraps a module whose ``backward`` triggers bucketed all-reduces; jaxpg's is a
+holder of replicated state plus a jitted :meth:`train_step` (see
+:mod:`jaxpg.ddp.train_step`): per-rank loss and gradients, the bucketed reducer with a
+communication hook, then the optax update, all in one ``shard_map`` over the group.
+
+Decisions:
+
+- **Models.** An ``nnx.Module`` is split into ``graphdef``, parameters (``nnx.Param``) and
+  the rest (BatchNorm statistics, RNG state); ``loss_fn(model, batch)`` gets the merged
+  module. Anything else is taken as a *parameter pytree*, which is how Linen is
+  supported: pass ``variables["params"]`` and a ``loss_fn(params, batch)`` that calls
+  ``model.apply({"params": params}, ...)``. Linen's mutable collections (``batch_stats``)
+  are not carried; use NNX for BatchNorm.
+- **Construction** checks that every rank's parameter shapes and dtypes agree (the error
+  names the first parameter that differs and the ranks) and, with ``broadcast_params``,
+  replaces every rank's values by rank 0's. Parameters, the rest and the optimizer state
+  then live replicated over the group's mesh (``NamedSharding(pg.mesh, P())``).
+- **Batches** are this process's part of the global batch, leading (sample) dimension
+  first: the whole global batch when every rank is in this process, the rank's own batch
+  under ``jaxpg-run``. Rank ``i`` of the group trains on the ``i``-th equal slice.
+- **Hook state** (PowerSGD's error buffers) is per rank: it is stacked along a leading
+  rank axis laid out ``P(axis)``; :attr:`hook_state` shows it that way.
+- **no_sync** is torch's: steps inside ``with ddp.no_sync():`` add their local gradients
+  to a per-rank accumulator and neither communicate nor update; the first step outside
+  adds the accumulator to its own gradients, reduces once and applies the optimizer.
+  Gradients are *summed* over the micro-steps, as torch's ``.grad`` accumulates; divide
+  the loss by the number of micro-steps for an average.
+- **Evaluation.** :attr:`module` is a fresh NNX module holding a copy of the current
+  state (the step donates its buffers, so the copy stays valid).
+
+Example:
+    >>> ddp = DistributedDataParallel(model, optax.adam(1e-3))
+    >>> def loss_fn(model, batch):
+    ...     logits = model(batch["x"])
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    >>> metrics = ddp.train_step(loss_fn, {"x": x, "y": y})
+    >>> float(metrics["loss"])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpg.ddp import param_sync
+from jaxpg.ddp.bucket_plan import BucketPlan, make_bucket_plan
+from jaxpg.ddp.comm_hooks import make_comm_hook
+from jaxpg.ddp.join import Join
+from jaxpg.ddp.train_step import REDUCTIONS, StepMode, build_train_step
+
+__all__ = ["DistributedDataParallel"]
+
+
+def _split(module: Any) -> tuple[Any, Any, Any]:
+    from flax import linen, nnx
+
+    if isinstance(module, nnx.Module):
+        return nnx.split(module, nnx.Param, ...)
+    if isinstance(module, linen.Module):
+        raise TypeError(
+            "DistributedDataParallel: for a Linen module pass its parameters "
+            "(variables['params']) and a loss_fn(params, batch) that calls module.apply; "
+            f"got the module {type(module).__name__} itself."
+        )
+    leaves = jax.tree.leaves(module)
+    if not leaves or not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+        raise TypeError(
+            "DistributedDataParallel: module must be an nnx.Module or a non-empty pytree of "
+            f"parameter arrays (Linen's variables['params']); got {type(module).__name__}."
+        )
+    return None, module, None
+
+
+class DistributedDataParallel:
+    """Data-parallel training of one model over a process group.
+
+    Args:
+        module: an ``nnx.Module``, or a parameter pytree (Linen's ``variables['params']``).
+        optimizer: an ``optax.GradientTransformation``.
+        group: the process group to average over (the world for None).
+        bucket_cap_mb: gradient bucket cap in MiB (torch's default 25).
+        first_bucket_mb: size of the first bucket in MiB (torch's default 1).
+        comm_hook: ``None`` (average), a hook name (``'allreduce'``, ``'fp16_compress'``,
+            ``'bf16_compress'``, ``'noop'``, ``'powerSGD'``) or a hook callable
+            ``hook(state, GradBucket) -> (buffer, state)``.
+        comm_hook_config: keyword arguments for the hook (``PowerSGDConfig`` fields for
+            ``'powerSGD'``; ``init_state_fn`` for a callable).
+        broadcast_params: make every rank start from rank 0's parameters.
+        reduction: ``'buckets'`` (the reducer and hook) or ``'fused_pmean'`` (one
+            ``pmean`` per gradient, no hook; a baseline for benchmarks).
+        donate: let the step reuse the state's buffers.
+
+    Raises:
+        TypeError: for a module or optimizer of the wrong kind.
+        ValueError: if parameter shapes differ across ranks, or for bad options.
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        optimizer: optax.GradientTransformation,
+        *,
+        group: Any = None,
+        bucket_cap_mb: float = 25,
+        first_bucket_mb: float = 1,
+        comm_hook: Any = None,
+        comm_hook_config: dict[str, Any] | None = None,
+        broadcast_params: bool = True,
+        reduction: str = "buckets",
+        donate: bool = True,
+    ) -> None:
+        from jaxpg.groups import world
+
+        self.group = world._resolve_group(group, "DistributedDataParallel")
+        if not self.group.local_members():
+            raise ValueError(
+                f"DistributedDataParallel: this process holds no rank of {self.group!r}; "
+                "only members of the group may wrap a model for it."
+            )
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(
+                "DistributedDataParallel: optimizer must be an optax.GradientTransformation "
+                f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
+            )
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"DistributedDataParallel: {reduction=} must be one of {REDUCTIONS}.")
+        if reduction == "fused_pmean" and comm_hook is not None:
+            raise ValueError(
+                f"DistributedDataParallel: reduction='fused_pmean' uses no hook; got {comm_hook=}."
+            )
+        self.optimizer = optimizer
+        self.reduction = reduction
+        self.donate = donate
+        self._graphdef, params, rest = _split(module)
+        signatures = param_sync.gather_param_signatures(params, self.group)
+        param_sync.verify_param_shapes(signatures, list(self.group.ranks))
+        self.bucket_plan: BucketPlan = make_bucket_plan(params, bucket_cap_mb, first_bucket_mb)
+        self.params = param_sync.replicate_from_rank0(params, self.group,
+                                                      broadcast=broadcast_params)
+        self.rest = param_sync.replicate_from_rank0(rest, self.group, broadcast=broadcast_params)
+        replicated = NamedSharding(self.group.mesh, P())
+        self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
+        self._comm_hook, init_state = make_comm_hook(comm_hook or "allreduce",
+                                                     **(comm_hook_config or {}))
+        self.hook_state = self._per_rank(init_state(self.bucket_plan))
+        self.step = 0
+        self._acc: Any = None
+        self._no_sync = False
+        self._join: Join | None = None
+        self._last_batch: Any = None
+        self._last_loss: tuple[Callable[..., Any], bool] | None = None
+        self._compiled: dict[tuple[Any, StepMode], Callable[..., Any]] = {}
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the DDP group."""
+        return self.group.size()
+
+    @property
+    def _all_local(self) -> bool:
+        return param_sync.all_local(self.group)
+
+    @property
+    def module(self) -> Any:
+        """A new NNX module holding a copy of the current state (NNX only)."""
+        if self._graphdef is None:
+            raise TypeError(
+                "DistributedDataParallel.module: this DDP wraps a parameter pytree; use .params."
+            )
+        from flax import nnx
+
+        copy = jax.tree.map(lambda x: x.copy(), (self.params, self.rest))
+        return nnx.merge(self._graphdef, *copy)
+
+    def _per_rank(self, tree: Any) -> Any:
+        return None if tree is None else param_sync.per_rank(tree, self.group)
+
+    # ------------------------------------------------------------------ configuration
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """torch's ``register_comm_hook``: ``hook(state, GradBucket) -> (buffer, state)``.
+
+        ``state`` is one rank's initial hook state (``None`` for stateless hooks); every
+        rank starts from a copy. Register before the first step.
+        """
+        if self.step or self._acc is not None or self._compiled:
+            raise RuntimeError(
+                "register_comm_hook must be called before the first train_step, as in torch."
+            )
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: {hook=} must be callable.")
+        if self.reduction != "buckets":
+            raise ValueError("register_comm_hook needs reduction='buckets'.")
+        self._comm_hook = hook
+        self.hook_state = self._per_rank(state)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Steps inside accumulate local gradients; the next step outside reduces them."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """The uneven-inputs context (torch's ``ddp.join()``); see :mod:`jaxpg.ddp.join`."""
+        return Join(
+            self,
+            enable=enable,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+            throw_on_early_termination=throw_on_early_termination,
+        )
+
+    # ------------------------------------------------------------------ the step
+    def _step_fn(self, loss_fn: Callable[..., Any], mode: StepMode) -> Callable[..., Any]:
+        key = (loss_fn, mode)
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = build_train_step(
+                loss_fn, graphdef=self._graphdef, optimizer=self.optimizer,
+                plan=self.bucket_plan, comm_hook=self._comm_hook, pg=self.group, mode=mode,
+                reduction=self.reduction, donate=self.donate,
+            )  # fmt: skip
+            self._compiled[key] = fn
+        return fn
+
+    def _active_flags(self, active: Any) -> Any:
+        n_local = len(self.group.local_members())
+        flags = np.asarray(active, dtype=bool).reshape(-1)
+        if flags.shape != (n_local,):
+            raise ValueError(
+                f"train_step: active={active!r} must hold one bool per rank of the group in "
+                f"this process ({n_local})."
+            )
+        return param_sync.shard_batch(flags, self.group)
+
+    def train_step(
+        self,
+        loss_fn: Callable[..., Any],
+        batch: Any,
+        *,
+        has_aux: bool = False,
+        active: Any = None,
+    ) -> dict[str, Any]:
+        """Runs one step on this process's part of the global batch; returns the metrics.
+
+        Args:
+            loss_fn: ``loss_fn(model, batch)`` (NNX) or ``loss_fn(params, batch)``
+                (parameter pytree) returning the mean loss over the rank's samples, or
+                ``(loss, aux)`` with ``has_aux``. Pass the same function object each step:
+                the compiled step is cached per function.
+            batch: a pytree of arrays, sample dimension first, divisible by this
+                process's rank count; ``None`` inside :meth:`join` when this process is
+                out of data (a shadow step on zeros).
+            has_aux: ``loss_fn`` returns ``(loss, aux)``.
+            active: inside :meth:`join`, one flag per local rank (False: out of data).
+
+        Returns:
+            ``{"loss": mean over active ranks, "num_active": int, "aux": ...}`` as arrays.
+        """
+        join = self._join
+        if (batch is None or active is not None) and join is None:
+            raise ValueError(
+                "train_step: batch=None and active= describe uneven inputs; call them inside "
+                "`with ddp.join():`."
+            )
+        if batch is None:
+            if self._last_batch is None:
+                raise ValueError(
+                    "train_step(batch=None): this process has not run a step yet, so the "
+                    "shape of the zeros to shadow with is unknown; run one step first."
+                )
+            batch = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._last_batch)
+            active = [False] * len(self.group.local_members())
+        else:
+            self._last_batch = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch
+            )
+        self._last_loss = (loss_fn, has_aux)
+        if join is not None and active is None:
+            active = [True] * len(self.group.local_members())
+        mode = StepMode(
+            sync=not self._no_sync,
+            has_acc=self._acc is not None,
+            join=join is not None,
+            divide_by_initial_world_size=join is None or join.divide_by_initial_world_size,
+            throw_on_early_termination=join is not None and join.throw_on_early_termination,
+            has_aux=has_aux,
+        )
+        fn = self._step_fn(loss_fn, mode)
+        flags = None if join is None else self._active_flags(active)
+        out = fn(self.params, self.rest, self.opt_state, self.hook_state, self._acc,
+                 param_sync.shard_batch(batch, self.group), flags)
+        self.params, self.rest, self.opt_state, self.hook_state, self._acc, metrics = out
+        if mode.sync:
+            self.step += 1
+        if join is not None:
+            join.observe(int(metrics["num_active"]))
+        return metrics
+
+    def _shadow_step(self) -> None:
+        """One step with every local rank inactive (see :mod:`jaxpg.ddp.join`)."""
+        if self._last_loss is None:
+            raise RuntimeError(
+                "join: this process ran no step, so it cannot shadow the others' steps; "
+                "give every process at least one batch."
+            )
+        loss_fn, has_aux = self._last_loss
+        self.train_step(loss_fn, None, has_aux=has_aux)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The training state: params, rest, opt_state, hook_state (per rank) and step."""
+        if self._acc is not None:
+            raise RuntimeError(
+                "state_dict: gradients accumulated under no_sync are pending; take the "
+                "state after a synchronising step."
+            )
+        return {
+            "params": self.params,
+            "rest": self.rest,
+            "opt_state": self.opt_state,
+            "hook_state": self.hook_state,
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replaces the training state by ``state`` (as :meth:`state_dict` returns)."""
+        missing = {"params", "rest", "opt_state", "hook_state", "step"} - set(state)
+        if missing:
+            raise ValueError(f"load_state_dict: state lacks {sorted(missing)}.")
+        for name in ("params", "rest", "opt_state", "hook_state"):
+            old, new = jax.tree.structure(getattr(self, name)), jax.tree.structure(state[name])
+            if old != new:
+                raise ValueError(
+                    f"load_state_dict: {name} has structure {new}, this model's is {old}; "
+                    "build the same model, optimizer and hook before loading."
+                )
+            setattr(self, name, state[name])
+        self.step = int(state["step"])
+        self._acc = None
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedDataParallel(group={self.group!r}, buckets={len(self.bucket_plan)}, "
+            f"reduction={self.reduction!r}, step={self.step})"
+        )

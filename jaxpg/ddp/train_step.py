@@ -1,0 +1,211 @@
+"""The DDP training step: one jitted ``shard_map`` over the group's mesh.
+
+Per rank (axis ``pg.axis_name``), the step
+
+1. takes the replicated parameters ``P()`` and this rank's slice of the batch ``P(axis)``;
+2. computes the local loss and gradients (``jax.value_and_grad``; for an NNX module the
+   parameters are merged back into the module with ``nnx.merge``);
+3. adds the gradients accumulated under ``no_sync`` (a per-rank buffer, ``P(axis)``);
+4. reduces the gradients bucket by bucket through the communication hook
+   (:func:`~jaxpg.ddp.reduce_gradients`), or with one ``pmean`` per leaf
+   (``reduction='fused_pmean'``);
+5. applies the optax update, identically on every rank, so the new parameters and
+   optimizer state stay replicated.
+
+The step runs under ``shard_map(check_vma=False)``: gradients taken *inside* the per-rank
+function are the local ones (with ``check_vma=True`` JAX would insert the ``psum`` itself
+when differentiating a replicated input), and the reducer is the only place gradients are
+communicated.
+
+Non-parameter module state (BatchNorm statistics, RNG counters) leaves the step with rank
+0's values, as torch's ``broadcast_buffers=True`` broadcasts rank 0's buffers at every
+forward. With synchronised BatchNorm (:func:`~jaxpg.ddp.convert_sync_batchnorm`) the
+statistics are already equal on every rank.
+
+Under ``join`` each rank also gets an ``active`` flag. An inactive rank (out of data) runs
+the step on zeros and contributes zero gradients, a zero loss weight, and a zero to
+``num_active``; the gradient average divides by the initial world size, or with
+``divide_by_initial_world_size=False`` by the number of active ranks. A step in which no
+rank is active (or, with ``throw_on_early_termination``, not every rank) leaves the
+parameters, optimizer and hook state unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxpg.ddp.bucket_plan import BucketPlan
+from jaxpg.ddp.comm_hooks import CommHook
+from jaxpg.ddp.reducer import fused_pmean, reduce_gradients
+
+__all__ = ["StepMode", "build_train_step", "REDUCTIONS"]
+
+REDUCTIONS = ("buckets", "fused_pmean")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepMode:
+    """The static switches of one compiled step (each combination compiles once).
+
+    Attributes:
+        sync: reduce and apply the optimizer (False: accumulate locally, ``no_sync``).
+        has_acc: a ``no_sync`` accumulator is passed in and added to the gradients.
+        join: per-rank ``active`` flags are passed in (uneven inputs).
+        divide_by_initial_world_size: under ``join``, average over all ranks (True) or
+            over the active ones (False).
+        throw_on_early_termination: under ``join``, skip the update unless every rank is
+            active (the host then raises).
+        has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is averaged over active ranks.
+    """
+
+    sync: bool = True
+    has_acc: bool = False
+    join: bool = False
+    divide_by_initial_world_size: bool = True
+    throw_on_early_termination: bool = False
+    has_aux: bool = False
+
+
+def _local_loss(loss_fn, graphdef, params, rest, batch, has_aux):
+    """Per-rank loss; returns ``(loss, (aux, new_rest))``."""
+    if graphdef is None:  # a plain parameter pytree (Linen's params): loss_fn(params, batch)
+        out = loss_fn(params, batch)
+        new_rest = rest
+    else:
+        from flax import nnx
+
+        # copy=True: fresh Variables at this trace level, so the module may update them.
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        out = loss_fn(model, batch)
+        _, _, new_rest = nnx.split(model, nnx.Param, ...)
+    loss, aux = out if has_aux else (out, None)
+    loss = jnp.asarray(loss)
+    if loss.shape != ():
+        raise ValueError(
+            f"loss_fn must return a scalar loss (the mean over this rank's batch); it returned "
+            f"shape {loss.shape}. Reduce it with .mean(), or pass has_aux=True to return "
+            "(loss, aux)."
+        )
+    return loss, (aux, new_rest)
+
+
+def _from_rank0(tree: Any, axis: str) -> Any:
+    first = jax.lax.axis_index(axis) == 0
+
+    def pick(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or x.dtype == jnp.bool_:
+            return x
+        return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), axis)
+
+    return jax.tree.map(pick, tree)
+
+
+def _select(pred: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def build_train_step(
+    loss_fn: Callable[..., Any],
+    *,
+    graphdef: Any,
+    optimizer: optax.GradientTransformation,
+    plan: BucketPlan,
+    comm_hook: CommHook,
+    pg: Any,
+    mode: StepMode,
+    reduction: str = "buckets",
+    donate: bool = True,
+) -> Callable[..., Any]:
+    """Returns the jitted step.
+
+    ``step(params, rest, opt_state, hook_state, acc, batch, active)`` returns
+    ``(params, rest, opt_state, hook_state, acc, metrics)``. ``params``, ``rest`` and
+    ``opt_state`` are replicated (``P()``); ``hook_state``, ``acc`` and ``active`` carry a
+    leading rank axis (``P(axis)``); the batch is split on its leading dimension. ``acc``
+    is ``None`` unless ``mode.has_acc``; the returned ``acc`` is ``None`` unless
+    ``mode.sync`` is False. ``metrics`` holds ``loss`` (mean over active ranks),
+    ``num_active`` and, with ``has_aux``, ``aux``.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch)`` for NNX (``graphdef`` given) or
+            ``loss_fn(params, batch)`` for a parameter pytree; returns the scalar mean loss
+            over the rank's batch (or ``(loss, aux)`` with ``mode.has_aux``).
+        graphdef: the NNX graph definition, or None for a parameter pytree.
+        optimizer: the optax transformation.
+        plan: the bucket plan of the parameters.
+        comm_hook: the communication hook.
+        pg: the DDP process group.
+        mode: the static switches.
+        reduction: ``'buckets'`` (the reducer and hook) or ``'fused_pmean'``.
+        donate: donate the state buffers to the step.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{reduction=} must be one of {REDUCTIONS}.")
+    axis = pg.axis_name
+    n = pg.size()
+
+    def body(params, rest, opt_state, hook_state, acc, batch, active):
+        hook_state = jax.tree.map(lambda x: x[0], hook_state)
+        acc = jax.tree.map(lambda x: x[0], acc)
+        if mode.join:
+            on = active[0]
+            batch = jax.tree.map(lambda x: jnp.where(on, x, jnp.zeros_like(x)), batch)
+            weight = on.astype(jnp.float32)
+        else:
+            weight = jnp.float32(1)
+        (loss, (aux, new_rest)), grads = jax.value_and_grad(
+            lambda p: _local_loss(loss_fn, graphdef, p, rest, batch, mode.has_aux),
+            has_aux=True,
+        )(params)
+        if mode.join:
+            grads = jax.tree.map(lambda g: jnp.where(on, g, jnp.zeros_like(g)), grads)
+        if acc is not None:
+            grads = jax.tree.map(jnp.add, grads, acc)
+        n_active = jax.lax.psum(weight, axis)
+        denom = jnp.maximum(n_active, 1.0)
+        metrics = {
+            "loss": jax.lax.psum(loss.astype(jnp.float32) * weight, axis) / denom,
+            "num_active": n_active.astype(jnp.int32),
+        }
+        if mode.has_aux:
+            metrics["aux"] = jax.tree.map(
+                lambda a: jax.lax.psum(jnp.asarray(a, jnp.float32) * weight, axis) / denom, aux
+            )
+        new_rest = _from_rank0(new_rest, axis)
+        if not mode.sync:
+            expand = jax.tree.map(lambda x: x[None], (hook_state, grads))
+            return params, new_rest, opt_state, expand[0], expand[1], metrics
+
+        if reduction == "fused_pmean":
+            reduced, new_hook = fused_pmean(grads, axis), hook_state
+        else:
+            reduced, new_hook = reduce_gradients(grads, plan, axis, comm_hook, hook_state)
+        if mode.join and not mode.divide_by_initial_world_size:
+            scale = n / denom
+            reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
+        updates, new_opt = optimizer.update(reduced, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if mode.join:
+            apply = n_active >= (n if mode.throw_on_early_termination else 1)
+            new_params = _select(apply, new_params, params)
+            new_opt = _select(apply, new_opt, opt_state)
+            new_hook = _select(apply, new_hook, hook_state)
+        new_hook = jax.tree.map(lambda x: x[None], new_hook)
+        return new_params, new_rest, new_opt, new_hook, None, metrics
+
+    rank_axis = P(axis)
+    mapped = jax.shard_map(
+        body,
+        mesh=pg.mesh,
+        in_specs=(P(), P(), P(), rank_axis, rank_axis, rank_axis, rank_axis),
+        out_specs=(P(), P(), P(), rank_axis, rank_axis, P()),
+        check_vma=False,
+    )
+    return jax.jit(mapped, donate_argnums=(0, 1, 2, 3, 4) if donate else ())

@@ -1,0 +1,238 @@
+"""The multi-process world: rendezvous, store-based barriers, and timeouts instead of hangs.
+
+``init_process_group`` comes here when a launcher environment, ``init_method`` or ``store``
+says the job spans processes. After the rendezvous (``jaxpg.rendezvous``) JAX's
+coordination service runs; its key/value store is the world's Store, and XLA's own
+collectives (gloo or MPI on CPU, NCCL on GPU) move every tensor byte.
+
+Every eager collective first marks this process's arrival under
+``arrive/<group>/<seq>/<process>`` (one key/value RPC), then waits for its result for at
+most the group's timeout. If the result does not come, the arrival keys tell which
+processes never reached that collective, and the DistTimeoutError names their ranks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jaxpg.errors import DistNetworkError, DistTimeoutError
+
+__all__ = ["init_world", "shutdown_world", "on_groups_created", "before_collective",
+           "run_with_timeout", "monitored_barrier"]
+
+
+
+class _Runner:
+    """One daemon thread that runs eager kernels, so the caller can stop waiting.
+
+    On CPU, XLA runs a collective on the dispatching thread, so a peer that never arrives
+    would block the caller forever. Kernels run here instead; the caller waits with a
+    timeout. A thread left stuck in a dead collective is abandoned (it is a daemon, so it
+    does not keep the process alive) and a fresh one serves later calls.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def _loop(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            fn, fut = jobs.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                    fut.set_exception(exc)
+
+    def submit(self, fn: Any) -> concurrent.futures.Future:
+        if self._thread is None:
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._loop, args=(self._jobs,),
+                                            name="jaxpg-collective", daemon=True)
+            self._thread.start()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def abandon(self) -> None:
+        self._thread = None
+
+
+_runner = _Runner()
+
+
+def init_world(backend: str | None, init_method: str | None, timeout: datetime.timedelta,
+               world_size: int, rank: int, store: Any, state_cls: type) -> Any:
+    """Rendezvous, start ``jax.distributed`` and build the world's state."""
+    from jaxpg.groups.backend import Backend, resolve_backend
+    from jaxpg.rendezvous import initialize_jax_distributed, rendezvous
+    from jaxpg.stores import PrefixStore
+
+    if backend is not None and ":" not in str(backend):
+        Backend(backend)  # reject unknown names before anything starts
+    if backend is not None and str(backend).lower() == "mpi":
+        jax.config.update("jax_cpu_collectives_implementation", "mpi")
+    info = rendezvous(init_method, rank=None if rank < 0 else rank,
+                      world_size=None if world_size < 0 else world_size, store=store,
+                      timeout=timeout.total_seconds())
+    heartbeat = float(os.environ.get("JAXPG_HEARTBEAT_TIMEOUT", "10"))
+    world_store = initialize_jax_distributed(info, timeout.total_seconds(),
+                                             heartbeat_timeout=heartbeat)
+    chosen = resolve_backend(backend)
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    local_ids = {d.id for d in jax.local_devices()}
+    local_ranks = [i for i, d in enumerate(devices) if d.id in local_ids]
+    state = state_cls(backend=chosen, devices=devices, local_ranks=local_ranks,
+                      timeout=timeout, store=world_store, multiprocess=True)
+    state.process_index = jax.process_index()
+    state.process_count = jax.process_count()
+    state.world_group.store = PrefixStore("WORLD", world_store)
+    _store_barrier(state, state.world_group.store, "init", list(range(state.process_count)),
+                   timeout)
+    return state
+
+
+def shutdown_world(state: Any) -> None:
+    """Closes the store, stops ``jax.distributed`` and clears JAX's backends.
+
+    A new ``init_process_group`` may follow; arrays made in the old world are invalid.
+    """
+    from jaxpg.collectives.eager import clear_kernel_cache
+    from jaxpg.rendezvous import shutdown_jax_distributed
+
+    clear_kernel_cache()
+    try:
+        if state.store is not None:
+            state.store.close()
+    finally:
+        shutdown_jax_distributed()
+        # The backends hold the old world's devices; a later init_process_group builds
+        # new ones. Arrays of the old world are invalid from here on.
+        from jax.extend.backend import clear_backends
+
+        clear_backends()
+
+
+def _processes_of(state: Any, ranks: Sequence[int]) -> list[int]:
+    return sorted({state.devices[r].process_index for r in ranks})
+
+
+def _ranks_of_processes(state: Any, procs: Sequence[int], ranks: Sequence[int]) -> list[int]:
+    return [r for r in ranks if state.devices[r].process_index in set(procs)]
+
+
+def _store_barrier(state: Any, store: Any, name: str, procs: list[int],
+                   timeout: datetime.timedelta) -> None:
+    """The seed's ``_store_based_barrier``: every process checks in, then waits for all."""
+    me = state.process_index
+    store.add(f"barrier/{name}/{me}", 1)
+    keys = [f"barrier/{name}/{p}" for p in procs]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [p for p in procs if not store.check([f"barrier/{name}/{p}"])]
+            raise DistTimeoutError(
+                f"store barrier {name!r}: processes {missing} did not arrive within "
+                f"{timeout.total_seconds():.1f} s."
+            )
+        time.sleep(0.005)
+
+
+def on_groups_created(state: Any, groups: Sequence[Any]) -> None:
+    """Gives each new group its PrefixStore and runs the creation barrier over the world."""
+    from jaxpg.stores import PrefixStore
+
+    for g in groups:
+        g.store = PrefixStore(g.group_name, state.store)
+    first = groups[0]
+    _store_barrier(state, PrefixStore(first.group_name, state.store), "created",
+                   list(range(state.process_count)), first.timeout)
+
+
+def before_collective(group: Any, api: str) -> None:
+    """Marks this process's arrival at the group's next collective."""
+    from jaxpg.stores import PrefixStore
+
+    state = group._world
+    if group.store is None:
+        group.store = PrefixStore(group.group_name, state.store)
+    seq = group.next_seq()
+    group.store.add(f"arrive/{seq}/{state.process_index}", 1)
+    group._pending = (seq, api)
+
+
+def run_with_timeout(group: Any, fn: Any) -> Any:
+    """Runs ``fn`` (dispatch and wait) for at most the group's timeout.
+
+    On timeout, the arrival keys name the ranks that never reached this collective.
+    """
+    state = group._world
+    seq, api = getattr(group, "_pending", (group.seq, "collective"))
+
+    def call() -> Any:
+        out = fn()
+        for x in jax.tree.leaves(out):
+            if isinstance(x, jax.Array):
+                x.block_until_ready()
+        return out
+
+    fut = _runner.submit(call)
+    seconds = group.timeout.total_seconds()
+    try:
+        return fut.result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        _runner.abandon()
+        ranks = _missing_ranks(group, seq)
+        raise DistTimeoutError(
+            f"{api} on group {group.group_name!r} (sequence number {seq}) did not finish "
+            f"within {seconds:.1f} s; ranks that did not arrive: {ranks}"
+            + ("" if ranks else " (all arrived: a peer may have died during the collective)")
+            + "."
+        ) from None
+    except Exception as err:  # XLA's collectives report a lost peer as a runtime error
+        ranks = _missing_ranks(group, seq)
+        raise DistNetworkError(
+            f"{api} on group {group.group_name!r} (sequence number {seq}) failed: {err}; "
+            f"ranks that did not arrive: {ranks}."
+        ) from err
+
+
+def _missing_ranks(group: Any, seq: int) -> list[int]:
+    state = group._world
+    procs = _processes_of(state, group.members)
+    missing = [p for p in procs if not group.store.check([f"arrive/{seq}/{p}"])]
+    return _ranks_of_processes(state, missing, group.members)
+
+
+def monitored_barrier(group: Any, timeout: datetime.timedelta, wait_all_ranks: bool) -> None:
+    """A store barrier over the group's processes that names the ranks that did not arrive."""
+    state = group._world
+    count = getattr(group, "_monitored", 0) + 1
+    group._monitored = count
+    procs = _processes_of(state, group.members)
+    me = state.process_index
+    store = group.store
+    store.add(f"monitored/{count}/{me}", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    keys = {p: f"monitored/{count}/{p}" for p in procs}
+    while True:
+        missing = [p for p in procs if not store.check([keys[p]])]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            ranks = _ranks_of_processes(state, missing, group.members)
+            shown = ranks if wait_all_ranks else ranks[:1]
+            raise DistTimeoutError(
+                f"monitored_barrier on group {group.group_name!r}: ranks {shown} did not "
+                f"arrive within {timeout.total_seconds():.1f} s."
+            )
+        time.sleep(0.005)

@@ -1,0 +1,32 @@
+"""Pipeline parallelism: schedules as timetables, run by one SPMD loop over ppermute."""
+
+from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
+from jaxpg.pipeline.checker import check_timetable, default_in_flight_limits, peak_in_flight
+from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
+from jaxpg.pipeline.mesh import pipeline_mesh
+from jaxpg.pipeline.microbatch import merge_microbatches, split_microbatches
+from jaxpg.pipeline.nnx_stages import module_fn, split_module, stack_modules
+from jaxpg.pipeline.render import render_png, render_text
+from jaxpg.pipeline.schedules import (
+    available_schedules,
+    get_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    theory_bubble_fraction,
+    theory_ticks,
+    zero_bubble_h1,
+)
+from jaxpg.pipeline.stage_meta import StageMeta, infer_stage_metadata
+from jaxpg.pipeline.timetable import KIND_CODES, Action, Timetable
+from jaxpg.pipeline.train_step import init_train_state, make_train_step, place_pipeline_params
+
+__all__ = [
+    "Action", "Timetable", "KIND_CODES", "gpipe", "one_f_one_b", "interleaved_1f1b",
+    "zero_bubble_h1", "get_schedule", "available_schedules", "theory_ticks",
+    "theory_bubble_fraction", "check_timetable", "peak_in_flight", "default_in_flight_limits",
+    "render_text", "render_png", "StagedParams", "pipeline_value_and_grad", "make_train_step",
+    "init_train_state", "place_pipeline_params", "pipeline_mesh", "split_microbatches",
+    "merge_microbatches", "StageMeta", "infer_stage_metadata", "BufferPlan", "plan_buffers",
+    "stack_modules", "split_module", "module_fn",
+]

@@ -1,0 +1,28 @@
+"""Rank 1 never reaches the second all_reduce (it sleeps, or dies); rank 0 must raise a
+DistError naming it (DistTimeoutError after the 3 s timeout, or DistNetworkError as soon as
+gloo sees the connection drop), and then exits 17."""
+
+import datetime
+import os
+import sys
+import time
+
+import numpy as np
+
+import jaxpg
+
+jaxpg.init_process_group(timeout=datetime.timedelta(seconds=3))
+jaxpg.all_reduce(np.ones(2, np.float32))
+if jaxpg.get_rank() == 1:
+    if sys.argv[1] == "killed":
+        os._exit(9)
+    time.sleep(20)
+    os._exit(0)
+start = time.monotonic()
+try:
+    jaxpg.all_reduce(np.ones(2, np.float32))
+except jaxpg.DistError as err:
+    print(f"raised after {time.monotonic() - start:.2f} s: {type(err).__name__}: {err}", flush=True)
+    os._exit(17)
+print("no error", flush=True)
+os._exit(1)

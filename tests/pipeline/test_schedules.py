@@ -1,0 +1,266 @@
+"""Schedules as data: every timetable passes the checker and matches the papers' numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxpg.pipeline.checker import check_timetable, default_in_flight_limits, peak_in_flight
+from jaxpg.pipeline.schedules import (
+    available_schedules,
+    get_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    theory_bubble_fraction,
+    theory_ticks,
+    zero_bubble_h1,
+)
+from jaxpg.pipeline.timetable import KIND_CODES, Action, Timetable
+
+# (name, p, m, v): m = p, m = 2p, and m not a multiple of p where the schedule allows it.
+CONFIGS = [
+    (name, p, m, 1)
+    for name in ("gpipe", "1f1b", "zb_h1")
+    for p, m in [(2, 2), (2, 4), (2, 3), (4, 4), (4, 8), (4, 6)]
+] + [("interleaved_1f1b", p, m, v) for p, m in [(2, 2), (2, 4), (4, 4), (4, 8)] for v in (2,)]
+CONFIGS += [("interleaved_1f1b", 4, 8, 3), ("gpipe", 4, 2, 1), ("1f1b", 4, 2, 1)]
+
+
+def _ids(config):
+    return "{}-p{}-m{}-v{}".format(*config)
+
+
+def _edit(tt: Timetable, **cells) -> Timetable:
+    """A copy of ``tt`` with ``grid[tick][rank]`` replaced, cells given as ``t{tick}r{rank}=``."""
+    grid = [list(row) for row in tt.grid]
+    for key, action in cells.items():
+        tick, rank = (int(x) for x in key[1:].split("r"))
+        grid[tick][rank] = action
+    return dataclasses.replace(tt, grid=grid)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+def test_schedule_is_valid_and_matches_theory(config):
+    name, p, m, v = config
+    tt = get_schedule(name, p, m, v)
+    check_timetable(tt)
+    assert (tt.name, tt.num_stages, tt.num_microbatches, tt.num_chunks) == (name, p, m, v)
+    assert tt.split_backward == (name == "zb_h1")
+    assert tt.num_ticks == theory_ticks(name, p, m, v)
+    assert tt.bubble_fraction == pytest.approx(theory_bubble_fraction(name, p, m, v))
+    per_rank = (3 if tt.split_backward else 2) * m * v
+    assert [len(tt.actions_of(r)) for r in range(p)] == [per_rank] * p
+    assert peak_in_flight(tt) == default_in_flight_limits(tt)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_one_f_one_b_in_flight_is_p_minus_stage_for_any_m(p):
+    for m in (p, 2 * p, 3 * p + 1, 8 * p):
+        assert peak_in_flight(one_f_one_b(p, m)) == [p - s for s in range(p)]
+
+
+def test_gpipe_in_flight_is_m():
+    for m in (2, 5, 8):
+        assert peak_in_flight(gpipe(4, m)) == [m] * 4
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 4), (4, 6), (4, 16)])
+def test_zero_bubble_h1_is_a_third_of_one_f_one_b_bubble(p, m):
+    zb, ofob = zero_bubble_h1(p, m), one_f_one_b(p, m)
+    # With F = B = W = 1, 1F1B's whole backward takes 2 ticks, so each rank idles
+    # 3 (p - 1) ticks; ZB-H1 idles p - 1, a third of it, in 3m + p - 1 ticks in all.
+    assert [ofob.idle_ticks(r) for r in range(p)] == [2 * (p - 1)] * p
+    assert [zb.idle_ticks(r) for r in range(p)] == [p - 1] * p
+    assert zb.num_ticks == 3 * m + p - 1
+    # Same activation memory as 1F1B: F..B exactly 1F1B's; F..W never above 1F1B's peak p.
+    assert peak_in_flight(zb, until="B") == peak_in_flight(ofob)
+    assert max(peak_in_flight(zb)) == max(peak_in_flight(ofob)) == p
+
+
+def test_interleaving_shrinks_the_bubble():
+    one = one_f_one_b(4, 8).bubble_fraction
+    two = interleaved_1f1b(4, 8, 2).bubble_fraction
+    four = interleaved_1f1b(4, 8, 4).bubble_fraction
+    assert one > two > four
+    assert two == pytest.approx(3 / 19)
+
+
+def test_interleaved_layout_puts_chunk_c_on_stage_c_p_plus_rank():
+    tt = interleaved_1f1b(4, 4, 2)
+    arrays = tt.as_arrays()
+    busy = arrays["kind"] != 0
+    ranks = np.broadcast_to(np.arange(4), busy.shape)
+    np.testing.assert_array_equal(arrays["stage"][busy], (arrays["chunk"] * 4 + ranks)[busy])
+    # Rank 0 starts with microbatches 0..3 on chunk 0, then the same ones on chunk 1.
+    assert [a for _, a in tt.actions_of(0)[:8]] == [
+        Action("F", i, c) for c in (0, 1) for i in range(4)
+    ]
+
+
+def test_as_arrays_round_trips_the_grid():
+    tt = zero_bubble_h1(4, 6)
+    arrays = tt.as_arrays()
+    assert set(arrays) == {"kind", "microbatch", "chunk", "stage"}
+    for key, array in arrays.items():
+        assert array.shape == (tt.num_ticks, 4) and array.dtype == np.int32, key
+    names = {code: kind for kind, code in KIND_CODES.items()}
+    for t, row in enumerate(tt.grid):
+        for r, action in enumerate(row):
+            kind = names[int(arrays["kind"][t, r])]
+            if action is None:
+                assert kind is None and arrays["microbatch"][t, r] == 0
+            else:
+                assert (
+                    Action(kind, int(arrays["microbatch"][t, r]), int(arrays["chunk"][t, r]))
+                    == action
+                )
+
+
+def test_to_text_draws_the_grid():
+    text = one_f_one_b(2, 2).to_text()
+    assert text.splitlines() == [
+        "1f1b: p=2 m=2 v=1, 6 ticks, bubble 33.3%",
+        "tick   | 0  1  2  3  4  5",
+        "rank 0 | F0 F1 .  B0 .  B1",
+        "rank 1 | .  F0 B0 F1 B1 .",
+    ]
+    assert "F3b" in interleaved_1f1b(4, 4, 2).to_text()
+    assert "W5" in str(zero_bubble_h1(4, 6))
+
+
+# ---------------------------------------------------------------- the checker rejects
+
+
+def test_checker_rejects_an_action_before_its_input():
+    tt = one_f_one_b(2, 2)  # rank 1: . F0 B0 F1 B1 .
+    swapped = _edit(tt, t1r1=Action("B", 0), t2r1=Action("F", 0))
+    with pytest.raises(
+        ValueError,
+        match=r"B of microbatch 0 on stage 1 \(rank 1\) at tick 1.*"
+        r"needs F of microbatch 0 on stage 1 \(rank 1\), which runs at tick 2",
+    ):
+        check_timetable(swapped)
+
+
+def test_checker_rejects_a_send_received_in_the_same_tick():
+    tt = gpipe(2, 1)  # rank 0: F0 . . B0 ; rank 1: . F0 B0 .
+    same_tick = _edit(tt, t1r1=None, t0r1=Action("F", 0))
+    with pytest.raises(ValueError, match="needs F of microbatch 0 on stage 0.*strictly earlier"):
+        check_timetable(same_tick)
+
+
+def test_checker_rejects_w_before_b():
+    tt = zero_bubble_h1(2, 2)
+    rank1 = [(t, a) for t, a in tt.actions_of(1)]
+    (tb, b0), (tw, w0) = rank1[1], next((t, a) for t, a in rank1 if a.kind == "W")
+    assert b0 == Action("B", 0) and w0 == Action("W", 0)
+    broken = _edit(tt, **{f"t{tb}r1": w0, f"t{tw}r1": b0})
+    with pytest.raises(ValueError, match="runs W of microbatch 0 on stage 1"):
+        check_timetable(broken)
+
+
+def test_checker_rejects_a_missing_action():
+    tt = one_f_one_b(4, 4)
+    tick, action = tt.actions_of(2)[-1]
+    with pytest.raises(ValueError, match=r"never runs B of microbatch 3 on stage 2 \(rank 2\)"):
+        check_timetable(_edit(tt, **{f"t{tick}r2": None}))
+
+
+def test_checker_rejects_a_duplicated_action():
+    tt = gpipe(2, 2)  # rank 0: F0 F1 . . B0 B1
+    with pytest.raises(
+        ValueError, match="runs F of microbatch 0 on stage 0.*twice, at ticks 0 and 2"
+    ):
+        check_timetable(_edit(tt, t2r0=Action("F", 0)))
+
+
+def test_checker_names_the_chunk_when_interleaved():
+    tt = interleaved_1f1b(2, 2, 2)
+    tick, _ = tt.actions_of(1)[0]
+    with pytest.raises(
+        ValueError, match=r"never runs F of microbatch 0 on stage 1 \(rank 1, chunk 0\)"
+    ):
+        check_timetable(_edit(tt, **{f"t{tick}r1": None}))
+
+
+def test_checker_rejects_too_many_activations_in_flight():
+    gpipe_as_1f1b = dataclasses.replace(gpipe(4, 8), name="1f1b")
+    with pytest.raises(
+        ValueError,
+        match="keeps 5 activations in flight .* on rank 0 after tick 4, over its limit of 4",
+    ):
+        check_timetable(gpipe_as_1f1b)
+    with pytest.raises(ValueError, match="keeps 3 activations .* rank 0 .* limit of 2"):
+        check_timetable(one_f_one_b(4, 8), max_in_flight=2)
+    with pytest.raises(ValueError, match="max_in_flight has 2 entries"):
+        check_timetable(one_f_one_b(4, 8), max_in_flight=[4, 3])
+    check_timetable(gpipe(4, 8), max_in_flight=[8, 8, 8, 8])
+    check_timetable(dataclasses.replace(gpipe(4, 8), name="custom"))  # unknown: no bound
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: gpipe(4, 0), "gpipe needs a positive integer number of microbatches, got m=0"),
+        (lambda: one_f_one_b(0, 4), "pipeline stages, got p=0"),
+        (lambda: one_f_one_b(-2, 4), "got p=-2"),
+        (lambda: gpipe(2, 2.0), "got m=2.0"),
+        (lambda: zero_bubble_h1(4, 3), r"m=3 < p=4; use m >= 4"),
+        (lambda: interleaved_1f1b(4, 8, 1), "v >= 2 model chunks per rank, got v=1"),
+        (lambda: interleaved_1f1b(4, 6, 2), r"m=6 to be a multiple of .* p=4; use m=4 or m=8"),
+        (lambda: interleaved_1f1b(4, 2, 2), r"m=2 to be a multiple of .* p=4; use m=4\."),
+        (lambda: get_schedule("pipedream", 4, 8), "Unknown schedule name='pipedream'"),
+        (lambda: get_schedule("1f1b", 4, 8, v=2), "one model chunk per rank, got v=2"),
+        (lambda: peak_in_flight(gpipe(2, 2), until="W"), "until='W' must be 'B'"),
+    ],
+)
+def test_bad_configs_raise(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_registry_knows_the_four_schedules():
+    assert available_schedules() == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+    assert get_schedule("zb_h1", 2, 2) == zero_bubble_h1(2, 2)
+
+
+@pytest.mark.parametrize(
+    "grid, error, match",
+    [
+        ([[None]], ValueError, r"grid\[0\] has 1 entries but num_stages=2"),
+        ([[("F", 0, 0), None]], TypeError, "must be an Action or None"),
+        ([[Action("W", 0), None]], ValueError, "W needs split_backward=True"),
+        ([[Action("X", 0), None]], ValueError, "kind not in"),
+        ([[Action("F", 2), None]], ValueError, r"microbatch outside 0..1 \(num_microbatches=2\)"),
+        ([[Action("F", 0, 1), None]], ValueError, r"chunk outside 0..0 \(num_chunks=1\)"),
+    ],
+)
+def test_timetable_validates_its_grid(grid, error, match):
+    with pytest.raises(error, match=match):
+        Timetable(
+            "t", num_stages=2, num_microbatches=2, num_chunks=1, split_backward=False, grid=grid
+        )
+
+
+def test_timetable_validates_its_sizes():
+    with pytest.raises(ValueError, match="num_stages=0 must be a positive integer"):
+        Timetable("t", 0, 2, 1, False, ())
+    with pytest.raises(TypeError, match="split_backward=1 must be True or False"):
+        Timetable("t", 1, 2, 1, 1, ())
+    with pytest.raises(ValueError, match="rank=5 must be in 0..1"):
+        gpipe(2, 2).actions_of(5)
+
+
+@pytest.mark.parametrize("module", ["timetable", "schedules", "checker", "render"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"jaxpg.pipeline.{module}"))
+    assert result.attempted > 0 and result.failed == 0
