@@ -5,6 +5,7 @@ collective runs eagerly from host code or, inside ``jaxpg.spmd``, lowers to ``la
 collectives under ``shard_map``.
 """
 
+from jaxpg import ddp, pipeline  # noqa: E402  (subpackages, after the core they build on)
 from jaxpg.collectives import *  # noqa: F403
 from jaxpg.collectives import __all__ as _collectives_all
 from jaxpg.errors import (
@@ -19,8 +20,6 @@ from jaxpg.groups import __all__ as _groups_all
 from jaxpg.reduce_op import RedOpType, ReduceOp
 from jaxpg.spmd import spmd
 from jaxpg.stores import FileStore, HashStore, PrefixStore, Store, TCPStore
-
-from jaxpg import ddp, pipeline  # noqa: E402  (subpackages, after the core they build on)
 
 __version__ = "0.1.0"
 

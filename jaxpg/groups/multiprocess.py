@@ -175,7 +175,6 @@ def run_with_timeout(group: Any, fn: Any) -> Any:
 
     On timeout, the arrival keys name the ranks that never reached this collective.
     """
-    state = group._world
     seq, api = getattr(group, "_pending", (group.seq, "collective"))
 
     def call() -> Any:

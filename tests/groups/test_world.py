@@ -116,7 +116,8 @@ def test_new_subgroups_by_enumeration():
     assert [s.ranks for s in subs] == [(1, 6), (0, 2, 7)]
     assert cur is subs[1]
     assert subs[0].family == subs[1].family
-    with pytest.raises(ValueError, match=r"rank 2 appears in ranks_per_subgroup_list\[0\] and \[1\]"):
+    overlap = r"rank 2 appears in ranks_per_subgroup_list\[0\] and \[1\]"
+    with pytest.raises(ValueError, match=overlap):
         jaxpg.new_subgroups_by_enumeration([[1, 2], [2, 3]])
 
 

@@ -157,7 +157,8 @@ def run_all() -> None:
     x = jax.make_array_from_process_local_data(sharding, rows, (n, 3))
     f = jax.jit(jaxpg.spmd(lambda v: jaxpg.all_reduce(v) + jaxpg.get_rank()))
     out = f(x)
-    ok = all(close(np.asarray(s.data)[0], sum(data(r) for r in ranks) + world.ranks[s.index[0].start])
+    total = sum(data(r) for r in ranks)
+    ok = all(close(np.asarray(s.data)[0], total + world.ranks[s.index[0].start])
              for s in out.addressable_shards)
     check("spmd_all_reduce", ok)
 
