@@ -3,6 +3,7 @@
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.checker import check_timetable, default_in_flight_limits, peak_in_flight
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
+from jaxpg.pipeline.hybrid import bucketed_grad_reducer
 from jaxpg.pipeline.mesh import pipeline_mesh
 from jaxpg.pipeline.microbatch import merge_microbatches, split_microbatches
 from jaxpg.pipeline.nnx_stages import module_fn, split_module, stack_modules
@@ -28,5 +29,5 @@ __all__ = [
     "render_text", "render_png", "StagedParams", "pipeline_value_and_grad", "make_train_step",
     "init_train_state", "place_pipeline_params", "pipeline_mesh", "split_microbatches",
     "merge_microbatches", "StageMeta", "infer_stage_metadata", "BufferPlan", "plan_buffers",
-    "stack_modules", "split_module", "module_fn",
+    "stack_modules", "split_module", "module_fn", "bucketed_grad_reducer",
 ]

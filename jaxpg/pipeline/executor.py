@@ -252,7 +252,10 @@ def pipeline_value_and_grad(
             dimension ``p * v`` in model order; then ``first_fn`` and the head take ``()``).
         inputs: a pytree of arrays with the (global) batch as dimension 0.
         targets: a pytree of arrays with the same batch dimension.
-        mesh: a mesh with axis ``pp_axis`` and optionally ``dp_axis``.
+        mesh: a mesh with axis ``pp_axis`` and optionally ``dp_axis``: a
+            ``jax.sharding.Mesh``, a ``jaxpg.init_device_mesh(...)`` DeviceMesh, or a
+            ``jaxpg.HybridCommunicateGroup`` (its ``dp``/``pp`` dimensions; a model-parallel
+            ``mp`` dimension is left to the model).
         schedule: a schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
             ``"zb_h1"``) or a ``Timetable``.
         num_microbatches: ``m``; required with a schedule name.
@@ -272,8 +275,12 @@ def pipeline_value_and_grad(
             of the pipeline size, a batch not divisible by ``dp * m``, stage shapes that
             do not chain, or a timetable that does not fit.
     """
+    mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)  # hcg / DeviceMesh
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+        raise TypeError(
+            "mesh must be a jax.sharding.Mesh, a jaxpg DeviceMesh or a "
+            f"HybridCommunicateGroup; got {type(mesh).__name__}."
+        )
     if pp_axis not in mesh.axis_names:
         raise ValueError(
             f"mesh has axes {mesh.axis_names} but no pipeline axis {pp_axis!r}; build it "
