@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpg.collectives._dispatch import resolve
-from jaxpg.collectives.eager import local_count, run_eager
+from jaxpg.collectives.eager import holds_every_member, local_count, run_eager
 from jaxpg.collectives.gathers import exchange_sizes
 from jaxpg.collectives.work import completed
 
@@ -48,12 +48,11 @@ def _exchange(pg: Any, chunks: list[list[Any]], api: str) -> list[list[Any]]:
     return received
 
 
-def _one_kernel_suffices(pg: Any) -> bool:
+def _one_kernel_suffices(pg: Any, api: str) -> bool:
     """True when this process holds every rank of the family and its subgroups are all the
     group's size: each rank's chunks are then known here and equal in shape."""
     k = pg.size()
-    return (len(pg.local_members()) == len(pg.members)
-            and all(len(sub) == k for sub in pg.family))
+    return holds_every_member(pg, api) and all(len(sub) == k for sub in pg.family)
 
 
 def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
@@ -129,7 +128,7 @@ def all_to_all_single(input: Any, output_split_sizes: Sequence[int] | None = Non
         return completed(out.reshape(x.shape), async_op, api)
     n_local = local_count(pg, api)
     if (input_split_sizes is None and output_split_sizes is None
-            and not isinstance(input, (list, tuple)) and _one_kernel_suffices(pg)):
+            and not isinstance(input, (list, tuple)) and _one_kernel_suffices(pg, api)):
         shape = np.shape(input)
         dims = shape if n_local == 1 else shape[1:]
         if dims and dims[0] % k == 0 and (n_local == 1 or shape[0] == n_local):

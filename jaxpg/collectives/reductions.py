@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpg.collectives._dispatch import check_same_shapes, checked_op, group_rank_of, resolve
-from jaxpg.collectives.eager import run_eager
+from jaxpg.collectives.eager import local_count, run_eager
 from jaxpg.collectives.work import completed
 from jaxpg.reduce_op import ReduceOp
 
@@ -64,7 +64,7 @@ def reduce_scatter_tensor(input: Any, op: ReduceOp = ReduceOp.SUM, group: Any = 
     op = checked_op(op, input, api)
     k = pg.size()
     shape = np.shape(input)
-    per_rank_shape = shape if ctx is not None or len(pg.local_members()) == 1 else shape[1:]
+    per_rank_shape = shape if ctx is not None or local_count(pg, api) == 1 else shape[1:]
     if not per_rank_shape or per_rank_shape[0] % k:
         raise ValueError(
             f"{api}: input's dim 0 must be a multiple of the group size {k}; got shape "
