@@ -15,7 +15,8 @@ the data order is a function of the data position (e.g. ``DistributedSampler`` w
 ``set_epoch``).
 
 The arrays are saved as a flat ``{"00000": array, ...}`` dictionary in flatten order
-(PRNG keys as their raw ``key_data``), which orbax handles for any optimizer state; the
+(PRNG keys as their raw ``key_data``; empty arrays, which orbax refuses, are left out and
+taken from the model on restore), which orbax handles for any optimizer state; the
 JSON record keeps the paths so that restoring into a different model fails with a clear
 message.
 """
@@ -44,6 +45,7 @@ def _flat(ddp: Any) -> tuple[dict[str, Any], list[str]]:
     arrays = {
         f"{i:05d}": (jax.random.key_data(x) if _is_key(x) else x)
         for i, (_, x) in enumerate(leaves)
+        if x.size  # orbax refuses empty arrays; restore takes them from the model
     }
     return arrays, [jax.tree_util.keystr(p) for p, _ in leaves]
 
@@ -129,11 +131,12 @@ def restore_checkpoint(
     state = ddp.state_dict()
     tree = {k: state[k] for k in _PARTS}
     leaves, treedef = jax.tree.flatten(tree)
-    new = [
-        jax.random.wrap_key_data(restored[f"{i:05d}"], impl=jax.random.key_impl(old))
-        if _is_key(old) else restored[f"{i:05d}"]
-        for i, old in enumerate(leaves)
-    ]
+    new = []
+    for i, old in enumerate(leaves):
+        value = restored.get(f"{i:05d}", old)
+        if _is_key(old) and value is not old:
+            value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(old))
+        new.append(value)
     loaded = jax.tree.unflatten(treedef, new)
     ddp.load_state_dict({**loaded, "step": meta["step"]})
     return int(meta["step"]), dict(meta["data_state"])

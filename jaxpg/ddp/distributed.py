@@ -5,30 +5,20 @@ holder of replicated state plus a jitted :meth:`train_step` (see
 :mod:`jaxpg.ddp.train_step`): per-rank loss and gradients, the bucketed reducer with a
 communication hook, then the optax update, all in one ``shard_map`` over the group.
 
-Decisions:
+Decisions (the full table is in ``docs/ddp.md``):
 
 - **Models.** An ``nnx.Module`` is split into ``graphdef``, parameters (``nnx.Param``) and
   the rest (BatchNorm statistics, RNG state); ``loss_fn(model, batch)`` gets the merged
-  module. Anything else is taken as a *parameter pytree*, which is how Linen is
-  supported: pass ``variables["params"]`` and a ``loss_fn(params, batch)`` that calls
-  ``model.apply({"params": params}, ...)``. Linen's mutable collections (``batch_stats``)
-  are not carried; use NNX for BatchNorm.
-- **Construction** checks that every rank's parameter shapes and dtypes agree (the error
-  names the first parameter that differs and the ranks) and, with ``broadcast_params``,
-  replaces every rank's values by rank 0's. Parameters, the rest and the optimizer state
-  then live replicated over the group's mesh (``NamedSharding(pg.mesh, P())``).
-- **Batches** are this process's part of the global batch, leading (sample) dimension
-  first: the whole global batch when every rank is in this process, the rank's own batch
-  under ``jaxpg-run``. Rank ``i`` of the group trains on the ``i``-th equal slice.
-- **Hook state** (PowerSGD's error buffers) is per rank: it is stacked along a leading
-  rank axis laid out ``P(axis)``; :attr:`hook_state` shows it that way.
-- **no_sync** is torch's: steps inside ``with ddp.no_sync():`` add their local gradients
-  to a per-rank accumulator and neither communicate nor update; the first step outside
-  adds the accumulator to its own gradients, reduces once and applies the optimizer.
-  Gradients are *summed* over the micro-steps, as torch's ``.grad`` accumulates; divide
-  the loss by the number of micro-steps for an average.
-- **Evaluation.** :attr:`module` is a fresh NNX module holding a copy of the current
-  state (the step donates its buffers, so the copy stays valid).
+  module. Any other pytree is a *parameter pytree*, which is how Linen is supported: pass
+  ``variables["params"]`` and a ``loss_fn(params, batch)`` calling ``model.apply``.
+- **Construction** checks every rank's parameter shapes and dtypes (naming the first that
+  differs and the ranks) and replicates rank 0's values over ``pg.mesh`` (``P()``).
+- **Batches** are this process's part of the global batch, samples first; rank ``i`` of the
+  group trains on the ``i``-th equal slice of what its process passes.
+- **Hook state** is per rank, stacked on a leading rank axis laid out ``P(axis)``.
+- **no_sync** sums local gradients over micro-steps (torch's ``.grad`` accumulation); the
+  first step outside reduces once and steps the optimizer.
+- :attr:`module` is a new NNX module with a *copy* of the state (steps donate buffers).
 
 Example:
     >>> ddp = DistributedDataParallel(model, optax.adam(1e-3))
@@ -58,26 +48,6 @@ from jaxpg.ddp.join import Join
 from jaxpg.ddp.train_step import REDUCTIONS, StepMode, build_train_step
 
 __all__ = ["DistributedDataParallel"]
-
-
-def _split(module: Any) -> tuple[Any, Any, Any]:
-    from flax import linen, nnx
-
-    if isinstance(module, nnx.Module):
-        return nnx.split(module, nnx.Param, ...)
-    if isinstance(module, linen.Module):
-        raise TypeError(
-            "DistributedDataParallel: for a Linen module pass its parameters "
-            "(variables['params']) and a loss_fn(params, batch) that calls module.apply; "
-            f"got the module {type(module).__name__} itself."
-        )
-    leaves = jax.tree.leaves(module)
-    if not leaves or not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
-        raise TypeError(
-            "DistributedDataParallel: module must be an nnx.Module or a non-empty pytree of "
-            f"parameter arrays (Linen's variables['params']); got {type(module).__name__}."
-        )
-    return None, module, None
 
 
 class DistributedDataParallel:
@@ -140,7 +110,7 @@ class DistributedDataParallel:
         self.optimizer = optimizer
         self.reduction = reduction
         self.donate = donate
-        self._graphdef, params, rest = _split(module)
+        self._graphdef, params, rest = param_sync.split_model(module)
         signatures = param_sync.gather_param_signatures(params, self.group)
         param_sync.verify_param_shapes(signatures, list(self.group.ranks))
         self.bucket_plan: BucketPlan = make_bucket_plan(params, bucket_cap_mb, first_bucket_mb)

@@ -2,6 +2,8 @@
 
 What torch's ``DistributedDataParallel.__init__`` does before training, in JAX terms:
 
+- :func:`split_model` separates an NNX module's parameters from the rest of its state
+  (a Linen parameter pytree is all parameters).
 - :func:`verify_param_shapes` is ``_verify_param_shape_across_processes``: every rank's
   *signature* (path, shape and dtype of each parameter) must be the same; the error names
   the first parameter that differs and the ranks that disagree.
@@ -27,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "split_model",
     "ParamSignature",
     "param_signature",
     "verify_param_shapes",
@@ -38,6 +41,27 @@ __all__ = [
 ]
 
 ParamSignature = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+def split_model(module: Any) -> tuple[Any, Any, Any]:
+    """``(graphdef, params, rest)`` of an NNX module; ``(None, params, None)`` for a pytree."""
+    from flax import linen, nnx
+
+    if isinstance(module, nnx.Module):
+        return nnx.split(module, nnx.Param, ...)
+    if isinstance(module, linen.Module):
+        raise TypeError(
+            "DistributedDataParallel: for a Linen module pass its parameters "
+            "(variables['params']) and a loss_fn(params, batch) that calls module.apply; "
+            f"got the module {type(module).__name__} itself."
+        )
+    leaves = jax.tree.leaves(module)
+    if not leaves or not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+        raise TypeError(
+            "DistributedDataParallel: module must be an nnx.Module or a non-empty pytree of "
+            f"parameter arrays (Linen's variables['params']); got {type(module).__name__}."
+        )
+    return None, module, None
 
 
 def all_local(pg: Any) -> bool:

@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpg.ddp._axis import axis_size, to_varying
+from jaxpg.ddp._flat import concat_1d
 from jaxpg.ddp.grad_bucket import GradBucket
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -186,9 +187,7 @@ def _split(flat: jax.Array, shapes: list[tuple[int, int]]) -> list[jax.Array]:
 
 
 def _concat(arrays: list[jax.Array], dtype: Any) -> jax.Array:
-    if not arrays:
-        return jnp.zeros((0,), dtype)
-    return jnp.concatenate([a.reshape(-1) for a in arrays])
+    return concat_1d(arrays, dtype)
 
 
 def _low_rank(matrices, state, index, config, q_shapes, world_size, axis, dtype):

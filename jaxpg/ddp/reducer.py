@@ -39,10 +39,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxpg.ddp._axis import AxisName, axis_tuple
+from jaxpg.ddp._flat import concat_1d
 from jaxpg.ddp.bucket_plan import BucketPlan
 from jaxpg.ddp.comm_hooks import CommHook, allreduce_hook
 from jaxpg.ddp.grad_bucket import GradBucket
@@ -122,8 +122,7 @@ def reduce_gradients(
     out_leaves: list[Any] = list(leaves)
     last = len(plan.buckets) - 1
     for bucket in plan.buckets:
-        parts = [jnp.ravel(leaves[i]) for i in bucket.leaf_indices]
-        buffer = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        buffer = concat_1d([leaves[i] for i in bucket.leaf_indices])
         grad_bucket = GradBucket(
             index=bucket.index,
             buffer=buffer,

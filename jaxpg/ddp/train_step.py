@@ -12,6 +12,11 @@ Per rank (axis ``pg.axis_name``), the step
 5. applies the optax update, identically on every rank, so the new parameters and
    optimizer state stay replicated.
 
+Inside ``loss_fn``, ``jaxpg.get_rank()`` is the traced rank and jaxpg collectives lower
+to ``lax`` collectives on the group's axis, as in ``jaxpg.spmd``. Module RNG state is
+replicated, so a module's dropout draws the same mask on every rank (each on its own data);
+fold ``jaxpg.get_rank()`` into a key in ``loss_fn`` for per-rank masks.
+
 The step runs under ``shard_map(check_vma=False)``: gradients taken *inside* the per-rank
 function are the local ones (with ``check_vma=True`` JAX would insert the ``psum`` itself
 when differentiating a replicated input), and the reducer is the only place gradients are
@@ -200,9 +205,16 @@ def build_train_step(
         new_hook = jax.tree.map(lambda x: x[None], new_hook)
         return new_params, new_rest, new_opt, new_hook, None, metrics
 
+    def body_in_context(*args):
+        # jaxpg collectives and jaxpg.get_rank() inside loss_fn lower onto this mesh.
+        from jaxpg.spmd import SpmdContext
+
+        with SpmdContext(pg.mesh, pg._world):
+            return body(*args)
+
     rank_axis = P(axis)
     mapped = jax.shard_map(
-        body,
+        body_in_context,
         mesh=pg.mesh,
         in_specs=(P(), P(), P(), rank_axis, rank_axis, rank_axis, rank_axis),
         out_specs=(P(), P(), P(), rank_axis, rank_axis, P()),

@@ -200,3 +200,19 @@ def test_has_aux_metrics_are_averaged(world):
     np.testing.assert_allclose(float(metrics["aux"]["accuracy"]), want, rtol=1e-6)
 
 
+
+
+def test_rank_and_collectives_inside_loss_fn(world):
+    import jaxpg
+
+    pg = group(4)
+
+    def loss_with_rank(model, batch):
+        rank = jaxpg.get_rank(pg)
+        total = jaxpg.all_reduce(jnp.float32(1), group=pg)  # lowers to psum on the DDP axis
+        return loss_fn(model, batch), {"rank": rank.astype(jnp.float32), "size": total}
+
+    ddp = DistributedDataParallel(MLP(0), optax.sgd(0.1), group=pg)
+    metrics = ddp.train_step(loss_with_rank, make_batches(1, 16)[0], has_aux=True)
+    assert float(metrics["aux"]["rank"]) == 1.5  # mean of ranks 0..3
+    assert float(metrics["aux"]["size"]) == 4
