@@ -21,18 +21,21 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.spmd import SpmdContext
 
-__all__ = ["run_eager", "local_count", "clear_kernel_cache"]
+__all__ = ["run_eager", "local_count", "holds_every_member", "clear_kernel_cache"]
 
 _kernels: dict[tuple, Callable[..., Any]] = {}
 # group.id -> (ranks of the family held here, whether that is all of them, input sharding):
 # fixed for a group's lifetime, and computed once so a small eager call costs little.
 _plans: dict[int, tuple[int, bool, NamedSharding]] = {}
+# flat kernel key -> which of its outputs are 0-d (recorded while the kernel is traced)
+_flat_scalars: dict[tuple, list[bool]] = {}
 
 
 def clear_kernel_cache() -> None:
     """Forgets every compiled eager kernel (``destroy_process_group`` calls it)."""
     _kernels.clear()
     _plans.clear()
+    _flat_scalars.clear()
 
 
 def _plan(group: Any, api: str) -> tuple[int, bool, NamedSharding]:
@@ -54,6 +57,11 @@ def local_count(group: Any, api: str) -> int:
     return _plan(group, api)[0]
 
 
+def holds_every_member(group: Any, api: str) -> bool:
+    """Returns True if this process holds every rank of ``group``'s family (raises if none)."""
+    return _plan(group, api)[1]
+
+
 def _as_stacked(x: Any, n_local: int, api: str, arg: str) -> Any:
     if isinstance(x, jax.Array):
         arr = x
@@ -73,9 +81,12 @@ def _as_stacked(x: Any, n_local: int, api: str, arg: str) -> Any:
     return arr
 
 
-def _to_global(arr: Any, group: Any, sharding: NamedSharding, all_local: bool) -> jax.Array:
-    if isinstance(arr, jax.Array) and arr.sharding == sharding:
-        return arr
+def _to_global(arr: Any, group: Any, sharding: NamedSharding, all_local: bool) -> Any:
+    if isinstance(arr, jax.Array):
+        if arr.sharding == sharding:
+            return arr
+    elif all_local and isinstance(arr, np.ndarray):
+        return arr  # the kernel's in_shardings put it on the devices, cheaper than device_put
     if all_local:
         return jax.device_put(arr, sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(arr),
@@ -93,6 +104,59 @@ def _local_part(out: jax.Array, group: Any, n_local: int, all_local: bool) -> An
     return jax.make_array_from_single_device_arrays(
         (n_local, *out.shape[1:]), NamedSharding(mesh, P("local")), [s.data for s in shards]
     )
+
+
+def _run_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
+              inputs: dict[str, Any], sharding: NamedSharding) -> Any:
+    """One rank here, the others in other processes: no copies in or out.
+
+    This rank's data is block ``i`` of a ``[k * m, ...]`` global array (``x`` itself when it
+    is a one-device array: ``make_array_from_single_device_arrays`` copies nothing), and its
+    result is the kernel's one addressable shard. The stacked form would add a leading axis
+    on the way in and index it away on the way out: two full copies per call. Returns
+    ``NotImplemented`` for 0-d inputs and multi-device arrays (the stacked path takes them).
+    """
+    names = tuple(sorted(inputs))
+    vals = [inputs[k] for k in names]
+    if any(np.ndim(v) == 0 or (isinstance(v, jax.Array) and len(v.sharding.device_set) != 1)
+           for v in vals):
+        return NotImplemented
+    state, k = group._world, len(group.members)
+    dev = next(iter(sharding.addressable_devices))
+    args = []
+    for name, v in zip(names, vals):
+        if isinstance(v, jax.Array):
+            v = v if v.sharding.device_set == {dev} else jax.device_put(v, dev)
+            args.append(jax.make_array_from_single_device_arrays(
+                (k * v.shape[0], *v.shape[1:]), sharding, [v]))
+        else:
+            v = _as_stacked(v, 1, api, name)[0]  # numpy, dtype as the stacked path
+            args.append(jax.make_array_from_process_local_data(
+                sharding, v, (k * v.shape[0], *v.shape[1:])))
+    key = (group.id, api, static_key, names,
+           tuple((tuple(a.shape[1:]), a.dtype) for a in args), "flat")
+    kernel = _kernels.get(key)
+    if kernel is None:
+        mesh, axis = group.family_mesh, group.axis_name
+
+        def per_rank(*blocks: Any) -> Any:
+            with SpmdContext(mesh, state) as ctx:
+                out = body(ctx.layout(group), **dict(zip(names, blocks)))
+            leaves, tree = jax.tree.flatten(out)
+            _flat_scalars[key] = [a.ndim == 0 for a in leaves]  # set while tracing
+            return jax.tree.unflatten(tree, [a[None] if a.ndim == 0 else a for a in leaves])
+
+        kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis),
+                                       out_specs=P(axis), check_vma=False))
+        _kernels[key] = kernel
+    from jaxpg.groups import multiprocess
+
+    multiprocess.before_collective(group, api)
+    out = multiprocess.run_with_timeout(group, lambda: kernel(*args))
+    leaves, tree = jax.tree.flatten(out)
+    parts = [o.addressable_shards[0].data for o in leaves]
+    parts = [p[0] if s else p for p, s in zip(parts, _flat_scalars[key])]
+    return jax.tree.unflatten(tree, parts)
 
 
 def run_eager(
@@ -116,6 +180,10 @@ def run_eager(
     """
     n_local, all_local, sharding = _plan(group, api)
     state = group._world
+    if state.multiprocess and n_local == 1 and not all_local:
+        out = _run_flat(group, api, static_key, body, inputs, sharding)
+        if out is not NotImplemented:
+            return out
     names = tuple(sorted(inputs))
     stacked = [_as_stacked(inputs[k], n_local, api, k) for k in names]
     sig = tuple((tuple(a.shape[1:]), a.dtype) for a in stacked)
@@ -131,7 +199,8 @@ def run_eager(
             return jax.tree.map(lambda a: jnp.expand_dims(a, 0), out)
 
         kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis),
-                                       out_specs=P(axis), check_vma=False))
+                                       out_specs=P(axis), check_vma=False),
+                         in_shardings=sharding)
         _kernels[key] = kernel
     if state.multiprocess:
         from jaxpg.groups import multiprocess

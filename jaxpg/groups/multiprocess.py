@@ -5,10 +5,13 @@ says the job spans processes. After the rendezvous (``jaxpg.rendezvous``) JAX's
 coordination service runs; its key/value store is the world's Store, and XLA's own
 collectives (gloo or MPI on CPU, NCCL on GPU) move every tensor byte.
 
-Every eager collective first marks this process's arrival under
-``arrive/<group>/<seq>/<process>`` (one key/value RPC), then waits for its result for at
-most the group's timeout. If the result does not come, the arrival keys tell which
-processes never reached that collective, and the DistTimeoutError names their ranks.
+Every eager collective notes its sequence number as this process's progress in the group
+(``<group>/progress/<process>``, a counter that always equals the highest sequence number
+this process reached), then waits for its result for at most the group's timeout. A
+background thread writes the progress counters, at most one key/value RPC per group every
+20 ms however many collectives run, so a small collective pays no round trip to the
+coordination service. If the result does not come, the counters tell which processes never
+reached that collective, and the DistTimeoutError names their ranks.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ __all__ = ["init_world", "shutdown_world", "on_groups_created", "before_collecti
 class _Runner:
     """One daemon thread that runs eager kernels, so the caller can stop waiting.
 
-    On CPU, XLA runs a collective on the dispatching thread, so a peer that never arrives
-    would block the caller forever. Kernels run here instead; the caller waits with a
-    timeout. A thread left stuck in a dead collective is abandoned (it is a daemon, so it
-    does not keep the process alive) and a fresh one serves later calls.
+    On CPU, XLA runs a collective on the dispatching thread when it counts it cheap (under
+    1000 flops: a small all_reduce; all_gather, all_to_all and ppermute, which have no
+    flops, at any size), so a peer that never arrives would block the caller forever.
+    Kernels run here instead; the caller waits with a timeout. A thread left stuck in a
+    dead collective is abandoned (it is a daemon, so it does not keep the process alive)
+    and a fresh one serves later calls.
     """
 
     def __init__(self) -> None:
@@ -68,6 +73,61 @@ class _Runner:
 
 
 _runner = _Runner()
+
+
+class _Progress:
+    """Publishes each group's highest sequence number this process reached, in the background.
+
+    ``note`` only records the number and wakes the thread. The thread raises the group's
+    counter ``progress/<process>`` (``add`` of the difference: one RPC, no lock) and then
+    rests ``_PERIOD`` seconds, so a loop of many small collectives costs a few RPCs a second
+    instead of one each. A process stuck in a collective has published its number long
+    before a peer's timeout reads it; ``publish_now`` writes this process's at once.
+    """
+
+    _PERIOD = 0.02
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: dict[Any, list[int]] = {}  # group -> [reached, published]
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def note(self, group: Any, seq: int) -> None:
+        with self._lock:
+            entry = self._latest.setdefault(group, [0, 0])
+            entry[0] = max(entry[0], seq)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="jaxpg-progress",
+                                                daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def publish_now(self, group: Any | None = None) -> None:
+        with self._lock:
+            todo = [(g, e[0] - e[1]) for g, e in self._latest.items()
+                    if e[0] > e[1] and (group is None or g is group)]
+            for g, delta in todo:
+                self._latest[g][1] += delta
+        for g, delta in todo:
+            try:
+                g.store.add(f"progress/{g._world.process_index}", delta)
+            except Exception:  # noqa: BLE001 (a lost store shows in the collective itself)
+                pass
+
+    def forget(self) -> None:
+        with self._lock:
+            self._latest.clear()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            self.publish_now()
+            time.sleep(self._PERIOD)
+
+
+_progress = _Progress()
 
 
 def init_world(backend: str | None, init_method: str | None, timeout: datetime.timedelta,
@@ -110,6 +170,7 @@ def shutdown_world(state: Any) -> None:
     from jaxpg.rendezvous import shutdown_jax_distributed
 
     clear_kernel_cache()
+    _progress.forget()
     try:
         if state.store is not None:
             state.store.close()
@@ -159,21 +220,22 @@ def on_groups_created(state: Any, groups: Sequence[Any]) -> None:
 
 
 def before_collective(group: Any, api: str) -> None:
-    """Marks this process's arrival at the group's next collective."""
+    """Notes this process's arrival at the group's next collective (published in the
+    background, see ``_Progress``)."""
     from jaxpg.stores import PrefixStore
 
     state = group._world
     if group.store is None:
         group.store = PrefixStore(group.group_name, state.store)
     seq = group.next_seq()
-    group.store.add(f"arrive/{seq}/{state.process_index}", 1)
+    _progress.note(group, seq)
     group._pending = (seq, api)
 
 
 def run_with_timeout(group: Any, fn: Any) -> Any:
     """Runs ``fn`` (dispatch and wait) for at most the group's timeout.
 
-    On timeout, the arrival keys name the ranks that never reached this collective.
+    On timeout, the progress counters name the ranks that never reached this collective.
     """
     seq, api = getattr(group, "_pending", (group.seq, "collective"))
 
@@ -190,7 +252,7 @@ def run_with_timeout(group: Any, fn: Any) -> Any:
         return fut.result(timeout=seconds)
     except concurrent.futures.TimeoutError:
         _runner.abandon()
-        ranks = _missing_ranks(group, seq)
+        ranks = _missing_ranks(group, seq, grace=0.25)
         raise DistTimeoutError(
             f"{api} on group {group.group_name!r} (sequence number {seq}) did not finish "
             f"within {seconds:.1f} s; ranks that did not arrive: {ranks}"
@@ -198,18 +260,34 @@ def run_with_timeout(group: Any, fn: Any) -> Any:
             + "."
         ) from None
     except Exception as err:  # XLA's collectives report a lost peer as a runtime error
-        ranks = _missing_ranks(group, seq)
+        ranks = _missing_ranks(group, seq, grace=1.0)
         raise DistNetworkError(
             f"{api} on group {group.group_name!r} (sequence number {seq}) failed: {err}; "
             f"ranks that did not arrive: {ranks}."
         ) from err
 
 
-def _missing_ranks(group: Any, seq: int) -> list[int]:
+def _missing_ranks(group: Any, seq: int, grace: float) -> list[int]:
+    """The ranks whose processes' progress in ``group`` is below ``seq``.
+
+    Progress is published in the background (every ``_Progress._PERIOD`` s), so this
+    writes this process's own at once and gives peers' counters ``grace`` seconds to
+    catch up (a failure can come before their last write).
+    """
     state = group._world
-    procs = _processes_of(state, group.members)
-    missing = [p for p in procs if not group.store.check([f"arrive/{seq}/{p}"])]
-    return _ranks_of_processes(state, missing, group.members)
+    _progress.publish_now(group)
+    procs = [p for p in _processes_of(state, group.members) if p != state.process_index]
+    deadline = time.monotonic() + grace
+
+    def reached(p: int) -> int:
+        key = f"progress/{p}"
+        return int(group.store.get(key)) if group.store.check([key]) else 0
+
+    while True:
+        missing = [p for p in procs if reached(p) < seq]
+        if not missing or time.monotonic() >= deadline:
+            return _ranks_of_processes(state, missing, group.members)
+        time.sleep(0.02)
 
 
 def monitored_barrier(group: Any, timeout: datetime.timedelta, wait_all_ranks: bool) -> None:

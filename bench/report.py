@@ -1,0 +1,131 @@
+"""Writes the README's benchmark section from bench/results/*.json.
+
+Run after the benchmarks: ``python bench/report.py`` replaces the text between the
+``<!-- BENCHMARKS -->`` and ``<!-- /BENCHMARKS -->`` markers in README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _size(n: int) -> str:
+    for unit, div in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def collectives() -> list[str]:
+    d = _load("collectives.json")
+    if d is None:
+        return []
+    out = ["### Collectives, one process, 8 simulated CPU devices (`bench/collectives.py`)", "",
+           "Eager jaxpg call (input already a sharded global array, and a fresh numpy array) "
+           "against a hand-written jitted `shard_map` of the same lax op; medians.", "",
+           "| size | collective | hand-written µs | eager µs | overhead | eager from numpy µs "
+           "| busbw GB/s (eager) |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        if r["size_bytes"] not in (1024, 1 << 20, 16 << 20):
+            continue
+        m, o = r["median_us"], r["overhead_pct"]
+        out.append(f"| {_size(r['size_bytes'])} | {r['collective']} | {m['handwritten']:.0f} | "
+                   f"{m['eager_sharded']:.0f} | {o['eager_sharded']:+.1f}% | "
+                   f"{m['eager_host']:.0f} | {r['busbw_GBps']['eager_sharded']:.3f} |")
+    return out + [""]
+
+
+def collectives_mp() -> list[str]:
+    d = _load("collectives_mp.json")
+    if d is None:
+        return []
+    out = ["### Collectives across processes vs torch.distributed (gloo) "
+           "(`bench/collectives_mp.py`)", "",
+           "Bus bandwidth (nccl-tests' definitions) of jaxpg's eager call, torch 2.13 gloo, and a "
+           "plain jitted `psum` across the same JAX processes (the XLA floor); medians.", "",
+           "| N | op | size | jaxpg GB/s | torch GB/s | XLA psum GB/s | jaxpg / torch |",
+           "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        if r["size_bytes"] not in (4096, 1 << 20, 16 << 20, 64 << 20):
+            continue
+        b = r["busbw_GBps"]
+        ratio = b["jaxpg"] / b["torch"] if b.get("torch") else float("nan")
+        xla = f"{b['xla']:.3f}" if b.get("xla") is not None else "-"
+        out.append(f"| {r['n']} | {r['op']} | {_size(r['size_bytes'])} | {b['jaxpg']:.3f} | "
+                   f"{b.get('torch', float('nan')):.3f} | {xla} | {ratio:.2f} |")
+    return out + [""]
+
+
+def ddp() -> list[str]:
+    d = _load("ddp.json")
+    if d is None:
+        return []
+    cfg = d["config"]
+    out = ["### DDP (`bench/ddp.py`)", "",
+           f"MLP {cfg['layers']} ({cfg['params'] / 1e6:.1f}M parameters), "
+           f"{cfg['per_rank_batch']} samples per rank, {cfg['optimizer']}.", "",
+           "| framework | N | where | step ms | samples/s |", "|---|---:|---|---:|---:|"]
+    for r in d["frameworks"]:
+        out.append(f"| {r['name']} | {r['n']} | {r['where']} | {r['step_ms']:.0f} | "
+                   f"{r['samples_per_s']:.1f} |")
+    out += ["", "| N = 2, one process | buckets | samples/s |", "|---|---:|---:|"]
+    for r in d["sweep"]:
+        out.append(f"| {r['name']} | {r.get('buckets', '-')} | {r['samples_per_s']:.1f} |")
+    return out + ["", "![DDP](bench/results/ddp.png)", ""]
+
+
+def pipeline() -> list[str]:
+    out = []
+    b = _load("pipeline_bubbles.json")
+    if b is not None:
+        out += ["### Pipeline schedules (`bench/pipeline_bubbles.py`, `bench/pipeline.py`)", "",
+                f"Bubble fraction ({b['unit']}), p = 4, m = 8:", "",
+                "| schedule | v | ticks | bubble | theory |", "|---|---:|---:|---:|---:|"]
+        for r in b["results"]:
+            if r["p"] == 4 and r["m"] == 8:
+                out.append(f"| {r['schedule']} | {r['v']} | {r['ticks']} | {r['bubble']:.4f} | "
+                           f"{r['theory_bubble']:.4f} |")
+        out.append("")
+    d = _load("pipeline.json")
+    if d is not None:
+        out += ["Compiled memory (XLA `temp_size_in_bytes`) and saved-activation slots, p = 4:",
+                "", "| schedule | m | temp MB | activation slots |", "|---|---:|---:|---:|"]
+        for r in d["memory"]:
+            out.append(f"| {r['schedule']} | {r['m']} | {r['temp_bytes'] / 1e6:.2f} | "
+                       f"{r['act_slots']} |")
+        comp = {(r["schedule"], r["m"]): r["compile_s"] for r in d["compile"]}
+        out += ["", "| schedule | compile m=8 s | compile m=64 s | ratio |", "|---|---:|---:|---:|"]
+        for s in sorted({k[0] for k in comp}):
+            if (s, 8) in comp and (s, 64) in comp:
+                out.append(f"| {s} | {comp[s, 8]:.2f} | {comp[s, 64]:.2f} | "
+                           f"{comp[s, 64] / comp[s, 8]:.2f} |")
+        out += ["", "| framework | schedule | m | step ms |", "|---|---|---:|---:|"]
+        for r in d["steps"]:
+            out.append(f"| {r['framework']} | {r['schedule']} | {r['m']} | {r['step_ms']:.0f} |")
+        out += ["", "![1F1B](bench/results/schedule_1f1b.png)", ""]
+    return out
+
+
+def main() -> None:
+    body = "\n".join(collectives() + collectives_mp() + ddp() + pipeline())
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    block = f"<!-- BENCHMARKS -->\n{body}\n<!-- /BENCHMARKS -->"
+    text = re.sub(r"<!-- BENCHMARKS -->.*?(<!-- /BENCHMARKS -->|$)", lambda _: block, text,
+                  count=1, flags=re.S)
+    readme.write_text(text)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
