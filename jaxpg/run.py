@@ -178,6 +178,9 @@ def _visible_gpus() -> list[str]:
         return []
 
 
+_GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+
+
 def worker_env(
     base: dict[str, str],
     *,
@@ -225,6 +228,12 @@ def worker_env(
     if gpus:
         start = local_rank * devices_per_proc
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[start : start + devices_per_proc])
+    else:
+        # XLA's CPU collectives allocate a fresh output buffer per call; with glibc's default
+        # thresholds every large one is a new mmap and pays its page faults again (64 MB:
+        # ~35 ms). Keeping big blocks in the heap made 16 MB reduce_scatter 2-3x faster
+        # (bench/results/collectives_mp.json, allocator_experiment). The user's setting wins.
+        env.setdefault("GLIBC_TUNABLES", _GLIBC_TUNABLES)
     return env
 
 

@@ -62,6 +62,15 @@ def test_worker_env_replaces_the_device_count_and_shares_gpus():
     assert env["XLA_FLAGS"] == "--xla_other=1 --xla_force_host_platform_device_count=2"
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"]) == ("3", "1", "1")
+    assert "GLIBC_TUNABLES" not in env  # GPU workers keep the allocator as it is
+
+
+def test_cpu_workers_keep_large_buffers_in_the_heap_unless_told_otherwise():
+    common = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                  master_addr="127.0.0.1", master_port=1)
+    env = worker_env({}, **common)
+    assert env["GLIBC_TUNABLES"].startswith("glibc.malloc.mmap_threshold=33554432")
+    assert worker_env({"GLIBC_TUNABLES": "mine"}, **common)["GLIBC_TUNABLES"] == "mine"
 
 
 @pytest.mark.slow
