@@ -22,4 +22,5 @@ def world():
         jaxpg.destroy_process_group()
     jaxpg.init_process_group()
     yield jaxpg.GroupMember.WORLD
-    jaxpg.destroy_process_group()
+    if jaxpg.is_initialized():
+        jaxpg.destroy_process_group()

@@ -1,14 +1,7 @@
 import pytest
 
-import jaxpg
-
 
 @pytest.fixture(autouse=True)
-def fresh_world():
-    """Each test starts from a new 8-rank world on the simulated devices."""
-    if jaxpg.is_initialized():
-        jaxpg.destroy_process_group()
-    jaxpg.init_process_group()
-    yield
-    if jaxpg.is_initialized():
-        jaxpg.destroy_process_group()
+def fresh_world(world):
+    """Every test here starts from a new 8-rank world (tests/conftest.py's ``world``)."""
+    yield world

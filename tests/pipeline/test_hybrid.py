@@ -7,15 +7,6 @@ import jaxpg
 from jaxpg.pipeline import bucketed_grad_reducer, pipeline_value_and_grad
 
 
-@pytest.fixture
-def world():
-    if jaxpg.is_initialized():
-        jaxpg.destroy_process_group()
-    jaxpg.init_process_group()
-    yield
-    jaxpg.destroy_process_group()
-
-
 @pytest.mark.parametrize("cap_mb", [1e-4, 25])  # many small buckets, and one bucket
 def test_hcg_dp2_pp4_with_bucketed_reducer_matches_reference(world, cap_mb):
     hcg = jaxpg.HybridCommunicateGroup(dp_degree=2, pp_degree=4)
