@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpg.collectives._dispatch import resolve
-from jaxpg.collectives.eager import holds_every_member, local_count, run_eager
+from jaxpg.collectives.eager import local_count, run_eager
 from jaxpg.collectives.gathers import exchange_sizes
 from jaxpg.collectives.work import completed
 
@@ -46,13 +46,6 @@ def _exchange(pg: Any, chunks: list[list[Any]], api: str) -> list[list[Any]]:
             row.append(got[i][:n].reshape((n, *trailing)))
         received.append(row)
     return received
-
-
-def _one_kernel_suffices(pg: Any, api: str) -> bool:
-    """True when this process holds every rank of the family and its subgroups are all the
-    group's size: each rank's chunks are then known here and equal in shape."""
-    k = pg.size()
-    return holds_every_member(pg, api) and all(len(sub) == k for sub in pg.family)
 
 
 def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
@@ -127,8 +120,11 @@ def all_to_all_single(input: Any, output_split_sizes: Sequence[int] | None = Non
         out = ctx.layout(pg).all_to_all(x.reshape((k, -1, *x.shape[1:])))
         return completed(out.reshape(x.shape), async_op, api)
     n_local = local_count(pg, api)
+    # Even splits (no split sizes): every rank passes the same shape, as torch requires, so
+    # the SPMD lowering runs as one kernel, across processes too.
     if (input_split_sizes is None and output_split_sizes is None
-            and not isinstance(input, (list, tuple)) and _one_kernel_suffices(pg, api)):
+            and not isinstance(input, (list, tuple))
+            and all(len(sub) == k for sub in pg.family)):
         shape = np.shape(input)
         dims = shape if n_local == 1 else shape[1:]
         if dims and dims[0] % k == 0 and (n_local == 1 or shape[0] == n_local):

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 CHECKS_ONE_RANK = {
     "all_reduce_sum", "all_reduce_bxor", "subgroup_all_reduce", "all_gather",
-    "all_gather_uneven", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+    "all_gather_uneven", "all_gather_into_tensor", "all_to_all_single_even",
+    "reduce_scatter_tensor", "broadcast",
     "reduce", "gather", "scatter", "all_to_all_uneven", "all_to_all_single_uneven",
     "batch_isend_irecv_ring", "all_gather_object", "broadcast_object_list",
     "scatter_object_list", "spmd_all_reduce", "barriers",

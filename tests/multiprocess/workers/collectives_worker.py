@@ -114,6 +114,11 @@ def run_all() -> None:
         want = np.concatenate([np.full(j + me + 1, 10 * j + me, np.float32) for j in ranks])
         check("all_to_all_single_uneven", out.shape == want.shape and (out == want).all())
 
+        even = np.asarray(jaxpg.all_to_all_single(np.arange(2 * n, dtype=np.float32) + 100 * me))
+        want = np.concatenate([np.arange(2 * me, 2 * me + 2, dtype=np.float32) + 100 * j
+                               for j in ranks])
+        check("all_to_all_single_even", (even == want).all())
+
         # point-to-point with unknown shapes: one tensor, then several
         if me == 0:
             jaxpg.send(jnp.arange(6.0).reshape(2, 3), dst=n - 1)
