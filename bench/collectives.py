@@ -59,6 +59,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _sizes import fmt_size, parse_size  # noqa: E402  (bench/ is sys.path[0])
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -78,19 +79,6 @@ def bus_factor(name: str, n: int) -> float:
     if name == "broadcast":
         return 1.0
     return (n - 1) / n
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def fmt_size(nbytes: int) -> str:
-    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes // scale}{unit}"
-    return f"{nbytes}B"
 
 
 def make_case(name: str, size: int, n: int, mesh, axis: str, sharding):

@@ -50,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _sizes import fmt_size, parse_size  # noqa: E402  (bench/ is sys.path[0])
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 WORKER = ROOT / "bench" / "_collectives_mp_worker.py"
@@ -71,19 +73,6 @@ NOTES = [
     "moves S; all_to_all_single across processes exchanges split sizes and slices and "
     "concatenates on the host (jaxpg/collectives/all_to_all.py) before the one kernel.",
 ]
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def fmt_size(nbytes: int) -> str:
-    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes // scale}{unit}"
-    return f"{nbytes}B"
 
 
 def sizes_between(lo: int, hi: int, step: int) -> list[int]:

@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+from _sizes import fmt_size
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
@@ -17,13 +19,6 @@ RESULTS = ROOT / "bench" / "results"
 def _load(name: str) -> dict | None:
     path = RESULTS / name
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def _size(n: int) -> str:
-    for unit, div in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= div:
-            return f"{n // div}{unit}"
-    return str(n)
 
 
 def collectives() -> list[str]:
@@ -39,7 +34,7 @@ def collectives() -> list[str]:
         if r["size_bytes"] not in (1024, 1 << 20, 16 << 20):
             continue
         m, o = r["median_us"], r["overhead_pct"]
-        out.append(f"| {_size(r['size_bytes'])} | {r['collective']} | {m['handwritten']:.0f} | "
+        out.append(f"| {fmt_size(r['size_bytes'])} | {r['collective']} | {m['handwritten']:.0f} | "
                    f"{m['eager_sharded']:.0f} | {o['eager_sharded']:+.1f}% | "
                    f"{m['eager_host']:.0f} | {r['busbw_GBps']['eager_sharded']:.3f} |")
     return out + [""]
@@ -63,7 +58,7 @@ def collectives_mp() -> list[str]:
         b = r["busbw_GBps"]
         ratio = b["jaxpg"] / b["torch"] if b.get("torch") else float("nan")
         xla = f"{b['xla']:.3f}" if b.get("xla") is not None else "-"
-        out.append(f"| {r['n']} | {r['op']} | {_size(r['size_bytes'])} | {b['jaxpg']:.3f} | "
+        out.append(f"| {r['n']} | {r['op']} | {fmt_size(r['size_bytes'])} | {b['jaxpg']:.3f} | "
                    f"{b.get('torch', float('nan')):.3f} | {xla} | {ratio:.2f} |")
     return out + [""]
 
