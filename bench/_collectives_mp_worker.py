@@ -160,7 +160,7 @@ def breakdown(size: int, rank: int, n: int, mesh: Mesh, reps: int) -> dict:
         "out, stacked (before): shard.data[0] copy": lambda: gs.addressable_shards[0].data[0],
         "arrival RPC, synchronous (before): store.add": lambda: pg.store.add(
             f"bench_arrive/{next(counter)}", 1),
-        "worker-thread handoff (run_with_timeout)": lambda: (
+        "worker-thread handoff (run_collective)": lambda: (
             multiprocess._runner.submit(lambda: None).result()),
     }
     res = {}

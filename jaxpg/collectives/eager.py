@@ -149,14 +149,20 @@ def _run_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
         kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis),
                                        out_specs=P(axis), check_vma=False))
         _kernels[key] = kernel
-    from jaxpg.groups import multiprocess
-
-    multiprocess.before_collective(group, api)
-    out = multiprocess.run_with_timeout(group, lambda: kernel(*args))
+    out = _call(group, api, kernel, args)
     leaves, tree = jax.tree.flatten(out)
     parts = [o.addressable_shards[0].data for o in leaves]
     parts = [p[0] if s else p for p, s in zip(parts, _flat_scalars[key])]
     return jax.tree.unflatten(tree, parts)
+
+
+def _call(group: Any, api: str, kernel: Callable[..., Any], args: list[Any]) -> Any:
+    """Runs the kernel; across processes, with progress marks and the group's timeout."""
+    if not group._world.multiprocess:
+        return kernel(*args)
+    from jaxpg.groups import multiprocess
+
+    return multiprocess.run_collective(group, api, lambda: kernel(*args))
 
 
 def run_eager(
@@ -202,17 +208,7 @@ def run_eager(
                                        out_specs=P(axis), check_vma=False),
                          in_shardings=sharding)
         _kernels[key] = kernel
-    if state.multiprocess:
-        from jaxpg.groups import multiprocess
-
-        multiprocess.before_collective(group, api)
-    args = [_to_global(a, group, sharding, all_local) for a in stacked]
-    if state.multiprocess:
-        from jaxpg.groups import multiprocess
-
-        out = multiprocess.run_with_timeout(group, lambda: kernel(*args))
-    else:
-        out = kernel(*args)
+    out = _call(group, api, kernel, [_to_global(a, group, sharding, all_local) for a in stacked])
     if isinstance(out, jax.Array):
         return _local_part(out, group, n_local, all_local)
     return jax.tree.map(lambda o: _local_part(o, group, n_local, all_local), out)

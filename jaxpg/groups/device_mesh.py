@@ -29,12 +29,10 @@ class DeviceMesh:
     ``jax_mesh`` is the ``jax.sharding.Mesh`` with the same axis names, for ``shard_map``.
     """
 
-    def __init__(self, ranks: np.ndarray, mesh_dim_names: Sequence[str],
-                 _root: DeviceMesh | None = None):
+    def __init__(self, ranks: np.ndarray, mesh_dim_names: Sequence[str]):
         self._state = _world.current()
         self.mesh = np.asarray(ranks, dtype=np.int64)
         self.mesh_dim_names = tuple(mesh_dim_names)
-        self._root = _root or self
         self._groups: dict[str, list[ProcessGroup]] = {}
 
     @property
@@ -119,7 +117,7 @@ class DeviceMesh:
         index = tuple(slice(None) if i in dims else coord[i] for i in range(self.ndim))
         kept = sorted(dims)  # the order the indexed array keeps them in
         sub = np.transpose(self.mesh[index], [kept.index(d) for d in dims])
-        child = DeviceMesh(sub, names, _root=self._root)
+        child = DeviceMesh(sub, names)
         for n in names:  # a sub-mesh's groups are the parent's, so families stay whole
             self.get_group(n)
             child._groups[n] = self._groups[n]

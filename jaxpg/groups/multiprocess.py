@@ -29,8 +29,8 @@ import jax
 
 from jaxpg.errors import DistNetworkError, DistTimeoutError
 
-__all__ = ["init_world", "shutdown_world", "on_groups_created", "before_collective",
-           "run_with_timeout", "monitored_barrier"]
+__all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective",
+           "monitored_barrier"]
 
 
 
@@ -191,21 +191,29 @@ def _ranks_of_processes(state: Any, procs: Sequence[int], ranks: Sequence[int]) 
     return [r for r in ranks if state.devices[r].process_index in set(procs)]
 
 
+def _arrive_and_wait(store: Any, prefix: str, me: int, procs: list[int],
+                     timeout: datetime.timedelta) -> list[int]:
+    """Checks in under ``prefix/<me>`` and waits for every process's key; returns the
+    processes still missing when ``timeout`` ran out (empty when all arrived)."""
+    store.add(f"{prefix}/{me}", 1)
+    keys = {p: f"{prefix}/{p}" for p in procs}
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(list(keys.values())):
+        if time.monotonic() > deadline:
+            return [p for p in procs if not store.check([keys[p]])]
+        time.sleep(0.005)
+    return []
+
+
 def _store_barrier(state: Any, store: Any, name: str, procs: list[int],
                    timeout: datetime.timedelta) -> None:
     """The seed's ``_store_based_barrier``: every process checks in, then waits for all."""
-    me = state.process_index
-    store.add(f"barrier/{name}/{me}", 1)
-    keys = [f"barrier/{name}/{p}" for p in procs]
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [p for p in procs if not store.check([f"barrier/{name}/{p}"])]
-            raise DistTimeoutError(
-                f"store barrier {name!r}: processes {missing} did not arrive within "
-                f"{timeout.total_seconds():.1f} s."
-            )
-        time.sleep(0.005)
+    missing = _arrive_and_wait(store, f"barrier/{name}", state.process_index, procs, timeout)
+    if missing:
+        raise DistTimeoutError(
+            f"store barrier {name!r}: processes {missing} did not arrive within "
+            f"{timeout.total_seconds():.1f} s."
+        )
 
 
 def on_groups_created(state: Any, groups: Sequence[Any]) -> None:
@@ -213,31 +221,32 @@ def on_groups_created(state: Any, groups: Sequence[Any]) -> None:
     from jaxpg.stores import PrefixStore
 
     for g in groups:
-        g.store = PrefixStore(g.group_name, state.store)
+        _group_store(g)
     first = groups[0]
     _store_barrier(state, PrefixStore(first.group_name, state.store), "created",
                    list(range(state.process_count)), first.timeout)
 
 
-def before_collective(group: Any, api: str) -> None:
-    """Notes this process's arrival at the group's next collective (published in the
-    background, see ``_Progress``)."""
-    from jaxpg.stores import PrefixStore
-
-    state = group._world
+def _group_store(group: Any) -> Any:
+    """The group's PrefixStore (made on first use for groups made without a barrier)."""
     if group.store is None:
-        group.store = PrefixStore(group.group_name, state.store)
+        from jaxpg.stores import PrefixStore
+
+        group.store = PrefixStore(group.group_name, group._world.store)
+    return group.store
+
+
+def run_collective(group: Any, api: str, fn: Any) -> Any:
+    """Runs ``fn`` (dispatch and wait) as the group's next collective, for at most the
+    group's timeout.
+
+    The collective's sequence number is noted as this process's progress (published in the
+    background, see ``_Progress``); on timeout, the progress counters name the ranks that
+    never reached it.
+    """
+    _group_store(group)
     seq = group.next_seq()
     _progress.note(group, seq)
-    group._pending = (seq, api)
-
-
-def run_with_timeout(group: Any, fn: Any) -> Any:
-    """Runs ``fn`` (dispatch and wait) for at most the group's timeout.
-
-    On timeout, the progress counters name the ranks that never reached this collective.
-    """
-    seq, api = getattr(group, "_pending", (group.seq, "collective"))
 
     def call() -> Any:
         out = fn()
@@ -293,23 +302,14 @@ def _missing_ranks(group: Any, seq: int, grace: float) -> list[int]:
 def monitored_barrier(group: Any, timeout: datetime.timedelta, wait_all_ranks: bool) -> None:
     """A store barrier over the group's processes that names the ranks that did not arrive."""
     state = group._world
-    count = getattr(group, "_monitored", 0) + 1
-    group._monitored = count
+    group._monitored = getattr(group, "_monitored", 0) + 1
     procs = _processes_of(state, group.members)
-    me = state.process_index
-    store = group.store
-    store.add(f"monitored/{count}/{me}", 1)
-    deadline = time.monotonic() + timeout.total_seconds()
-    keys = {p: f"monitored/{count}/{p}" for p in procs}
-    while True:
-        missing = [p for p in procs if not store.check([keys[p]])]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            ranks = _ranks_of_processes(state, missing, group.members)
-            shown = ranks if wait_all_ranks else ranks[:1]
-            raise DistTimeoutError(
-                f"monitored_barrier on group {group.group_name!r}: ranks {shown} did not "
-                f"arrive within {timeout.total_seconds():.1f} s."
-            )
-        time.sleep(0.005)
+    missing = _arrive_and_wait(_group_store(group), f"monitored/{group._monitored}",
+                               state.process_index, procs, timeout)
+    if missing:
+        ranks = _ranks_of_processes(state, missing, group.members)
+        shown = ranks if wait_all_ranks else ranks[:1]
+        raise DistTimeoutError(
+            f"monitored_barrier on group {group.group_name!r}: ranks {shown} did not "
+            f"arrive within {timeout.total_seconds():.1f} s."
+        )

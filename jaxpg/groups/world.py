@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -73,13 +74,9 @@ class WorldState:
     def rank_of_device(self, device: Any) -> int:
         return self._rank_by_device_id[device.id]
 
-    @property
+    @functools.cached_property
     def _rank_by_device_id(self) -> dict[int, int]:
-        cache = self.__dict__.get("_rank_cache")
-        if cache is None:
-            cache = {d.id: i for i, d in enumerate(self.devices)}
-            self.__dict__["_rank_cache"] = cache
-        return cache
+        return {d.id: i for i, d in enumerate(self.devices)}
 
 
 _state: WorldState | None = None
@@ -97,11 +94,8 @@ def _ordered_devices() -> list[Any]:
 
 
 def _wants_multiprocess(init_method: str | None, store: Any, world_size: int) -> bool:
-    if init_method is not None or store is not None:
-        return True
-    if world_size > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return True
-    return False
+    return (init_method is not None or store is not None or world_size > 1
+            or int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
 def init_process_group(
