@@ -18,6 +18,9 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups import world as _world
+from jaxpg.groups.callbacks import set_traced_rank
+
 __all__ = ["spmd", "SpmdContext", "current_context"]
 
 _local = threading.local()
@@ -78,6 +81,14 @@ class SpmdContext:
         return jnp.asarray(table)[self.position()]
 
 
+def _traced_rank(group: Any) -> jax.Array | None:
+    ctx = current_context()
+    return None if ctx is None else ctx.traced_group_rank(group)
+
+
+set_traced_rank(_traced_rank)  # get_rank (groups layer) asks through this inside SPMD code
+
+
 def _stacked_specs(tree: Any, axis: str) -> Any:
     return jax.tree.map(lambda _: P(axis), tree)
 
@@ -115,8 +126,6 @@ def spmd(
             spmd, group=group, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
             check_vma=check_vma,
         )
-    from jaxpg.groups import world as _world
-
     state = _world.current()
     if mesh is not None:
         if group is not None:

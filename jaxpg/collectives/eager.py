@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups.callbacks import on_reset
 from jaxpg.spmd import SpmdContext
 
 __all__ = ["run_eager", "local_count", "holds_every_member", "clear_kernel_cache"]
@@ -31,6 +32,7 @@ _plans: dict[int, tuple[int, bool, NamedSharding]] = {}
 _flat_scalars: dict[tuple, list[bool]] = {}
 
 
+@on_reset
 def clear_kernel_cache() -> None:
     """Forgets every compiled eager kernel (``destroy_process_group`` calls it)."""
     _kernels.clear()

@@ -3,7 +3,7 @@
 from jaxpg.groups.backend import Backend
 from jaxpg.groups.device_mesh import DeviceMesh, init_device_mesh
 from jaxpg.groups.hybrid import HybridCommunicateGroup
-from jaxpg.groups.process_group import GroupMember, ProcessGroup
+from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.subgroups import (
     get_global_rank,
     get_group_rank,
@@ -13,6 +13,7 @@ from jaxpg.groups.subgroups import (
     new_subgroups_by_enumeration,
 )
 from jaxpg.groups.world import (
+    GroupMember,
     as_rank,
     default_pg_timeout,
     destroy_process_group,

@@ -166,10 +166,8 @@ def shutdown_world(state: Any) -> None:
 
     A new ``init_process_group`` may follow; arrays made in the old world are invalid.
     """
-    from jaxpg.collectives.eager import clear_kernel_cache
     from jaxpg.rendezvous import shutdown_jax_distributed
 
-    clear_kernel_cache()
     _progress.forget()
     try:
         if state.store is not None:

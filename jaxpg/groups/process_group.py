@@ -1,4 +1,7 @@
-"""ProcessGroup: an ordered set of ranks (devices), and GroupMember's sentinels."""
+"""ProcessGroup: an ordered set of ranks (devices), and the non-member sentinel.
+
+``GroupMember`` (with ``WORLD``, which needs the world's state) lives in ``world.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +9,12 @@ import datetime
 import itertools
 from collections.abc import Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
 
-if TYPE_CHECKING:
-    from jaxpg.groups.world import WorldState
-
-__all__ = ["ProcessGroup", "GroupMember"]
+__all__ = ["ProcessGroup", "NON_GROUP_MEMBER"]
 
 _group_ids = itertools.count()
 
@@ -30,12 +30,14 @@ class ProcessGroup:
     is a family of one.
 
     Do not construct directly: use ``init_process_group``, ``new_group``,
-    ``new_subgroups``, ``new_subgroups_by_enumeration`` or a ``DeviceMesh``.
+    ``new_subgroups``, ``new_subgroups_by_enumeration`` or a ``DeviceMesh``. ``world`` is
+    the world's state (``jaxpg.groups.world.WorldState``, typed loosely here so that this
+    module, below ``world.py``, does not import it).
     """
 
     def __init__(
         self,
-        world: WorldState,
+        world: Any,
         ranks: Sequence[int],
         *,
         name: str | None = None,
@@ -137,17 +139,4 @@ class _NonGroupMember:
         return -1
 
 
-class _GroupMemberMeta(type):
-    @property
-    def WORLD(cls) -> ProcessGroup | None:  # noqa: N802 (torch's name)
-        from jaxpg.groups import world
-
-        state = world.current(required=False)
-        return None if state is None else state.world_group
-
-
-class GroupMember(metaclass=_GroupMemberMeta):
-    """torch's sentinels: ``GroupMember.WORLD`` (the default group, None before init) and
-    ``GroupMember.NON_GROUP_MEMBER``."""
-
-    NON_GROUP_MEMBER = _NonGroupMember()
+NON_GROUP_MEMBER = _NonGroupMember()

@@ -8,7 +8,8 @@ from collections.abc import Iterable, Sequence
 import jax
 
 from jaxpg.groups import world as _world
-from jaxpg.groups.process_group import GroupMember, ProcessGroup
+from jaxpg.groups.process_group import ProcessGroup
+from jaxpg.groups.world import GroupMember
 
 __all__ = [
     "new_group",

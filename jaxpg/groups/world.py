@@ -18,8 +18,9 @@ from typing import Any
 
 import jax
 
+from jaxpg.groups import callbacks
 from jaxpg.groups.backend import Backend, resolve_backend
-from jaxpg.groups.process_group import GroupMember, ProcessGroup
+from jaxpg.groups.process_group import NON_GROUP_MEMBER, ProcessGroup
 
 __all__ = [
     "init_process_group",
@@ -30,6 +31,7 @@ __all__ = [
     "get_backend",
     "as_rank",
     "default_pg_timeout",
+    "GroupMember",
 ]
 
 default_pg_timeout = datetime.timedelta(minutes=30)
@@ -80,6 +82,19 @@ class WorldState:
 
 
 _state: WorldState | None = None
+
+
+class _GroupMemberMeta(type):
+    @property
+    def WORLD(cls) -> ProcessGroup | None:  # noqa: N802 (torch's name)
+        return None if _state is None else _state.world_group
+
+
+class GroupMember(metaclass=_GroupMemberMeta):
+    """torch's sentinels: ``GroupMember.WORLD`` (the default group, None before init) and
+    ``GroupMember.NON_GROUP_MEMBER``."""
+
+    NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
 
 def current(required: bool = True) -> WorldState | None:
@@ -176,13 +191,11 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     global _state
     state = current()
     if group is None or group is state.world_group:
+        callbacks.run_resets()  # upper layers forget their caches (eager kernels)
         if state.multiprocess:
             from jaxpg.groups import multiprocess
 
             multiprocess.shutdown_world(state)
-        from jaxpg.collectives.eager import clear_kernel_cache
-
-        clear_kernel_cache()
         _state = None
         return
     if group is GroupMember.NON_GROUP_MEMBER:
@@ -220,15 +233,13 @@ def get_rank(group: ProcessGroup | None = None) -> Any:
     Inside ``jaxpg.spmd`` code this is a traced integer: each rank sees its own. In host
     code it is the acting rank: this process's first rank, or the one ``as_rank`` names.
     """
-    from jaxpg.spmd import current_context
-
     if group is GroupMember.NON_GROUP_MEMBER:
         current()
         return -1
     pg = _resolve_group(group, "get_rank")
-    ctx = current_context()
-    if ctx is not None:
-        return ctx.traced_group_rank(pg)
+    traced = callbacks.traced_rank(pg)  # set by jaxpg.spmd: the rank inside SPMD code
+    if traced is not None:
+        return traced
     return pg.group_rank(pg._world.acting_rank())
 
 

@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxpg.errors import DistNetworkError, DistStoreError
+from jaxpg.stores.coordination import global_client, start_jax_distributed
 from jaxpg.stores.store import (
     DEFAULT_TIMEOUT,
     Store,
@@ -80,12 +81,6 @@ def _status(err: Exception) -> str:
     return str(err).split(":", 1)[0].strip()
 
 
-def _global_client() -> Any | None:
-    from jax._src import distributed
-
-    return distributed.global_state.client
-
-
 class TCPStore(Store):
     """torch's ``TCPStore`` API over JAX's coordination-service key/value store.
 
@@ -95,7 +90,7 @@ class TCPStore(Store):
     2. the running one, when ``jax.distributed`` is initialized (``host_name`` and
        ``port``, if given, must then match its coordinator address);
     3. otherwise it initializes ``jax.distributed`` itself, through
-       :func:`jaxpg.rendezvous.initialize_jax_distributed`, with the coordinator at
+       :func:`jaxpg.stores.coordination.start_jax_distributed`, with the coordinator at
        ``host_name:port``, ``world_size`` processes and this process's ``rank``
        (``0`` when ``is_master``, else the ``RANK`` environment variable). This must
        happen before JAX initializes its backends.
@@ -133,7 +128,7 @@ class TCPStore(Store):
         super().__init__(timeout)
         del wait_for_workers
         if client is None:
-            client = _global_client()
+            client = global_client()
             if client is None:
                 client = self._start(host_name, port, world_size, is_master, rank)
             else:
@@ -163,8 +158,6 @@ class TCPStore(Store):
         is_master: bool,
         rank: int | None,
     ) -> Any:
-        from jaxpg.rendezvous import RendezvousInfo, initialize_jax_distributed
-
         if host_name is None or port is None or world_size is None:
             raise ValueError(
                 "TCPStore needs host_name, port and world_size to start jax.distributed "
@@ -183,15 +176,8 @@ class TCPStore(Store):
                 )
         if is_master and rank != 0:
             raise ValueError(f"is_master=True but rank={rank}; the master is rank 0.")
-        info = RendezvousInfo(
-            coordinator_address=f"{host_name}:{port}",
-            rank=rank,
-            world_size=world_size,
-            local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-        )
-        initialize_jax_distributed(info, timeout=self._timeout)
-        return _global_client()
+        return start_jax_distributed(f"{host_name}:{port}", world_size, rank,
+                                     timeout=self._timeout)
 
     @staticmethod
     def _check_address(host_name: str | None, port: int | None) -> None:
