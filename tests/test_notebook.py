@@ -10,6 +10,7 @@ the un-pipelined model for the pipeline); this test also checks what it printed.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
@@ -19,7 +20,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
 # Bulky outputs (images, long logs) must not be stored in the repository.
 MAX_STORED_OUTPUT_BYTES = 2_000
 
@@ -55,19 +57,22 @@ def test_notebook_is_stored_without_bulky_outputs():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(300)
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     # The notebook installs jaxpg only when it cannot import it; here it must import the
-    # checkout under test (the CI's editable install, or PYTHONPATH), never pip install.
+    # checkout under test, first on the kernel's path, and never pip install anything.
     monkeypatch.delenv("JAXPG_SOURCE", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(
-        nb, km=_kernel_manager(tmp_path), timeout=300, allow_errors=False,
+        nb, km=_kernel_manager(tmp_path), timeout=240, allow_errors=False,
         resources={"metadata": {"path": str(NOTEBOOK.parent)}},
     )
     client.execute(cleanup_kc=True)  # shut the kernel down and close its sockets
     printed = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
     assert "installing" not in printed
+    assert f"jaxpg from {ROOT / 'jaxpg'}" in printed
     assert "8 devices on cpu" in printed  # a CPU runtime simulates 8 devices
     assert "XLA ops: ['all-reduce', 'collective-permute']" in printed
     assert "test accuracy" in printed
