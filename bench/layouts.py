@@ -1,0 +1,205 @@
+"""Which layout: N ranks in one process, or one process per rank (torch's), side by side.
+
+The same work runs in both layouts of ``--n`` ranks on this machine's CPU:
+
+* ``one process``: ``python bench/layouts.py --worker ...`` with ``--n`` simulated devices
+  (``--xla_force_host_platform_device_count``), every rank in one process, as in the
+  notebook;
+* ``process per rank``: ``jaxpg-run --nproc-per-node N bench/layouts.py --worker ...``, one
+  CPU device per process, XLA's gloo collectives between processes, as torch's layout.
+
+Measured in each: an eager ``all_reduce`` (``AVG``, its input the previous call's output, so
+already where it belongs) at 4 KB, 1 MB and 16 MB per rank, blocking on each result; and a
+``DistributedDataParallel`` step (forward, backward, bucketed gradient all-reduce, Adam) of
+a small MLP (64-256-256-10, the digits model, 64 samples per rank) and of a 6.3M-parameter
+MLP (1024-2048-2048-10, 25 MB of gradients, 32 samples per rank). Each figure is the
+median over repeats within a run (rank 0's clock; every call blocks on its result).
+
+The two layouts cannot share one process, so they are interleaved run by run: every round
+starts one run of each, in alternating order, and the reported ratio is the median over
+rounds of (process per rank) / (one process). The machine is small and shared with other
+work: read the ratios, not the absolute times.
+
+    python bench/layouts.py                 # N = 2 ranks, 3 rounds: about 3 minutes on 2 cores
+    python bench/layouts.py --rounds 5
+
+Writes ``bench/results/layouts.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--worker" in sys.argv and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    n = sys.argv[sys.argv.index("--ranks") + 1] if "--ranks" in sys.argv else "2"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={n}").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {"4K": 4 << 10, "1M": 1 << 20, "16M": 16 << 20}
+MODELS = {"ddp_small": ((64, 256, 256, 10), 64), "ddp_25MB": ((1024, 2048, 2048, 10), 32)}
+LAYOUTS = ("one process", "process per rank")
+
+
+def _median_time(fn, repeats: int, calls: int) -> float:
+    """Median over ``repeats`` of the mean time of ``calls`` back-to-back blocking calls."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One run of one layout: times every figure and writes rank 0's to ``args.worker``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import jaxpg
+    from jaxpg.ddp import DistributedDataParallel
+
+    jaxpg.init_process_group()
+    world = jaxpg.GroupMember.WORLD
+    n_local = len(world.local_members())
+    out: dict[str, float] = {}
+
+    for name, size in SIZES.items():
+        shape = (size // 4,) if n_local == 1 else (n_local, size // 4)
+        state = {"x": jnp.ones(shape, jnp.float32)}
+
+        def call(state=state):
+            state["x"] = jaxpg.all_reduce(state["x"], op=jaxpg.ReduceOp.AVG)
+            state["x"].block_until_ready()
+
+        for _ in range(3):
+            call()
+        jaxpg.barrier()
+        calls = 20 if size <= 1 << 20 else 3
+        out[f"all_reduce_{name}_ms"] = 1e3 * _median_time(call, args.repeats, calls)
+
+    for name, (layers, per_rank) in MODELS.items():
+        class MLP(nnx.Module):
+            def __init__(self, rngs: nnx.Rngs, layers=layers):
+                self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
+                                        for a, b in zip(layers[:-1], layers[1:], strict=True)])
+
+            def __call__(self, x):
+                for layer in self.layers[:-1]:
+                    x = jax.nn.relu(layer(x))
+                return self.layers[-1](x)
+
+        def loss_fn(model, batch):
+            logits = model(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        rng = np.random.default_rng(jaxpg.get_rank())
+        rows = n_local * per_rank
+        batch = {"x": rng.standard_normal((rows, layers[0])).astype(np.float32),
+                 "y": rng.integers(0, layers[-1], rows).astype(np.int32)}
+        ddp = DistributedDataParallel(MLP(nnx.Rngs(0)), optax.adam(1e-3))
+
+        def step(ddp=ddp, batch=batch, loss_fn=loss_fn):
+            ddp.train_step(loss_fn, batch)
+            jax.block_until_ready(ddp.params)
+
+        for _ in range(2):
+            step()
+        jaxpg.barrier()
+        out[f"{name}_step_ms"] = 1e3 * _median_time(step, args.repeats,
+                                                    5 if name == "ddp_small" else 1)
+    if jaxpg.get_rank() == 0:
+        Path(args.worker).write_text(json.dumps(out))
+    jaxpg.destroy_process_group()
+
+
+def _run(layout: str, args: argparse.Namespace) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.json")
+        script = [__file__, "--worker", path, "--ranks", str(args.n),
+                  "--repeats", str(args.repeats)]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        if layout == "one process":
+            cmd = [sys.executable, *script]
+        else:
+            cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(args.n), *script]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0 or not os.path.exists(path):
+            raise RuntimeError(f"{layout} run failed (rc {proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return json.loads(Path(path).read_text())
+
+
+def table(result: dict) -> str:
+    lines = [f"| N = {result['n']} | one process ms | process per rank ms | ratio |",
+             "|---|---:|---:|---:|"]
+    labels = {f"all_reduce_{k}_ms": f"eager all_reduce, {k} per rank" for k in SIZES}
+    labels.update({"ddp_small_step_ms": "DDP step, 64-256-256-10 MLP, 64 samples/rank",
+                   "ddp_25MB_step_ms": "DDP step, 6.3M-param MLP, 32 samples/rank"})
+    for key, label in labels.items():
+        s = result["summary"][key]
+        lines.append(f"| {label} | {s['one process']:.2f} | {s['process per rank']:.2f} | "
+                     f"{s['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", dest="n", type=int, default=2,
+                   help="ranks: devices in one process, or processes")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats within a run")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    start = time.perf_counter()
+    rounds = []
+    for r in range(args.rounds):
+        order = LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]
+        rounds.append({layout: _run(layout, args) for layout in order})
+        print(f"round {r + 1}/{args.rounds}: {json.dumps(rounds[-1])}", flush=True)
+    summary = {}
+    for key in rounds[0]["one process"]:
+        summary[key] = {
+            layout: statistics.median(rd[layout][key] for rd in rounds) for layout in LAYOUTS}
+        summary[key]["ratio"] = statistics.median(
+            rd["process per rank"][key] / rd["one process"][key] for rd in rounds)
+    result = {
+        "benchmark": "layouts",
+        "command": f"python bench/layouts.py --ranks {args.n} --rounds {args.rounds} "
+                   f"--repeats {args.repeats}",
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.platform()}, {os.cpu_count()} CPU cores shared with other work",
+        "n": args.n,
+        "ratio": "process per rank / one process, median over rounds (> 1: one process faster)",
+        "rounds": rounds,
+        "summary": summary,
+        "wall_s": time.perf_counter() - start,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "layouts.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
