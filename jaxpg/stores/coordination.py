@@ -2,9 +2,9 @@
 
 ``jax.distributed.initialize`` starts the service on process 0 and connects every process to
 it; the client it leaves in ``jax._src.distributed.global_state`` is all a ``TCPStore``
-needs. This module is the one place that starts it, below the rendezvous (which decides
-*where* the coordinator is) and the stores (which only use the client), so neither has to
-import the other.
+needs. torch's ``TCPStore(host, port, world_size, is_master)`` starts the service itself
+when none runs: it does so here, in the stores layer, so that the store does not import
+the rendezvous (which sits above the stores and decides where the coordinator is).
 """
 
 from __future__ import annotations
