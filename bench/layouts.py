@@ -149,15 +149,15 @@ def _run(layout: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def table(result: dict) -> str:
-    lines = [f"| N = {result['n']} | one process ms | process per rank ms | ratio |",
-             "|---|---:|---:|---:|"]
+    lines = [f"| N = {result['n']} ranks | one process ms | process per rank ms | ratio | "
+             "ratio range |", "|---|---:|---:|---:|---:|"]
     labels = {f"all_reduce_{k}_ms": f"eager all_reduce, {k} per rank" for k in SIZES}
     labels.update({"ddp_small_step_ms": "DDP step, 64-256-256-10 MLP, 64 samples/rank",
                    "ddp_25MB_step_ms": "DDP step, 6.3M-param MLP, 32 samples/rank"})
     for key, label in labels.items():
         s = result["summary"][key]
         lines.append(f"| {label} | {s['one process']:.2f} | {s['process per rank']:.2f} | "
-                     f"{s['ratio']:.2f}x |")
+                     f"{s['ratio']:.2f}x | {s['ratio_min']:.2f}-{s['ratio_max']:.2f} |")
     return "\n".join(lines)
 
 
@@ -182,8 +182,9 @@ def main() -> None:
     for key in rounds[0]["one process"]:
         summary[key] = {
             layout: statistics.median(rd[layout][key] for rd in rounds) for layout in LAYOUTS}
-        summary[key]["ratio"] = statistics.median(
-            rd["process per rank"][key] / rd["one process"][key] for rd in rounds)
+        ratios = [rd["process per rank"][key] / rd["one process"][key] for rd in rounds]
+        summary[key].update(ratio=statistics.median(ratios), ratio_min=min(ratios),
+                            ratio_max=max(ratios))
     result = {
         "benchmark": "layouts",
         "command": f"python bench/layouts.py --ranks {args.n} --rounds {args.rounds} "
@@ -191,7 +192,8 @@ def main() -> None:
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.platform()}, {os.cpu_count()} CPU cores shared with other work",
         "n": args.n,
-        "ratio": "process per rank / one process, median over rounds (> 1: one process faster)",
+        "ratio": "process per rank / one process per round: median, min, max over rounds "
+                 "(> 1: one process faster)",
         "rounds": rounds,
         "summary": summary,
         "wall_s": time.perf_counter() - start,
