@@ -28,90 +28,153 @@ from typing import Any
 import jax
 
 from jaxpg.errors import DistNetworkError, DistTimeoutError
+from jaxpg.groups import watchdog
+from jaxpg.groups.desync import detail_enabled
 
-__all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective",
-           "monitored_barrier"]
+__all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective", "submit",
+           "Job", "monitored_barrier"]
 
+_detail = False  # JAXPG_DEBUG=DETAIL, read at init_world
+
+
+
+class Job(concurrent.futures.Future):
+    """A collective queued on the runner thread: a Future that knows which collective it
+    is running (group, op, sequence number), so a timeout can name the missing ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.group: Any = None
+        self.api = "collective"
+        self.seq = 0
+
+    def wait_result(self, timeout: float | None) -> Any:
+        """The job's result; after ``timeout`` seconds, the named ``DistTimeoutError``."""
+        try:
+            return self.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            stuck = self if self.group is not None else (_runner.current or self)
+            if not self.done():
+                _runner.abandon()
+            if stuck.group is None:
+                raise DistTimeoutError(
+                    f"{self.api}: did not start within {timeout:.1f} s.") from None
+            raise DistTimeoutError(_timeout_text(stuck.group, stuck.api, stuck.seq,
+                                                 timeout)) from None
 
 
 class _Runner:
-    """One daemon thread that runs eager kernels, so the caller can stop waiting.
+    """One daemon thread that runs eager collectives, so the caller can stop waiting.
 
     On CPU, XLA runs a collective on the dispatching thread when it counts it cheap (under
     1000 flops: a small all_reduce; all_gather, all_to_all and ppermute, which have no
     flops, at any size), so a peer that never arrives would block the caller forever.
-    Kernels run here instead; the caller waits with a timeout. A thread left stuck in a
-    dead collective is abandoned (it is a daemon, so it does not keep the process alive)
-    and a fresh one serves later calls.
+    Blocking collectives and every ``async_op=True`` collective run here, in the order they
+    were called; the caller waits with a timeout (or not at all: ``async_op``). A thread
+    left stuck in a dead collective is abandoned (it is a daemon, so it does not keep the
+    process alive) and a fresh one serves later calls.
     """
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._local = threading.local()
+        self.current: Job | None = None
+        self.outstanding = 0  # jobs submitted and not finished (read without a lock)
 
     def _loop(self, jobs: queue.SimpleQueue) -> None:
+        self._local.on_runner = True
         while True:
-            fn, fut = jobs.get()
-            if fut.set_running_or_notify_cancel():
+            fn, job = jobs.get()
+            self.current = job
+            if job.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn())
+                    job.set_result(fn())
                 except BaseException as exc:  # noqa: BLE001 (handed to the caller)
-                    fut.set_exception(exc)
+                    job.set_exception(exc)
+            self.current = None
+            self.outstanding -= 1
 
-    def submit(self, fn: Any) -> concurrent.futures.Future:
+    def on_runner(self) -> bool:
+        """True on the runner thread (a collective inside a queued job runs in place)."""
+        return getattr(self._local, "on_runner", False)
+
+    def submit(self, fn: Any, api: str) -> Job:
         if self._thread is None:
             self._jobs = queue.SimpleQueue()
+            self.outstanding = 0
             self._thread = threading.Thread(target=self._loop, args=(self._jobs,),
                                             name="jaxpg-collective", daemon=True)
             self._thread.start()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, fut))
-        return fut
+        job = Job()
+        job.api = api
+        self.outstanding += 1
+        self._jobs.put((fn, job))
+        return job
 
     def abandon(self) -> None:
         self._thread = None
+        self.current = None
+        self.outstanding = 0
 
 
 _runner = _Runner()
 
 
+def submit(fn: Any, api: str) -> Job:
+    """Queues ``fn`` (a whole eager collective) on the runner thread and returns its Job at
+    once: ``async_op=True`` in a multi-process run. Collectives ``fn`` calls run in place
+    on the runner, in call order with every other queued collective."""
+    return _runner.submit(fn, api)
+
+
 class _Progress:
     """Publishes each group's highest sequence number this process reached, in the background.
 
-    ``note`` only records the number and wakes the thread. The thread raises the group's
-    counter ``progress/<process>`` (``add`` of the difference: one RPC, no lock) and then
-    rests ``_PERIOD`` seconds, so a loop of many small collectives costs a few RPCs a second
-    instead of one each. A process stuck in a collective has published its number long
-    before a peer's timeout reads it; ``publish_now`` writes this process's at once.
+    ``note`` only records the number (and the collective's fingerprint) and wakes the
+    thread. The thread raises the group's counter ``progress/<process>`` (``add`` of the
+    difference: one RPC, no lock), writes what the process is running to
+    ``running/<process>``, and then rests ``_PERIOD`` seconds, so a loop of many small
+    collectives costs a few RPCs a second instead of one each. A process stuck in a
+    collective has published its number long before a peer's timeout reads it;
+    ``publish_now`` writes this process's at once.
     """
 
     _PERIOD = 0.02
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._latest: dict[Any, list[int]] = {}  # group -> [reached, published]
+        self._latest: dict[Any, list[Any]] = {}  # group -> [reached, published, fingerprint]
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def note(self, group: Any, seq: int) -> None:
-        with self._lock:
-            entry = self._latest.setdefault(group, [0, 0])
-            entry[0] = max(entry[0], seq)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="jaxpg-progress",
-                                                daemon=True)
-                self._thread.start()
+    def note(self, group: Any, seq: int, fingerprint: Any = None) -> None:
+        entry = self._latest.get(group)
+        if entry is None:
+            with self._lock:
+                entry = self._latest.setdefault(group, [0, 0, (0, None)])
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="jaxpg-progress",
+                                                    daemon=True)
+                    self._thread.start()
+        if seq > entry[0]:
+            entry[2] = (seq, fingerprint)
+            entry[0] = seq
         self._wake.set()
 
     def publish_now(self, group: Any | None = None) -> None:
+        from jaxpg.groups.desync import fingerprint_text
+
         with self._lock:
-            todo = [(g, e[0] - e[1]) for g, e in self._latest.items()
+            todo = [(g, e[0] - e[1], *e[2]) for g, e in self._latest.items()
                     if e[0] > e[1] and (group is None or g is group)]
-            for g, delta in todo:
+            for g, delta, _, _ in todo:
                 self._latest[g][1] += delta
-        for g, delta in todo:
+        for g, delta, seq, fp in todo:
+            me = g._world.process_index
             try:
-                g.store.add(f"progress/{g._world.process_index}", delta)
+                g.store.set(f"running/{me}", fingerprint_text(g.group_name, seq, fp))
+                g.store.add(f"progress/{me}", delta)
             except Exception:  # noqa: BLE001 (a lost store shows in the collective itself)
                 pass
 
@@ -153,6 +216,9 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
     local_ranks = [i for i, d in enumerate(devices) if d.id in local_ids]
     state = state_cls(backend=chosen, devices=devices, local_ranks=local_ranks,
                       timeout=timeout, store=world_store, multiprocess=True)
+    global _detail
+    _detail = detail_enabled()
+    state.blocking_wait = watchdog.blocking_wait(devices[0].platform)
     state.process_index = jax.process_index()
     state.process_count = jax.process_count()
     state.world_group.store = PrefixStore("WORLD", world_store)
@@ -171,6 +237,7 @@ def shutdown_world(state: Any) -> None:
 
     clear_kernel_cache()
     _progress.forget()
+    watchdog.forget()
     try:
         if state.store is not None:
             state.store.close()
@@ -236,44 +303,119 @@ def _group_store(group: Any) -> Any:
     return group.store
 
 
-def run_collective(group: Any, api: str, fn: Any) -> Any:
-    """Runs ``fn`` (dispatch and wait) as the group's next collective, for at most the
-    group's timeout.
+def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None) -> Any:
+    """Runs ``fn`` (the kernel's dispatch) as the group's next collective.
 
-    The collective's sequence number is noted as this process's progress (published in the
-    background, see ``_Progress``); on timeout, the progress counters name the ranks that
-    never reached it.
+    The collective's sequence number and fingerprint are noted as this process's progress
+    (published in the background, see ``_Progress``); under ``JAXPG_DEBUG=DETAIL`` the
+    processes first compare fingerprints (``jaxpg.groups.desync``). Then, by the world's
+    semantics (``jaxpg.groups.watchdog``):
+
+    * blocking (gloo): ``fn`` runs on the runner thread and the caller waits for its result
+      for at most the group's timeout; on timeout the progress counters name the ranks that
+      never reached it (``DistTimeoutError``), and a failure in XLA's collectives becomes
+      ``DistNetworkError`` with the same facts;
+    * stream-ordered (NCCL, TPU): ``fn`` is dispatched here and its result returned at once;
+      the watchdog ends the process if it is not done within the group's timeout.
+
+    Inside a job on the runner thread (an ``async_op=True`` collective) it runs in place.
+
+    Args:
+        group: the ProcessGroup.
+        api: the collective's name.
+        fn: dispatches the kernel and returns its (possibly unfinished) outputs.
+        fingerprint: ``(api, static arguments, ((name, per-rank shape, dtype), ...))``.
     """
-    _group_store(group)
+    if group.store is None:
+        _group_store(group)
+    state = group._world
+    blocking = state.blocking_wait
+    if _runner.on_runner():
+        return _run_here(group, api, fn, fingerprint, blocking)
+    if blocking:
+        job = _runner.submit(lambda: _run_here(group, api, fn, fingerprint, True), api)
+        return job.wait_result(group.timeout.total_seconds())
+    if _runner.outstanding:  # async jobs queued: keep the call order, wait for the dispatch
+        job = _runner.submit(lambda: _run_here(group, api, fn, fingerprint, False), api)
+        return job.wait_result(None)
+    return _run_here(group, api, fn, fingerprint, False)
+
+
+def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -> Any:
+    """Numbers, notes, (checks,) dispatches and, when ``blocking``, waits for one collective."""
     seq = group.next_seq()
-    _progress.note(group, seq)
-
-    def call() -> Any:
-        out = fn()
-        for x in jax.tree.leaves(out):
-            if isinstance(x, jax.Array):
-                x.block_until_ready()
-        return out
-
-    fut = _runner.submit(call)
-    seconds = group.timeout.total_seconds()
+    job = _runner.current if _runner.on_runner() else None
+    if job is not None:
+        job.group, job.api, job.seq = group, api, seq
+    _progress.note(group, seq, fingerprint)
+    if _detail:
+        _compare(group, api, seq, fingerprint)
     try:
-        return fut.result(timeout=seconds)
-    except concurrent.futures.TimeoutError:
-        _runner.abandon()
-        ranks = _missing_ranks(group, seq, grace=0.25)
-        raise DistTimeoutError(
-            f"{api} on group {group.group_name!r} (sequence number {seq}) did not finish "
-            f"within {seconds:.1f} s; ranks that did not arrive: {ranks}"
-            + ("" if ranks else " (all arrived: a peer may have died during the collective)")
-            + "."
-        ) from None
+        out = fn()
+        if blocking:
+            for x in jax.tree.leaves(out):
+                if isinstance(x, jax.Array):
+                    x.block_until_ready()
+            return out
     except Exception as err:  # XLA's collectives report a lost peer as a runtime error
         ranks = _missing_ranks(group, seq, grace=1.0)
         raise DistNetworkError(
             f"{api} on group {group.group_name!r} (sequence number {seq}) failed: {err}; "
             f"ranks that did not arrive: {ranks}."
         ) from err
+    leaves = jax.tree.leaves(out)
+    if leaves and isinstance(leaves[0], jax.Array):
+        seconds = group.timeout.total_seconds()
+        watchdog.watch(time.monotonic() + seconds, leaves[0],
+                       lambda: _timeout_text(group, api, seq, seconds))
+    return out
+
+
+def _compare(group: Any, api: str, seq: int, fingerprint: Any) -> None:
+    from jaxpg.groups import desync
+
+    state = group._world
+    procs = _processes_of(state, group.members)
+    rank_of = {p: _ranks_of_processes(state, [p], group.members)[0] for p in procs}
+    desync.compare_fingerprints(
+        group.store, seq, state.process_index,
+        desync.fingerprint_text(group.group_name, seq, fingerprint), procs, rank_of,
+        group.timeout, api, group.group_name)
+
+
+def _timeout_text(group: Any, api: str, seq: int, seconds: float) -> str:
+    """The DistTimeoutError text: the op, group, sequence number and the missing ranks; when
+    every rank arrived, what each is running (from the progress records)."""
+    ranks = _missing_ranks(group, seq, grace=0.25)
+    text = (f"{api} on group {group.group_name!r} (sequence number {seq}) did not finish "
+            f"within {seconds:.1f} s; ranks that did not arrive: {ranks}")
+    if ranks:
+        return text + "."
+    running = _running(group)
+    from jaxpg.groups.desync import describe_mismatch
+
+    mismatch = describe_mismatch(running) if running else None
+    if mismatch:
+        return (text + f" (all arrived, but they run different collectives: {mismatch} "
+                "Run with JAXPG_DEBUG=DETAIL to catch this before the collective runs.)")
+    shown = "; ".join(f"rank {r}: {t}" for r, t in sorted(running.items()))
+    return (text + " (all arrived: a peer may have died during the collective"
+            + (f"; each rank is running {shown}" if shown else "") + ").")
+
+
+def _running(group: Any) -> dict[int, str]:
+    """What each process of the group last published as running (rank -> fingerprint)."""
+    state = group._world
+    out = {}
+    for p in _processes_of(state, group.members):
+        key = f"running/{p}"
+        try:
+            if group.store.check([key]):
+                out[_ranks_of_processes(state, [p], group.members)[0]] = \
+                    group.store.get(key).decode()
+        except Exception:  # noqa: BLE001 (a dead store: say nothing more)
+            pass
+    return out
 
 
 def _missing_ranks(group: Any, seq: int, grace: float) -> list[int]:
