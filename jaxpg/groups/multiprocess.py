@@ -350,6 +350,11 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -
     _progress.note(group, seq, fingerprint)
     if _detail:
         _compare(group, api, seq, fingerprint)
+    entry = None
+    if not blocking:
+        seconds = group.timeout.total_seconds()
+        entry = watchdog.watch(time.monotonic() + seconds,
+                               lambda: _timeout_text(group, api, seq, seconds))
     try:
         out = fn()
         if blocking:
@@ -358,6 +363,8 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -
                     x.block_until_ready()
             return out
     except Exception as err:  # XLA's collectives report a lost peer as a runtime error
+        if entry is not None:
+            entry.failed = True
         ranks = _missing_ranks(group, seq, grace=1.0)
         raise DistNetworkError(
             f"{api} on group {group.group_name!r} (sequence number {seq}) failed: {err}; "
@@ -365,9 +372,9 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -
         ) from err
     leaves = jax.tree.leaves(out)
     if leaves and isinstance(leaves[0], jax.Array):
-        seconds = group.timeout.total_seconds()
-        watchdog.watch(time.monotonic() + seconds, leaves[0],
-                       lambda: _timeout_text(group, api, seq, seconds))
+        entry.array = leaves[0]
+    else:
+        entry.failed = True  # nothing on the device to watch
     return out
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["blocking_wait", "watch", "WATCHDOG_EXIT_CODE"]
+__all__ = ["blocking_wait", "watch", "forget", "Outstanding", "WATCHDOG_EXIT_CODE"]
 
 WATCHDOG_EXIT_CODE = 6  # what a process torn down by torch's NCCL watchdog (SIGABRT) reports
 _TRUE = ("1", "true", "yes", "on")
@@ -60,8 +60,27 @@ def _tears_down() -> bool:
     return value is None or value != "0"
 
 
+class Outstanding:
+    """One watched collective: registered before its dispatch (which may itself block, on
+    CPU), given its output array after it; ready once that array is."""
+
+    __slots__ = ("deadline", "describe", "array", "failed")
+
+    def __init__(self, deadline: float, describe: Callable[[], str]) -> None:
+        self.deadline = deadline
+        self.describe = describe
+        self.array: Any = None
+        self.failed = False
+
+    def is_ready(self) -> bool:
+        if self.failed:
+            return True
+        array = self.array
+        return array is not None and array.is_ready()
+
+
 class _Watchdog:
-    """One daemon thread over a FIFO of ``(deadline, array, describe)`` entries.
+    """One daemon thread over a FIFO of ``Outstanding`` collectives.
 
     Collectives finish in the order they were queued on the device, so the thread only looks
     at the oldest entry: it drops it once its array is ready, and fires once its deadline
@@ -78,14 +97,16 @@ class _Watchdog:
         self._lock = threading.Lock()
         self.fired: str | None = None  # the text of the last timeout (for in-process tests)
 
-    def watch(self, deadline: float, array: Any, describe: Callable[[], str]) -> None:
-        self._pending.append((deadline, array, describe))
+    def watch(self, deadline: float, describe: Callable[[], str]) -> Outstanding:
+        entry = Outstanding(deadline, describe)
+        self._pending.append(entry)
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="jaxpg-watchdog",
                                                     daemon=True)
                     self._thread.start()
+        return entry
 
     def forget(self) -> None:
         self._pending.clear()
@@ -99,20 +120,20 @@ class _Watchdog:
         pending = self._pending
         while pending:
             try:
-                deadline, array, describe = pending[0]
+                entry = pending[0]
             except IndexError:  # forget() ran meanwhile
                 return
             try:
-                ready = array.is_ready()
+                ready = entry.is_ready()
             except Exception:  # noqa: BLE001 (a failed collective is no longer outstanding)
                 ready = True
             if ready:
                 pending.popleft()
                 continue
-            if time.monotonic() < deadline:
+            if time.monotonic() < entry.deadline:
                 return
             pending.popleft()
-            self._fire(describe)
+            self._fire(entry.describe)
 
     def _fire(self, describe: Callable[[], str]) -> None:
         try:
@@ -132,11 +153,12 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
-def watch(deadline: float, array: Any, describe: Callable[[], str]) -> None:
-    """Watches one outstanding collective: ``array`` (one of its outputs) must be ready by
-    ``deadline`` (``time.monotonic()``), else the watchdog prints ``describe()`` and ends
-    the process."""
-    _watchdog.watch(deadline, array, describe)
+def watch(deadline: float, describe: Callable[[], str]) -> Outstanding:
+    """Watches one collective about to be dispatched: set the returned entry's ``array``
+    (one of its outputs) after the dispatch, or ``failed`` if it raised. Unless that array
+    is ready by ``deadline`` (``time.monotonic()``), the watchdog prints ``describe()`` and
+    ends the process."""
+    return _watchdog.watch(deadline, describe)
 
 
 def forget() -> None:
