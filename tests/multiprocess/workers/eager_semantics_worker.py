@@ -105,4 +105,10 @@ if mode in ("desync", "desync_plain"):
     if mode == "desync":  # the world still works after a caught desync
         out = jaxpg.all_reduce(np.ones(2, np.float32))
         say(f"AFTER ok: {np.allclose(np.asarray(out), n)}")
+    # rank 0 hosts the coordination service: leave only once every rank has reported
+    store = jaxpg.GroupMember.WORLD.store
+    store.add("reported", 1)
+    deadline = time.monotonic() + 30
+    while int(store.get("reported")) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
     os._exit(0)
