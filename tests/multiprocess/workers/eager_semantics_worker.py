@@ -111,4 +111,10 @@ if mode in ("desync", "desync_plain"):
     deadline = time.monotonic() + 30
     while int(store.get("reported")) < n and time.monotonic() < deadline:
         time.sleep(0.05)
+    if rank != 0:
+        store.add("leaving", 1)
+        os._exit(0)
+    while int(store.add("leaving", 0)) < n - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
     os._exit(0)
