@@ -38,23 +38,49 @@ _detail = False  # JAXPG_DEBUG=DETAIL, read at init_world
 
 
 
-class Job(concurrent.futures.Future):
-    """A collective queued on the runner thread: a Future that knows which collective it
-    is running (group, op, sequence number), so a timeout can name the missing ranks."""
+class Job:
+    """A collective queued on the runner thread (a light Future: one pre-acquired lock that
+    the runner releases when done). It knows which collective it is running (group, op,
+    sequence number), so a timeout can name the missing ranks."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    __slots__ = ("_lock", "_result", "_error", "finished", "group", "api", "seq")
+
+    def __init__(self, api: str) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.finished = False
         self.group: Any = None
-        self.api = "collective"
+        self.api = api
         self.seq = 0
+
+    def done(self) -> bool:
+        return self.finished
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self.finished = True
+        self._lock.release()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The job's result (or its error); ``concurrent.futures.TimeoutError`` after
+        ``timeout`` seconds."""
+        if not self.finished:
+            if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                raise concurrent.futures.TimeoutError
+            self._lock.release()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
     def wait_result(self, timeout: float | None) -> Any:
         """The job's result; after ``timeout`` seconds, the named ``DistTimeoutError``."""
         try:
-            return self.result(timeout=timeout)
+            return self.result(timeout)
         except concurrent.futures.TimeoutError:
             stuck = self if self.group is not None else (_runner.current or self)
-            if not self.done():
+            if not self.finished:
                 _runner.abandon()
             if stuck.group is None:
                 raise DistTimeoutError(
@@ -80,20 +106,25 @@ class _Runner:
         self._thread: threading.Thread | None = None
         self._local = threading.local()
         self.current: Job | None = None
-        self.outstanding = 0  # jobs submitted and not finished (read without a lock)
+        self.submitted = 0  # written by callers only
+        self.finished = 0  # written by the runner only
 
     def _loop(self, jobs: queue.SimpleQueue) -> None:
         self._local.on_runner = True
         while True:
             fn, job = jobs.get()
             self.current = job
-            if job.set_running_or_notify_cancel():
-                try:
-                    job.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 (handed to the caller)
-                    job.set_exception(exc)
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                result, error = None, exc
             self.current = None
-            self.outstanding -= 1
+            self.finished += 1
+            job._finish(result, error)
+
+    def idle(self) -> bool:
+        """True when no job is queued or running."""
+        return self.submitted == self.finished
 
     def on_runner(self) -> bool:
         """True on the runner thread (a collective inside a queued job runs in place)."""
@@ -102,20 +133,18 @@ class _Runner:
     def submit(self, fn: Any, api: str) -> Job:
         if self._thread is None:
             self._jobs = queue.SimpleQueue()
-            self.outstanding = 0
+            self.submitted = self.finished = 0
             self._thread = threading.Thread(target=self._loop, args=(self._jobs,),
                                             name="jaxpg-collective", daemon=True)
             self._thread.start()
-        job = Job()
-        job.api = api
-        self.outstanding += 1
+        job = Job(api)
+        self.submitted += 1
         self._jobs.put((fn, job))
         return job
 
     def abandon(self) -> None:
         self._thread = None
         self.current = None
-        self.outstanding = 0
 
 
 _runner = _Runner()
@@ -333,12 +362,25 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None) -> An
     if _runner.on_runner():
         return _run_here(group, api, fn, fingerprint, blocking)
     if blocking:
+        if not _has_peers(group) and _runner.idle():
+            return _run_here(group, api, fn, fingerprint, True)  # nothing here can hang
         job = _runner.submit(lambda: _run_here(group, api, fn, fingerprint, True), api)
         return job.wait_result(group.timeout.total_seconds())
-    if _runner.outstanding:  # async jobs queued: keep the call order, wait for the dispatch
+    if not _runner.idle():  # async jobs queued: keep the call order, wait for the dispatch
         job = _runner.submit(lambda: _run_here(group, api, fn, fingerprint, False), api)
         return job.wait_result(None)
     return _run_here(group, api, fn, fingerprint, False)
+
+
+def _has_peers(group: Any) -> bool:
+    """Whether another process holds ranks of ``group`` (else nothing can hang: a world of
+    one process runs its collectives in place, without the runner's thread hop)."""
+    peers = group.__dict__.get("_jaxpg_has_peers")
+    if peers is None:
+        state = group._world
+        peers = group.__dict__["_jaxpg_has_peers"] = \
+            _processes_of(state, group.members) != [state.process_index]
+    return peers
 
 
 def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -> Any:
