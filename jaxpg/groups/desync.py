@@ -11,8 +11,9 @@ needed:
 * under ``JAXPG_DEBUG=DETAIL`` (or torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), before each
   eager collective: every process writes its fingerprint to the group's store and reads the
   others', and a mismatch raises ``DistDesyncError`` on every rank before the collective
-  runs (torch's ``ProcessGroupWrapper``). This costs one store write and one read of every
-  process's key per collective.
+  runs (torch's ``ProcessGroupWrapper``). This costs one store write and a read of every
+  other process's key per collective (a few milliseconds through JAX's coordination
+  service: a debugging mode, as torch's).
 """
 
 from __future__ import annotations
@@ -86,24 +87,23 @@ def compare_fingerprints(store: Any, seq: int, me: int, text: str, procs: Sequen
         rank_of: process -> the rank named for it in messages.
         timeout: the group's timeout: a process that never writes its key is named.
         api, group_name: for messages.
+
+    The caller deletes this process's key of ``seq - 2`` later (every process has read it
+    once any process writes ``seq``), off the collective's path.
     """
     store.set(f"detail/{seq}/{me}", text)
-    keys = [f"detail/{seq}/{p}" for p in procs]
+    keys = {p: f"detail/{seq}/{p}" for p in procs if p != me}
     try:
-        store.wait(keys, timeout)
+        store.wait(list(keys.values()), timeout)
     except Exception:  # noqa: BLE001 (the store's timeout: say who never arrived)
-        missing = [rank_of[p] for p in procs if not store.check([f"detail/{seq}/{p}"])]
+        missing = [rank_of[p] for p, k in keys.items() if not store.check([k])]
         raise DistTimeoutError(
             f"{api} on group {group_name!r} (sequence number {seq}): ranks {missing} did not "
             f"reach it within {timeout.total_seconds():.1f} s (JAXPG_DEBUG=DETAIL fingerprint "
             "check)."
         ) from None
-    texts = {rank_of[p]: v.decode() for p, v in zip(procs, store.multi_get(keys))}
-    if seq > 2:  # every process has read seq - 2 before anyone could write seq
-        try:
-            store.delete_key(f"detail/{seq - 2}/{me}")
-        except Exception:  # noqa: BLE001 (cleanup only)
-            pass
+    texts = {rank_of[p]: store.get(k).decode() for p, k in keys.items()}
+    texts[rank_of[me]] = text
     problem = describe_mismatch(texts)
     if problem:
         raise DistDesyncError(

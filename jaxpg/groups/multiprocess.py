@@ -16,6 +16,7 @@ reached that collective, and the DistTimeoutError names their ranks.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import datetime
 import os
@@ -176,6 +177,7 @@ class _Progress:
         self._latest: dict[Any, list[Any]] = {}  # group -> [reached, published, fingerprint]
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._discards: collections.deque = collections.deque()
 
     def note(self, group: Any, seq: int, fingerprint: Any = None) -> None:
         entry = self._latest.get(group)
@@ -207,15 +209,27 @@ class _Progress:
             except Exception:  # noqa: BLE001 (a lost store shows in the collective itself)
                 pass
 
+    def discard(self, group: Any, key: str) -> None:
+        """Deletes ``key`` from the group's store in the background."""
+        self._discards.append((group, key))
+        self._wake.set()
+
     def forget(self) -> None:
         with self._lock:
             self._latest.clear()
+            self._discards.clear()
 
     def _loop(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
             self.publish_now()
+            while self._discards:
+                group, key = self._discards.popleft()
+                try:
+                    group.store.delete_key(key)
+                except Exception:  # noqa: BLE001 (cleanup only)
+                    pass
             time.sleep(self._PERIOD)
 
 
@@ -430,6 +444,8 @@ def _compare(group: Any, api: str, seq: int, fingerprint: Any) -> None:
         group.store, seq, state.process_index,
         desync.fingerprint_text(group.group_name, seq, fingerprint), procs, rank_of,
         group.timeout, api, group.group_name)
+    if seq > 2:
+        _progress.discard(group, f"detail/{seq - 2}/{state.process_index}")
 
 
 def _timeout_text(group: Any, api: str, seq: int, seconds: float) -> str:
