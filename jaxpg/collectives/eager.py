@@ -83,7 +83,7 @@ def _as_stacked(x: Any, n_local: int, api: str, arg: str) -> Any:
 
 def _to_global(arr: Any, group: Any, sharding: NamedSharding, all_local: bool) -> Any:
     if isinstance(arr, jax.Array):
-        if arr.sharding == sharding:
+        if arr.sharding is sharding or arr.sharding == sharding:
             return arr
     elif all_local and isinstance(arr, np.ndarray):
         return arr  # the kernel's in_shardings put it on the devices, cheaper than device_put
@@ -259,11 +259,14 @@ def run_eager(
                                        out_specs=P(axis), check_vma=False),
                          in_shardings=sharding)
         _kernels[key] = kernel
-    fingerprint = (api, static_key,
-                   tuple((n, shape, str(dtype)) for n, (shape, dtype) in zip(names, sig)))
-    out = _call(group, api, kernel,
-                lambda: [_to_global(a, group, sharding, all_local) for a in stacked],
-                fingerprint)
+    if state.multiprocess:
+        fingerprint = (api, static_key,
+                       tuple((n, shape, str(dtype)) for n, (shape, dtype) in zip(names, sig)))
+        out = _call(group, api, kernel,
+                    lambda: [_to_global(a, group, sharding, all_local) for a in stacked],
+                    fingerprint)
+    else:
+        out = kernel(*[_to_global(a, group, sharding, all_local) for a in stacked])
     if isinstance(out, jax.Array):
         return _local_part(out, group, n_local, all_local)
     return jax.tree.map(lambda o: _local_part(o, group, n_local, all_local), out)
