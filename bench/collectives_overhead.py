@@ -94,7 +94,8 @@ def worker(args: argparse.Namespace) -> None:
             host = np.full(elems, rank + 1, np.float32)
             x = jax.device_put(host, dev)
             glob = jax.make_array_from_process_local_data(sharding, host, (n * elems,))
-            fns = {"hand": lambda: hands[op](glob), "eager": lambda: eagers[op](x)}
+            fns = {"hand": lambda h=hands[op], g=glob: h(g),
+                   "eager": lambda e=eagers[op], x=x: e(x)}
             want = np.asarray(jax.device_get(fns["hand"]().addressable_data(0)))
             got = np.asarray(jax.device_get(fns["eager"]()))
             assert np.allclose(got.reshape(want.shape), want), (op, size)

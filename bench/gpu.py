@@ -79,7 +79,7 @@ def part_overhead(cfg: dict, layout: str) -> dict:
     for size in cfg["sizes"]:
         x = jax.device_put(jnp.ones(size // 4, jnp.float32), dev)
         glob = jax.device_put(x, NamedSharding(mesh, P("i")))
-        fns = {"hand": lambda: hand(glob), "eager": lambda: jaxpg.all_reduce(x)}
+        fns = {"hand": lambda g=glob: hand(g), "eager": lambda x=x: jaxpg.all_reduce(x)}
         assert np.allclose(np.asarray(fns["eager"]()), np.asarray(fns["hand"]()))
         iters = max(2, min(200, (256 << 20) // size))
         block: dict[str, list[float]] = {k: [] for k in fns}
@@ -140,9 +140,8 @@ def part_async(cfg: dict, layout: str) -> dict:
 
 
 def _mlp(layers: tuple, seed: int):
-    from flax import nnx
-
     import jax
+    from flax import nnx
 
     class MLP(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):

@@ -75,9 +75,11 @@ if mode == "async":
 if mode == "watchdog":
     x = np.arange(4, dtype=np.float32) + rank
     out = jaxpg.all_reduce(x)
-    say(f"STREAM values ok: {np.allclose(np.asarray(out), sum(np.arange(4) + r for r in range(n)))}")
+    want = sum(np.arange(4) + r for r in range(n))
+    say(f"STREAM values ok: {np.allclose(np.asarray(out), want)}")
     work = jaxpg.all_gather_into_tensor(jnp.asarray(x), async_op=True)
-    say(f"STREAM async ok: {np.allclose(np.asarray(work.result()), np.concatenate([np.arange(4) + r for r in range(n)]))}")
+    want = np.concatenate([np.arange(4) + r for r in range(n)])
+    say(f"STREAM async ok: {np.allclose(np.asarray(work.result()), want)}")
     if rank == 1:
         time.sleep(20)
         os._exit(0)
