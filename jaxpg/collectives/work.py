@@ -53,6 +53,7 @@ class Work:
         self._error = error
         self._job = job
         self._timeout = timeout
+        self._ran: Any = None  # the finished job: which collective it ran, for messages
 
     def _job_done(self) -> bool:
         """Collects a finished job's result or error; False while it is still queued."""
@@ -65,7 +66,7 @@ class Work:
             self._result = job.result()
         except BaseException as exc:  # noqa: BLE001 (re-raised by wait)
             self._error = exc
-        self._job = None
+        self._job, self._ran = None, job
         return True
 
     def is_completed(self) -> bool:
@@ -101,20 +102,26 @@ class Work:
                 self._result = self._job.wait_result(limit)
             except BaseException as exc:  # noqa: BLE001 (kept: a later wait raises it again)
                 self._error = exc
-            self._job = None
+            self._job, self._ran = None, self._job
         if self._error is not None:
             raise self._error
         if seconds is not None:
             deadline = start + seconds
             while not self.is_completed():
                 if time.monotonic() > deadline:
-                    raise DistTimeoutError(
-                        f"{self._api}: Work.wait timed out after {seconds:.3f} s."
-                    )
+                    raise DistTimeoutError(self._timeout_text(seconds))
                 time.sleep(0.0005)
         for x in _leaves(self._result):
             x.block_until_ready()
         return True
+
+    def _timeout_text(self, seconds: float) -> str:
+        ran = self._ran
+        if ran is not None and getattr(ran, "group", None) is not None:
+            from jaxpg.groups import multiprocess
+
+            return multiprocess._timeout_text(ran.group, ran.api, ran.seq, seconds)
+        return f"{self._api}: Work.wait timed out after {seconds:.3f} s."
 
     def result(self) -> Any:
         """Waits and returns the collective's result (torch returns the output tensors)."""
