@@ -11,6 +11,9 @@ Parts, each in fresh processes:
   about 30 ms of queued matmuls: on GPU both must return at once (stream-ordered); the
   record says how long each call took to return, whether ``y`` was still being computed,
   and that the result is right.
+* ``watchdog``: a ``tcp://`` world of one with a 1 s group timeout and about 4 s of device
+  work queued ahead of an ``all_reduce``: the call returns at once, and the watchdog must end
+  the process with exit code 6 and the named ``DistTimeoutError`` on stderr.
 * ``ddp``: one training step of a 25M-parameter MLP (1024-4096-4096-1024-10, batch 1024,
   SGD momentum 0.9, TF32 matmuls allowed on both sides): a plain ``jax.jit`` optax step,
   jaxpg ``DistributedDataParallel`` with the bucketed reducer and with one fused ``pmean``
@@ -137,6 +140,62 @@ def part_async(cfg: dict, layout: str) -> dict:
         value = res.result() if mode == "async_op" else res
         out[f"{mode}_correct"] = bool(np.allclose(np.asarray(value), np.asarray(y)))
     return out
+
+
+def part_watchdog(cfg: dict) -> None:
+    """A ``tcp://`` world of one with a 1 s group timeout and several seconds of device
+    work queued ahead of an ``all_reduce``: the call returns at once and the watchdog must
+    end the process (exit code 6) with the named error on stderr."""
+    import datetime
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpg
+
+    jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1,
+                             rank=0, timeout=datetime.timedelta(seconds=1))
+    m = cfg["matmul"]
+
+    @jax.jit
+    def queued(a):
+        for _ in range(cfg["chain"]):
+            a = jnp.tanh(a @ a) * 0.5
+        return a
+
+    a = jnp.full((m, m), 0.01, jnp.float32)
+    queued(a).block_until_ready()
+    jaxpg.all_reduce(a).block_until_ready()
+    t0 = time.perf_counter()
+    queued(a).block_until_ready()
+    one = time.perf_counter() - t0
+    y = a
+    for _ in range(max(1, int(4.0 / max(one, 1e-4)))):  # about 4 s of queued work
+        y = queued(y)
+    t0 = time.perf_counter()
+    jaxpg.all_reduce(y)
+    print(f"RETURNED after {(time.perf_counter() - t0) * 1e3:.2f} ms; input ready: "
+          f"{y.is_ready()}", flush=True)
+    time.sleep(30)
+    print("WATCHDOG DID NOT FIRE", flush=True)
+
+
+def _watchdog_child(smoke: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if smoke:  # the accelerator rules on CPU, through the same code
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                   _JAXPG_STREAM_SEMANTICS="1")
+    cmd = [sys.executable, __file__, "--part", "watchdog"] + (["--smoke"] if smoke else [])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    fired = [ln for ln in proc.stderr.splitlines() if "[jaxpg watchdog]" in ln]
+    returned = [ln for ln in proc.stdout.splitlines() if ln.startswith("RETURNED")]
+    return {"exit_code": proc.returncode, "seconds": time.perf_counter() - t0,
+            "returned": returned[0] if returned else None,
+            "watchdog_message": fired[0] if fired else None,
+            "ok": proc.returncode == 6 and bool(fired) and "all_reduce on group 'WORLD'"
+            in fired[0]}
 
 
 def _mlp(layers: tuple, seed: int):
@@ -279,6 +338,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     cfg = SMOKE if args.smoke else FULL
+    if args.part == "watchdog":
+        part_watchdog(cfg)
+        return
     if args.part:
         if args.part == "overhead":
             result = part_overhead(cfg, args.layout)
@@ -296,6 +358,7 @@ def main() -> None:
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores"}
     for layout in ("single", "tcp1"):
         result[f"overhead_{layout}"] = _child("overhead", layout, args.smoke, tmp)
+    result["watchdog"] = _watchdog_child(args.smoke)
     result["ddp"] = _child("ddp", "single", args.smoke, tmp)
     result["torch_ddp"] = _child("torch", "single", args.smoke, tmp)
     tmp.unlink(missing_ok=True)

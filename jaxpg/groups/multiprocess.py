@@ -477,6 +477,9 @@ def _timeout_text(group: Any, api: str, seq: int, seconds: float) -> str:
             f"within {seconds:.1f} s; ranks that did not arrive: {ranks}")
     if ranks:
         return text + "."
+    if not _has_peers(group):
+        return text + (" (this process holds every rank of the group: the collective, or device "
+                       "work queued ahead of it, is still running).")
     running = _running(group)
     from jaxpg.groups.desync import describe_mismatch
 
@@ -485,7 +488,8 @@ def _timeout_text(group: Any, api: str, seq: int, seconds: float) -> str:
         return (text + f" (all arrived, but they run different collectives: {mismatch} "
                 "Run with JAXPG_DEBUG=DETAIL to catch this before the collective runs.)")
     shown = "; ".join(f"rank {r}: {t}" for r, t in sorted(running.items()))
-    return (text + " (all arrived: a peer may have died during the collective"
+    return (text + " (all arrived: a peer may have died during the collective, or device work "
+            "queued ahead of it is still running"
             + (f"; each rank is running {shown}" if shown else "") + ").")
 
 
