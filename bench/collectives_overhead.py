@@ -134,6 +134,27 @@ def worker(args: argparse.Namespace) -> None:
     jaxpg.destroy_process_group()
 
 
+def runner_hop(reps: int = 3000) -> dict:
+    """The blocking path's thread hop alone: a no-op queued on the runner and waited for,
+    against the same no-op called directly, interleaved; medians in µs."""
+    from jaxpg.groups import multiprocess
+
+    def noop() -> None:
+        return None
+
+    hop, direct = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        multiprocess.submit(noop, "noop").wait_result(10.0)
+        t1 = time.perf_counter()
+        noop()
+        t2 = time.perf_counter()
+        hop.append(t1 - t0)
+        direct.append(t2 - t1)
+    return {"hop_us": statistics.median(hop) * 1e6, "direct_us": statistics.median(direct) * 1e6,
+            "hop_p90_us": sorted(hop)[int(0.9 * reps)] * 1e6}
+
+
 def launch(layout: str, args: argparse.Namespace, out: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "JAXPG_DEBUG", "TORCH_DISTRIBUTED_DEBUG")}
@@ -177,6 +198,8 @@ def main() -> None:
     tmp = Path(args.out).with_suffix(".part.json")
     for layout in args.layouts.split(","):
         results["layouts"][layout] = launch(layout, args, tmp)
+    results["runner_hop"] = runner_hop()
+    print(f"runner thread hop: {results['runner_hop']}")
     tmp.unlink(missing_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print("\n| layout | op | size | hand-written µs | eager µs | overhead µs |")
