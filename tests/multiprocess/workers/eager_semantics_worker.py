@@ -1,4 +1,4 @@
-"""Eager semantics across processes (started by tests/multiprocess/test_eager_semantics.py).
+"""Eager semantics across processes (started by tests/multiprocess/test_eager_semantics_mp.py).
 
 Modes (argv[1]):
 
