@@ -34,7 +34,7 @@ class Work:
     """A pending collective, as torch's ``Work``.
 
     It holds either the collective's result (arrays JAX may still be computing), or a job
-    queued on the multi-process runner thread (``jaxpg.groups.multiprocess.Job``), which
+    queued on the multi-process runner thread (``jaxpg.groups.runner.Job``), which
     dispatches the collective after earlier ones without blocking the caller.
 
     Args:
@@ -98,8 +98,10 @@ class Work:
         start = time.monotonic()
         if self._job is not None:
             limit = seconds if seconds is not None else self._timeout
+            from jaxpg.groups import multiprocess
+
             try:
-                self._result = self._job.wait_result(limit)
+                self._result = multiprocess.wait_job(self._job, limit)
             except BaseException as exc:  # noqa: BLE001 (kept: a later wait raises it again)
                 self._error = exc
             self._job, self._ran = None, self._job

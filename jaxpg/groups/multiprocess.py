@@ -5,23 +5,20 @@ says the job spans processes. After the rendezvous (``jaxpg.rendezvous``) JAX's
 coordination service runs; its key/value store is the world's Store, and XLA's own
 collectives (gloo or MPI on CPU, NCCL on GPU) move every tensor byte.
 
-Every eager collective notes its sequence number as this process's progress in the group
-(``<group>/progress/<process>``, a counter that always equals the highest sequence number
-this process reached), then waits for its result for at most the group's timeout. A
-background thread writes the progress counters, at most one key/value RPC per group every
-20 ms however many collectives run, so a small collective pays no round trip to the
-coordination service. If the result does not come, the counters tell which processes never
-reached that collective, and the DistTimeoutError names their ranks.
+Every eager collective notes its sequence number and fingerprint as this process's progress
+in the group (``jaxpg.groups.progress``: published in the background, so a small collective
+pays no round trip to the coordination service), then runs by the world's semantics
+(``jaxpg.groups.watchdog``): blocking on the runner thread (``jaxpg.groups.runner``) for at
+most the group's timeout, or stream-ordered under the watchdog. If the result does not come,
+the progress counters tell which processes never reached that collective, and the
+DistTimeoutError names their ranks (or, when all arrived, what each is running).
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import datetime
 import os
-import queue
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,124 +28,14 @@ import jax
 from jaxpg.errors import DistNetworkError, DistTimeoutError
 from jaxpg.groups import watchdog
 from jaxpg.groups.desync import detail_enabled
+from jaxpg.groups.progress import progress as _progress
+from jaxpg.groups.runner import Job
+from jaxpg.groups.runner import runner as _runner
 
 __all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective", "submit",
-           "Job", "monitored_barrier"]
+           "wait_job", "monitored_barrier"]
 
 _detail = False  # JAXPG_DEBUG=DETAIL, read at init_world
-
-
-
-class Job:
-    """A collective queued on the runner thread (a light Future: one pre-acquired lock that
-    the runner releases when done). It knows which collective it is running (group, op,
-    sequence number), so a timeout can name the missing ranks."""
-
-    __slots__ = ("_lock", "_result", "_error", "finished", "group", "api", "seq")
-
-    def __init__(self, api: str) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self.finished = False
-        self.group: Any = None
-        self.api = api
-        self.seq = 0
-
-    def done(self) -> bool:
-        return self.finished
-
-    def _finish(self, result: Any, error: BaseException | None) -> None:
-        self._result, self._error = result, error
-        self.finished = True
-        self._lock.release()
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The job's result (or its error); ``concurrent.futures.TimeoutError`` after
-        ``timeout`` seconds."""
-        if not self.finished:
-            if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-                raise concurrent.futures.TimeoutError
-            self._lock.release()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def wait_result(self, timeout: float | None) -> Any:
-        """The job's result; after ``timeout`` seconds, the named ``DistTimeoutError``."""
-        try:
-            return self.result(timeout)
-        except concurrent.futures.TimeoutError:
-            stuck = self if self.group is not None else (_runner.current or self)
-            if not self.finished:
-                _runner.abandon()
-            if stuck.group is None:
-                raise DistTimeoutError(
-                    f"{self.api}: did not start within {timeout:.1f} s.") from None
-            raise DistTimeoutError(_timeout_text(stuck.group, stuck.api, stuck.seq,
-                                                 timeout)) from None
-
-
-class _Runner:
-    """One daemon thread that runs eager collectives, so the caller can stop waiting.
-
-    On CPU, XLA runs a collective on the dispatching thread when it counts it cheap (under
-    1000 flops: a small all_reduce; all_gather, all_to_all and ppermute, which have no
-    flops, at any size), so a peer that never arrives would block the caller forever.
-    Blocking collectives and every ``async_op=True`` collective run here, in the order they
-    were called; the caller waits with a timeout (or not at all: ``async_op``). A thread
-    left stuck in a dead collective is abandoned (it is a daemon, so it does not keep the
-    process alive) and a fresh one serves later calls.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._local = threading.local()
-        self.current: Job | None = None
-        self.submitted = 0  # written by callers only
-        self.finished = 0  # written by the runner only
-
-    def _loop(self, jobs: queue.SimpleQueue) -> None:
-        self._local.on_runner = True
-        while True:
-            fn, job = jobs.get()
-            self.current = job
-            try:
-                result, error = fn(), None
-            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
-                result, error = None, exc
-            self.current = None
-            self.finished += 1
-            job._finish(result, error)
-
-    def idle(self) -> bool:
-        """True when no job is queued or running."""
-        return self.submitted == self.finished
-
-    def on_runner(self) -> bool:
-        """True on the runner thread (a collective inside a queued job runs in place)."""
-        return getattr(self._local, "on_runner", False)
-
-    def submit(self, fn: Any, api: str) -> Job:
-        if self._thread is None:
-            self._jobs = queue.SimpleQueue()
-            self.submitted = self.finished = 0
-            self._thread = threading.Thread(target=self._loop, args=(self._jobs,),
-                                            name="jaxpg-collective", daemon=True)
-            self._thread.start()
-        job = Job(api)
-        self.submitted += 1
-        self._jobs.put((fn, job))
-        return job
-
-    def abandon(self) -> None:
-        self._thread = None
-        self.current = None
-
-
-_runner = _Runner()
 
 
 def submit(fn: Any, api: str) -> Job:
@@ -158,102 +45,21 @@ def submit(fn: Any, api: str) -> Job:
     return _runner.submit(fn, api)
 
 
-class _Progress:
-    """Publishes each group's highest sequence number this process reached, in the background.
-
-    ``note`` only records the number (and the collective's fingerprint) and wakes the
-    thread. The thread raises the group's counter ``progress/<process>`` (``add`` of the
-    difference: one RPC, no lock) and then rests ``_PERIOD`` seconds, so a loop of many
-    small collectives costs a few RPCs a second instead of one each. Once a group's number
-    has stayed the same for a period (the process waits in that collective, or has stopped
-    calling them), it also writes what the process is running, the fingerprint's text, to
-    ``running/<process>`` (a locked ``set``: three RPCs), for a peer's timeout message. A
-    process stuck in a collective has published both long before a peer's timeout reads
-    them; ``publish_now`` writes this process's at once.
-    """
-
-    _PERIOD = 0.02
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        # group -> [reached, published, (seq, fingerprint) of reached, seq whose text is out]
-        self._latest: dict[Any, list[Any]] = {}
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._discards: collections.deque = collections.deque()
-
-    def note(self, group: Any, seq: int, fingerprint: Any = None) -> None:
-        entry = self._latest.get(group)
-        if entry is None:
-            with self._lock:
-                entry = self._latest.setdefault(group, [0, 0, (0, None), 0])
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name="jaxpg-progress",
-                                                    daemon=True)
-                    self._thread.start()
-        if seq > entry[0]:
-            entry[2] = (seq, fingerprint)
-            entry[0] = seq
-        self._wake.set()
-
-    def publish_now(self, group: Any | None = None, texts: bool = True) -> None:
-        """Writes the counters that moved; with ``texts``, the running text of every group
-        whose counter did not move since the last write (or of ``group``, at once)."""
-        from jaxpg.groups.desync import fingerprint_text
-
-        counts, running = [], []
-        with self._lock:
-            for g, e in self._latest.items():
-                if group is not None and g is not group:
-                    continue
-                moved = e[0] > e[1]
-                if moved:
-                    counts.append((g, e[0] - e[1]))
-                    e[1] = e[0]
-                seq, fp = e[2]
-                if texts and e[3] != seq and (group is not None or not moved):
-                    running.append((g, seq, fp))
-                    e[3] = seq
-        for g, seq, fp in running:  # before the count: a peer that sees it sees the text
-            try:
-                g.store.set(f"running/{g._world.process_index}",
-                            fingerprint_text(g.group_name, seq, fp))
-            except Exception:  # noqa: BLE001 (a lost store shows in the collective itself)
-                pass
-        for g, delta in counts:
-            try:
-                g.store.add(f"progress/{g._world.process_index}", delta)
-            except Exception:  # noqa: BLE001
-                pass
-
-    def _settled(self) -> bool:
-        return all(e[3] == e[2][0] for e in self._latest.values())
-
-    def discard(self, group: Any, key: str) -> None:
-        """Deletes ``key`` from the group's store in the background."""
-        self._discards.append((group, key))
-        self._wake.set()
-
-    def forget(self) -> None:
-        with self._lock:
-            self._latest.clear()
-            self._discards.clear()
-
-    def _loop(self) -> None:
-        while True:
-            self._wake.wait(None if self._settled() else self._PERIOD)
-            self._wake.clear()
-            self.publish_now()
-            while self._discards:
-                group, key = self._discards.popleft()
-                try:
-                    group.store.delete_key(key)
-                except Exception:  # noqa: BLE001 (cleanup only)
-                    pass
-            time.sleep(self._PERIOD)
+def wait_job(job: Job, timeout: float | None) -> Any:
+    """The job's result; after ``timeout`` seconds, the named ``DistTimeoutError`` (and the
+    runner, stuck in that collective, is abandoned: the group is broken, as in torch)."""
+    try:
+        return job.result(timeout)
+    except concurrent.futures.TimeoutError:
+        stuck = job if job.group is not None else (_runner.current or job)
+        if not job.finished:
+            _runner.abandon()
+        if stuck.group is None:
+            raise DistTimeoutError(f"{job.api}: did not start within {timeout:.1f} s.") from None
+        raise DistTimeoutError(_timeout_text(stuck.group, stuck.api, stuck.seq,
+                                             timeout)) from None
 
 
-_progress = _Progress()
 
 
 def init_world(backend: str | None, init_method: str | None, timeout: datetime.timedelta,
@@ -399,10 +205,10 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None) -> An
         if not _has_peers(group) and _runner.idle():
             return _run_here(group, api, fn, fingerprint, True)  # nothing here can hang
         job = _runner.submit(lambda: _run_here(group, api, fn, fingerprint, True), api)
-        return job.wait_result(group.timeout.total_seconds())
+        return wait_job(job, group.timeout.total_seconds())
     if not _runner.idle():  # async jobs queued: keep the call order, wait for the dispatch
         job = _runner.submit(lambda: _run_here(group, api, fn, fingerprint, False), api)
-        return job.wait_result(None)
+        return wait_job(job, None)
     return _run_here(group, api, fn, fingerprint, False)
 
 
@@ -420,7 +226,7 @@ def _has_peers(group: Any) -> bool:
 def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -> Any:
     """Numbers, notes, (checks,) dispatches and, when ``blocking``, waits for one collective."""
     seq = group.next_seq()
-    job = _runner.current if _runner.on_runner() else None
+    job = _runner.running_job()
     if job is not None:
         job.group, job.api, job.seq = group, api, seq
     if _has_peers(group):  # alone, no one needs to know how far this process got

@@ -105,3 +105,25 @@ def test_one_rank_group_takes_and_returns_per_rank_arrays(world):
     assert gathered.shape == (3,) and gathered.dtype == jnp.float32
     work = jaxpg.broadcast(x, src=5, group=solo, async_op=True)
     np.testing.assert_array_equal(np.asarray(work.result()), np.asarray(x))
+
+
+def test_runner_keeps_call_order_and_starts_afresh_after_abandon():
+    import concurrent.futures
+    import threading
+
+    from jaxpg.groups.runner import _Runner
+
+    runner = _Runner()
+    gate, order = threading.Event(), []
+    stuck = runner.submit(lambda: gate.wait(), "stuck")
+    behind = runner.submit(lambda: order.append("behind") or "behind", "behind")
+    with pytest.raises(concurrent.futures.TimeoutError):
+        stuck.result(0.05)
+    assert not runner.idle() and runner.current is stuck
+    runner.abandon()  # as a timeout does: later calls get a fresh thread
+    assert runner.idle()
+    fresh = runner.submit(lambda: order.append("fresh") or 7, "fresh")
+    assert fresh.result(10) == 7 and runner.idle()
+    gate.set()  # the abandoned thread finishes its jobs, in order, on its own counters
+    assert stuck.result(10) is True and behind.result(10) == "behind"
+    assert order == ["fresh", "behind"] and runner.idle()
