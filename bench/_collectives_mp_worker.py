@@ -161,7 +161,7 @@ def breakdown(size: int, rank: int, n: int, mesh: Mesh, reps: int) -> dict:
         "arrival RPC, synchronous (before): store.add": lambda: pg.store.add(
             f"bench_arrive/{next(counter)}", 1),
         "worker-thread handoff (run_collective)": lambda: (
-            multiprocess._runner.submit(lambda: None).result()),
+            multiprocess.submit(lambda: None, "noop").result()),
     }
     res = {}
     for name, f in pieces.items():

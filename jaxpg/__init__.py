@@ -10,6 +10,7 @@ from jaxpg.collectives import *  # noqa: F403
 from jaxpg.collectives import __all__ as _collectives_all
 from jaxpg.errors import (
     DistBackendError,
+    DistDesyncError,
     DistError,
     DistNetworkError,
     DistStoreError,
@@ -26,7 +27,8 @@ __version__ = "0.1.0"
 __all__ = [
     *_collectives_all,
     *_groups_all,
-    "DistBackendError", "DistError", "DistNetworkError", "DistStoreError", "DistTimeoutError",
+    "DistBackendError", "DistDesyncError", "DistError", "DistNetworkError", "DistStoreError",
+    "DistTimeoutError",
     "ReduceOp", "RedOpType", "spmd", "Store", "HashStore", "FileStore", "PrefixStore",
     "TCPStore", "ddp", "pipeline",
 ]

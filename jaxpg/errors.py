@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "DistError",
     "DistBackendError",
+    "DistDesyncError",
     "DistNetworkError",
     "DistStoreError",
     "DistTimeoutError",
@@ -29,3 +30,8 @@ class DistStoreError(DistError):
 
 class DistTimeoutError(DistError, TimeoutError):
     """A collective or barrier did not finish in time; the message names the missing ranks."""
+
+
+class DistDesyncError(DistError):
+    """Ranks called different collectives (op, shapes, dtypes or arguments) at the same point;
+    raised under ``JAXPG_DEBUG=DETAIL``, naming the ranks and both calls."""

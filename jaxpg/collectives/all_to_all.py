@@ -11,7 +11,7 @@ import numpy as np
 from jaxpg.collectives._dispatch import resolve
 from jaxpg.collectives.eager import local_count, run_eager
 from jaxpg.collectives.gathers import exchange_sizes
-from jaxpg.collectives.work import completed
+from jaxpg.collectives.work import completed, returns_work_at_once
 
 __all__ = ["all_to_all", "all_to_all_single"]
 
@@ -48,6 +48,7 @@ def _exchange(pg: Any, chunks: list[list[Any]], api: str) -> list[list[Any]]:
     return received
 
 
+@returns_work_at_once
 def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
                async_op: bool = False) -> Any:
     """Rank ``j`` sends ``input_tensor_list[i]`` to rank ``i``; returns the received list.
@@ -96,6 +97,7 @@ def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
                       for i in range(k)], async_op, api)
 
 
+@returns_work_at_once
 def all_to_all_single(input: Any, output_split_sizes: Sequence[int] | None = None,  # noqa: A002
                       input_split_sizes: Sequence[int] | None = None, group: Any = None,
                       async_op: bool = False) -> Any:

@@ -9,11 +9,12 @@ import numpy as np
 
 from jaxpg.collectives._dispatch import resolve
 from jaxpg.collectives.eager import local_count, run_eager
-from jaxpg.collectives.work import Work
+from jaxpg.collectives.work import Work, returns_work_at_once
 
 __all__ = ["barrier", "monitored_barrier"]
 
 
+@returns_work_at_once
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
     """Blocks until every rank of the group has reached it.
 

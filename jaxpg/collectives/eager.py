@@ -22,14 +22,20 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.groups.callbacks import on_reset
 from jaxpg.spmd import SpmdContext
 
+try:  # the no-copy, no-check constructor of a global array from its blocks (4x cheaper)
+    from jax._src.array import ArrayImpl
+    from jax.core import ShapedArray
+except ImportError:  # pragma: no cover (JAX moved it: the public function is used)
+    ArrayImpl = None
+
 __all__ = ["run_eager", "local_count", "holds_every_member", "clear_kernel_cache"]
 
 _kernels: dict[tuple, Callable[..., Any]] = {}
+# flat kernel key -> (kernel, per-output "is 0-d", fingerprint, group size)
+_flat: dict[tuple, tuple[Callable[..., Any], list[bool], tuple, int]] = {}
 # group.id -> (ranks of the family held here, whether that is all of them, input sharding):
 # fixed for a group's lifetime, and computed once so a small eager call costs little.
-_plans: dict[int, tuple[int, bool, NamedSharding]] = {}
-# flat kernel key -> which of its outputs are 0-d (recorded while the kernel is traced)
-_flat_scalars: dict[tuple, list[bool]] = {}
+_plans: dict[int, tuple[int, bool, NamedSharding, Any]] = {}
 
 
 @on_reset
@@ -37,10 +43,10 @@ def clear_kernel_cache() -> None:
     """Forgets every compiled eager kernel (``destroy_process_group`` calls it)."""
     _kernels.clear()
     _plans.clear()
-    _flat_scalars.clear()
+    _flat.clear()
 
 
-def _plan(group: Any, api: str) -> tuple[int, bool, NamedSharding]:
+def _plan(group: Any, api: str) -> tuple[int, bool, NamedSharding, Any]:
     plan = _plans.get(group.id)
     if plan is None:
         local, members = group.local_members(), group.members
@@ -50,7 +56,8 @@ def _plan(group: Any, api: str) -> tuple[int, bool, NamedSharding]:
                 f"(ranks {list(members)}); only members may call it, as in torch."
             )
         sharding = NamedSharding(group.family_mesh, P(group.axis_name))
-        plan = _plans[group.id] = (len(local), len(local) == len(members), sharding)
+        device = group._world.devices[local[0]]  # the one device of a one-rank process
+        plan = _plans[group.id] = (len(local), len(local) == len(members), sharding, device)
     return plan
 
 
@@ -65,14 +72,7 @@ def holds_every_member(group: Any, api: str) -> bool:
 
 
 def _as_stacked(x: Any, n_local: int, api: str, arg: str) -> Any:
-    if isinstance(x, jax.Array):
-        arr = x
-    else:
-        arr = np.asarray(x)
-        if arr.dtype == np.float64 and not jax.config.jax_enable_x64:
-            arr = arr.astype(np.float32)
-        elif arr.dtype == np.int64 and not jax.config.jax_enable_x64:
-            arr = arr.astype(np.int32)
+    arr = x if isinstance(x, jax.Array) else _host(x)
     if n_local == 1:
         return arr[None]
     if arr.ndim == 0 or arr.shape[0] != n_local:
@@ -85,14 +85,19 @@ def _as_stacked(x: Any, n_local: int, api: str, arg: str) -> Any:
 
 def _to_global(arr: Any, group: Any, sharding: NamedSharding, all_local: bool) -> Any:
     if isinstance(arr, jax.Array):
-        if arr.sharding == sharding:
+        if arr.sharding is sharding or arr.sharding == sharding:
             return arr
     elif all_local and isinstance(arr, np.ndarray):
         return arr  # the kernel's in_shardings put it on the devices, cheaper than device_put
     if all_local:
         return jax.device_put(arr, sharding)
-    return jax.make_array_from_process_local_data(sharding, np.asarray(arr),
-                                                  (len(group.members), *arr.shape[1:]))
+    shape = (len(group.members), *arr.shape[1:])
+    if isinstance(arr, jax.Array):  # split on the devices: no host round trip, no waiting
+        devices = [group._world.devices[r] for r in group.local_members()]
+        local = NamedSharding(Mesh(np.array(devices, dtype=object), ("local",)), P("local"))
+        parts = jax.device_put(arr, local).addressable_shards
+        return jax.make_array_from_single_device_arrays(shape, sharding, [s.data for s in parts])
+    return jax.make_array_from_process_local_data(sharding, np.asarray(arr), shape)
 
 
 def _local_part(out: jax.Array, group: Any, n_local: int, all_local: bool) -> Any:
@@ -108,63 +113,109 @@ def _local_part(out: jax.Array, group: Any, n_local: int, all_local: bool) -> An
     )
 
 
+def _global_from_block(shape: tuple, sharding: NamedSharding, block: jax.Array) -> jax.Array:
+    """The global array whose one addressable block is ``block``: no copy, no dispatch."""
+    if ArrayImpl is not None:
+        try:
+            return ArrayImpl(ShapedArray(shape, block.dtype), sharding, [block],
+                             committed=True, _skip_checks=True)
+        except TypeError:  # its signature changed: the public function below
+            pass
+    return jax.make_array_from_single_device_arrays(shape, sharding, [block])
+
+
+def _host(x: Any) -> np.ndarray:
+    """A host input as numpy, with JAX's default dtypes (float64 -> float32 unless x64)."""
+    arr = np.asarray(x)
+    if arr.dtype == np.float64 and not jax.config.jax_enable_x64:
+        return arr.astype(np.float32)
+    if arr.dtype == np.int64 and not jax.config.jax_enable_x64:
+        return arr.astype(np.int32)
+    return arr
+
+
+def _compile_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
+                  names: tuple, sig: tuple) -> tuple:
+    """The per-rank kernel: rank ``i``'s input is block ``i`` of dim 0 of a global array (a
+    0-d input is passed as a replicated 0-d array whose local value is the rank's), and its
+    outputs come back the same way, so the call needs no reshape on either side."""
+    mesh, axis, state = group.family_mesh, group.axis_name, group._world
+    k = len(group.members)
+    in_specs = tuple(P() if len(shape) == 0 else P(axis) for shape, _ in sig)
+
+    def per_rank(*blocks: Any) -> Any:
+        with SpmdContext(mesh, state) as ctx:
+            return body(ctx.layout(group), **dict(zip(names, blocks)))
+
+    def probe(*blocks: Any) -> Any:  # which outputs are 0-d decides their out_specs
+        return jax.tree.map(lambda a: a[None], per_rank(*blocks))
+
+    avals = [jax.ShapeDtypeStruct(shape if not shape else (k * shape[0], *shape[1:]), dtype)
+             for shape, dtype in sig]
+    shapes = jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=in_specs,
+                                          out_specs=P(axis), check_vma=False), *avals)
+    leaves, tree = jax.tree.flatten(shapes)
+    scalar_out = [a.ndim == 1 for a in leaves]
+    out_specs = jax.tree.unflatten(tree, [P() if s else P(axis) for s in scalar_out])
+    kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs,
+                                   out_specs=out_specs, check_vma=False))
+    fingerprint = (api, static_key,
+                   tuple((n, tuple(shape), str(dtype)) for n, (shape, dtype) in zip(names, sig)))
+    in_shardings = [NamedSharding(mesh, spec) for spec in in_specs]
+    return kernel, scalar_out, fingerprint, k, in_shardings
+
+
 def _run_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
-              inputs: dict[str, Any], sharding: NamedSharding) -> Any:
-    """One rank here, the others in other processes: no copies in or out.
+              inputs: dict[str, Any], sharding: NamedSharding, dev: Any) -> Any:
+    """One rank of the group here: the kernel takes and returns per-rank arrays.
 
-    This rank's data is block ``i`` of a ``[k * m, ...]`` global array (``x`` itself when it
-    is a one-device array: ``make_array_from_single_device_arrays`` copies nothing), and its
-    result is the kernel's one addressable shard. The stacked form would add a leading axis
-    on the way in and index it away on the way out: two full copies per call. Returns
-    ``NotImplemented`` for 0-d inputs and multi-device arrays (the stacked path takes them).
+    This rank's array is block ``i`` of a ``[k * m, ...]`` global array built around its
+    buffer (no copy, no dispatch; with ``k = 1`` the array itself), and its result is the
+    kernel's one addressable block. Returns ``NotImplemented`` for an input spread over
+    several devices (the stacked path takes it).
     """
-    names = tuple(sorted(inputs))
-    vals = [inputs[k] for k in names]
-    if any(np.ndim(v) == 0 or (isinstance(v, jax.Array) and len(v.sharding.device_set) != 1)
-           for v in vals):
-        return NotImplemented
-    state, k = group._world, len(group.members)
-    dev = next(iter(sharding.addressable_devices))
-    args = []
-    for name, v in zip(names, vals):
+    names = tuple(inputs) if len(inputs) == 1 else tuple(sorted(inputs))
+    blocks = []
+    for name in names:
+        v = inputs[name]
         if isinstance(v, jax.Array):
-            v = v if v.sharding.device_set == {dev} else jax.device_put(v, dev)
-            args.append(jax.make_array_from_single_device_arrays(
-                (k * v.shape[0], *v.shape[1:]), sharding, [v]))
+            devs = v.sharding.device_set
+            if len(devs) != 1:
+                return NotImplemented
+            if dev not in devs:
+                v = jax.device_put(v, dev)
         else:
-            v = _as_stacked(v, 1, api, name)[0]  # numpy, dtype as the stacked path
-            args.append(jax.make_array_from_process_local_data(
-                sharding, v, (k * v.shape[0], *v.shape[1:])))
-    key = (group.id, api, static_key, names,
-           tuple((tuple(a.shape[1:]), a.dtype) for a in args), "flat")
-    kernel = _kernels.get(key)
-    if kernel is None:
-        mesh, axis = group.family_mesh, group.axis_name
-
-        def per_rank(*blocks: Any) -> Any:
-            with SpmdContext(mesh, state) as ctx:
-                out = body(ctx.layout(group), **dict(zip(names, blocks)))
-            leaves, tree = jax.tree.flatten(out)
-            _flat_scalars[key] = [a.ndim == 0 for a in leaves]  # set while tracing
-            return jax.tree.unflatten(tree, [a[None] if a.ndim == 0 else a for a in leaves])
-
-        kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis),
-                                       out_specs=P(axis), check_vma=False))
-        _kernels[key] = kernel
-    out = _call(group, api, kernel, args)
-    leaves, tree = jax.tree.flatten(out)
-    parts = [o.addressable_shards[0].data for o in leaves]
-    parts = [p[0] if s else p for p, s in zip(parts, _flat_scalars[key])]
-    return jax.tree.unflatten(tree, parts)
+            v = jax.device_put(_host(v), dev)
+        blocks.append(v)
+    sig = tuple((v.shape, v.dtype) for v in blocks)
+    key = (group.id, api, static_key, names, sig)
+    entry = _flat.get(key)
+    if entry is None:
+        entry = _flat[key] = _compile_flat(group, api, static_key, body, names, sig)
+    kernel, scalar_out, fingerprint, k, in_shardings = entry
+    if k > 1:
+        blocks = [_global_from_block((k * b.shape[0], *b.shape[1:]) if b.shape else (), sh, b)
+                  for b, sh in zip(blocks, in_shardings)]
+    out = _call(group, api, kernel, blocks, fingerprint)
+    if k == 1:
+        return out
+    if isinstance(out, jax.Array):
+        return out.addressable_shards[0].data
+    return jax.tree.map(lambda o: o.addressable_shards[0].data, out)
 
 
-def _call(group: Any, api: str, kernel: Callable[..., Any], args: list[Any]) -> Any:
-    """Runs the kernel; across processes, with progress marks and the group's timeout."""
+def _call(group: Any, api: str, kernel: Callable[..., Any], args: Any,
+          fingerprint: Any = None) -> Any:
+    """Runs the kernel; across processes, as the group's next collective (progress marks,
+    fingerprints, the backend's blocking or stream-ordered semantics). ``args`` is a list,
+    or a function that builds it (run where the kernel is dispatched)."""
     if not group._world.multiprocess:
-        return kernel(*args)
+        return kernel(*(args() if callable(args) else args))
     from jaxpg.groups import multiprocess
 
-    return multiprocess.run_collective(group, api, lambda: kernel(*args))
+    if callable(args):
+        return multiprocess.run_collective(group, api, lambda: kernel(*args()), fingerprint)
+    return multiprocess.run_collective(group, api, lambda: kernel(*args), fingerprint)
 
 
 def run_eager(
@@ -186,12 +237,12 @@ def run_eager(
     Returns:
         The pytree ``body`` returns, with this process's ranks' parts (plain or stacked).
     """
-    n_local, all_local, sharding = _plan(group, api)
-    state = group._world
-    if state.multiprocess and n_local == 1 and not all_local:
-        out = _run_flat(group, api, static_key, body, inputs, sharding)
+    n_local, all_local, sharding, device = _plan(group, api)
+    if n_local == 1:
+        out = _run_flat(group, api, static_key, body, inputs, sharding, device)
         if out is not NotImplemented:
             return out
+    state = group._world
     names = tuple(sorted(inputs))
     stacked = [_as_stacked(inputs[k], n_local, api, k) for k in names]
     sig = tuple((tuple(a.shape[1:]), a.dtype) for a in stacked)
@@ -210,7 +261,14 @@ def run_eager(
                                        out_specs=P(axis), check_vma=False),
                          in_shardings=sharding)
         _kernels[key] = kernel
-    out = _call(group, api, kernel, [_to_global(a, group, sharding, all_local) for a in stacked])
+    if state.multiprocess:
+        fingerprint = (api, static_key,
+                       tuple((n, shape, str(dtype)) for n, (shape, dtype) in zip(names, sig)))
+        out = _call(group, api, kernel,
+                    lambda: [_to_global(a, group, sharding, all_local) for a in stacked],
+                    fingerprint)
+    else:
+        out = kernel(*[_to_global(a, group, sharding, all_local) for a in stacked])
     if isinstance(out, jax.Array):
         return _local_part(out, group, n_local, all_local)
     return jax.tree.map(lambda o: _local_part(o, group, n_local, all_local), out)

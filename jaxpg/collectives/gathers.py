@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxpg.collectives._dispatch import check_same_shapes, group_rank_of, resolve
 from jaxpg.collectives.eager import local_count, run_eager
-from jaxpg.collectives.work import completed
+from jaxpg.collectives.work import completed, returns_work_at_once
 
 __all__ = [
     "all_gather",
@@ -43,6 +43,7 @@ def _pad_dim0(x: jax.Array, size: int) -> jax.Array:
     return x if pad == 0 else jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
 
+@returns_work_at_once
 def all_gather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     """Gathers every rank's ``tensor``; returns a list indexed by group rank.
 
@@ -95,6 +96,7 @@ def all_gather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     return completed(out, async_op, api)
 
 
+@returns_work_at_once
 def all_gather_into_tensor(input_tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     """Gathers every rank's ``input_tensor`` concatenated along dim 0 (torch's output)."""
     api = "all_gather_into_tensor"
@@ -112,6 +114,7 @@ def all_gather_into_tensor(input_tensor: Any, group: Any = None, async_op: bool 
 all_gather_single = all_gather_into_tensor
 
 
+@returns_work_at_once
 def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: bool = False,
               group_src: int | None = None) -> Any:
     """Every rank gets rank ``src``'s ``tensor`` (``src`` is a global rank, as in torch)."""
@@ -124,6 +127,7 @@ def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: 
     return completed(out, async_op, api)
 
 
+@returns_work_at_once
 def gather(tensor: Any, dst: int | None = None, group: Any = None, async_op: bool = False,
            group_dst: int | None = None) -> Any:
     """Gathers every rank's ``tensor`` onto ``dst``: a list there, None on other ranks.
@@ -146,6 +150,7 @@ def gather(tensor: Any, dst: int | None = None, group: Any = None, async_op: boo
     return completed([row[i] for i in range(pg.size())], async_op, api)
 
 
+@returns_work_at_once
 def scatter(tensor: Any = None, scatter_list: list[Any] | None = None, src: int | None = None,
             group: Any = None, async_op: bool = False, group_src: int | None = None) -> Any:
     """Rank ``i`` gets ``scatter_list[i]`` from ``src``; returns this rank's part.

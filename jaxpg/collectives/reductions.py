@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxpg.collectives._dispatch import check_same_shapes, checked_op, group_rank_of, resolve
 from jaxpg.collectives.eager import local_count, run_eager
-from jaxpg.collectives.work import completed
+from jaxpg.collectives.work import completed, returns_work_at_once
 from jaxpg.reduce_op import ReduceOp
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
 ]
 
 
+@returns_work_at_once
 def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
                async_op: bool = False) -> Any:
     """Reduces ``tensor`` across the group; every rank gets the result.
@@ -40,6 +41,7 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     return completed(out, async_op, api)
 
 
+@returns_work_at_once
 def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, group: Any = None,
            async_op: bool = False, group_dst: int | None = None) -> Any:
     """Reduces ``tensor`` onto rank ``dst``; other ranks get their input back unchanged."""
@@ -56,6 +58,7 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, gro
     return completed(run_eager(pg, api, (op, d), body, {"x": tensor}), async_op, api)
 
 
+@returns_work_at_once
 def reduce_scatter_tensor(input: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,  # noqa: A002
                           async_op: bool = False) -> Any:
     """Reduces ``input`` (dim 0 = group size x chunk) and gives rank ``i`` chunk ``i``."""
@@ -79,6 +82,7 @@ def reduce_scatter_tensor(input: Any, op: ReduceOp = ReduceOp.SUM, group: Any = 
 reduce_scatter_single = reduce_scatter_tensor
 
 
+@returns_work_at_once
 def reduce_scatter(input_list: list[Any], op: ReduceOp = ReduceOp.SUM, group: Any = None,
                    async_op: bool = False) -> Any:
     """Reduces ``input_list[i]`` over ranks onto rank ``i``; returns this rank's result."""

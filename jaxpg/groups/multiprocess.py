@@ -5,13 +5,13 @@ says the job spans processes. After the rendezvous (``jaxpg.rendezvous``) JAX's
 coordination service runs; its key/value store is the world's Store, and XLA's own
 collectives (gloo or MPI on CPU, NCCL on GPU) move every tensor byte.
 
-Every eager collective notes its sequence number as this process's progress in the group
-(``<group>/progress/<process>``, a counter that always equals the highest sequence number
-this process reached), then waits for its result for at most the group's timeout. A
-background thread writes the progress counters, at most one key/value RPC per group every
-20 ms however many collectives run, so a small collective pays no round trip to the
-coordination service. If the result does not come, the counters tell which processes never
-reached that collective, and the DistTimeoutError names their ranks.
+Every eager collective notes its sequence number and fingerprint as this process's progress
+in the group (``jaxpg.groups.progress``: published in the background, so a small collective
+pays no round trip to the coordination service), then runs by the world's semantics
+(``jaxpg.groups.watchdog``): blocking on the runner thread (``jaxpg.groups.runner``) for at
+most the group's timeout, or stream-ordered under the watchdog. If the result does not come,
+the progress counters tell which processes never reached that collective, and the
+DistTimeoutError names their ranks (or, when all arrived, what each is running).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import os
-import queue
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,106 +26,40 @@ from typing import Any
 import jax
 
 from jaxpg.errors import DistNetworkError, DistTimeoutError
+from jaxpg.groups import watchdog
+from jaxpg.groups.desync import detail_enabled
+from jaxpg.groups.progress import progress as _progress
+from jaxpg.groups.runner import Job
+from jaxpg.groups.runner import runner as _runner
 
-__all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective",
-           "monitored_barrier"]
+__all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective", "submit",
+           "wait_job", "monitored_barrier"]
 
-
-
-class _Runner:
-    """One daemon thread that runs eager kernels, so the caller can stop waiting.
-
-    On CPU, XLA runs a collective on the dispatching thread when it counts it cheap (under
-    1000 flops: a small all_reduce; all_gather, all_to_all and ppermute, which have no
-    flops, at any size), so a peer that never arrives would block the caller forever.
-    Kernels run here instead; the caller waits with a timeout. A thread left stuck in a
-    dead collective is abandoned (it is a daemon, so it does not keep the process alive)
-    and a fresh one serves later calls.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def _loop(self, jobs: queue.SimpleQueue) -> None:
-        while True:
-            fn, fut = jobs.get()
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 (handed to the caller)
-                    fut.set_exception(exc)
-
-    def submit(self, fn: Any) -> concurrent.futures.Future:
-        if self._thread is None:
-            self._jobs = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._loop, args=(self._jobs,),
-                                            name="jaxpg-collective", daemon=True)
-            self._thread.start()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, fut))
-        return fut
-
-    def abandon(self) -> None:
-        self._thread = None
+_detail = False  # JAXPG_DEBUG=DETAIL, read at init_world
 
 
-_runner = _Runner()
+def submit(fn: Any, api: str) -> Job:
+    """Queues ``fn`` (a whole eager collective) on the runner thread and returns its Job at
+    once: ``async_op=True`` in a multi-process run. Collectives ``fn`` calls run in place
+    on the runner, in call order with every other queued collective."""
+    return _runner.submit(fn, api)
 
 
-class _Progress:
-    """Publishes each group's highest sequence number this process reached, in the background.
-
-    ``note`` only records the number and wakes the thread. The thread raises the group's
-    counter ``progress/<process>`` (``add`` of the difference: one RPC, no lock) and then
-    rests ``_PERIOD`` seconds, so a loop of many small collectives costs a few RPCs a second
-    instead of one each. A process stuck in a collective has published its number long
-    before a peer's timeout reads it; ``publish_now`` writes this process's at once.
-    """
-
-    _PERIOD = 0.02
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._latest: dict[Any, list[int]] = {}  # group -> [reached, published]
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def note(self, group: Any, seq: int) -> None:
-        with self._lock:
-            entry = self._latest.setdefault(group, [0, 0])
-            entry[0] = max(entry[0], seq)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="jaxpg-progress",
-                                                daemon=True)
-                self._thread.start()
-        self._wake.set()
-
-    def publish_now(self, group: Any | None = None) -> None:
-        with self._lock:
-            todo = [(g, e[0] - e[1]) for g, e in self._latest.items()
-                    if e[0] > e[1] and (group is None or g is group)]
-            for g, delta in todo:
-                self._latest[g][1] += delta
-        for g, delta in todo:
-            try:
-                g.store.add(f"progress/{g._world.process_index}", delta)
-            except Exception:  # noqa: BLE001 (a lost store shows in the collective itself)
-                pass
-
-    def forget(self) -> None:
-        with self._lock:
-            self._latest.clear()
-
-    def _loop(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            self.publish_now()
-            time.sleep(self._PERIOD)
+def wait_job(job: Job, timeout: float | None) -> Any:
+    """The job's result; after ``timeout`` seconds, the named ``DistTimeoutError`` (and the
+    runner, stuck in that collective, is abandoned: the group is broken, as in torch)."""
+    try:
+        return job.result(timeout)
+    except concurrent.futures.TimeoutError:
+        stuck = job if job.group is not None else (_runner.current or job)
+        if not job.finished:
+            _runner.abandon()
+        if stuck.group is None:
+            raise DistTimeoutError(f"{job.api}: did not start within {timeout:.1f} s.") from None
+        raise DistTimeoutError(_timeout_text(stuck.group, stuck.api, stuck.seq,
+                                             timeout)) from None
 
 
-_progress = _Progress()
 
 
 def init_world(backend: str | None, init_method: str | None, timeout: datetime.timedelta,
@@ -153,6 +85,9 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
     local_ranks = [i for i, d in enumerate(devices) if d.id in local_ids]
     state = state_cls(backend=chosen, devices=devices, local_ranks=local_ranks,
                       timeout=timeout, store=world_store, multiprocess=True)
+    global _detail
+    _detail = detail_enabled()
+    state.blocking_wait = watchdog.blocking_wait(devices[0].platform)
     state.process_index = jax.process_index()
     state.process_count = jax.process_count()
     state.world_group.store = PrefixStore("WORLD", world_store)
@@ -169,6 +104,7 @@ def shutdown_world(state: Any) -> None:
     from jaxpg.rendezvous import shutdown_jax_distributed
 
     _progress.forget()
+    watchdog.forget()
     try:
         if state.store is not None:
             state.store.close()
@@ -234,44 +170,146 @@ def _group_store(group: Any) -> Any:
     return group.store
 
 
-def run_collective(group: Any, api: str, fn: Any) -> Any:
-    """Runs ``fn`` (dispatch and wait) as the group's next collective, for at most the
-    group's timeout.
+def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None) -> Any:
+    """Runs ``fn`` (the kernel's dispatch) as the group's next collective.
 
-    The collective's sequence number is noted as this process's progress (published in the
-    background, see ``_Progress``); on timeout, the progress counters name the ranks that
-    never reached it.
+    The collective's sequence number and fingerprint are noted as this process's progress
+    (published in the background, see ``_Progress``); under ``JAXPG_DEBUG=DETAIL`` the
+    processes first compare fingerprints (``jaxpg.groups.desync``). Then, by the world's
+    semantics (``jaxpg.groups.watchdog``):
+
+    * blocking (gloo): ``fn`` runs on the runner thread and the caller waits for its result
+      for at most the group's timeout; on timeout the progress counters name the ranks that
+      never reached it (``DistTimeoutError``), and a failure in XLA's collectives becomes
+      ``DistNetworkError`` with the same facts;
+    * stream-ordered (NCCL, TPU): ``fn`` is dispatched here and its result returned at once;
+      the watchdog ends the process if it is not done within the group's timeout.
+
+    Inside a job on the runner thread (an ``async_op=True`` collective) it runs in place.
+
+    Args:
+        group: the ProcessGroup.
+        api: the collective's name.
+        fn: dispatches the kernel and returns its (possibly unfinished) outputs.
+        fingerprint: ``(api, static arguments, ((name, per-rank shape, dtype), ...))``.
     """
-    _group_store(group)
+    if group.store is None:
+        _group_store(group)
+    state = group._world
+    blocking = state.blocking_wait
+    if _runner.on_runner():
+        return _run_here(group, api, fn, fingerprint, blocking)
+    if blocking:
+        if not _has_peers(group) and _runner.idle():
+            return _run_here(group, api, fn, fingerprint, True)  # nothing here can hang
+        job = _runner.submit(lambda: _run_here(group, api, fn, fingerprint, True), api)
+        return wait_job(job, group.timeout.total_seconds())
+    if not _runner.idle():  # async jobs queued: keep the call order, wait for the dispatch
+        job = _runner.submit(lambda: _run_here(group, api, fn, fingerprint, False), api)
+        return wait_job(job, None)
+    return _run_here(group, api, fn, fingerprint, False)
+
+
+def _has_peers(group: Any) -> bool:
+    """Whether another process holds ranks of ``group`` (else nothing can hang: a world of
+    one process runs its collectives in place, without the runner's thread hop)."""
+    peers = group.__dict__.get("_jaxpg_has_peers")
+    if peers is None:
+        state = group._world
+        peers = group.__dict__["_jaxpg_has_peers"] = \
+            _processes_of(state, group.members) != [state.process_index]
+    return peers
+
+
+def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -> Any:
+    """Numbers, notes, (checks,) dispatches and, when ``blocking``, waits for one collective."""
     seq = group.next_seq()
-    _progress.note(group, seq)
-
-    def call() -> Any:
-        out = fn()
-        for x in jax.tree.leaves(out):
-            if isinstance(x, jax.Array):
-                x.block_until_ready()
-        return out
-
-    fut = _runner.submit(call)
-    seconds = group.timeout.total_seconds()
+    job = _runner.running_job()
+    if job is not None:
+        job.group, job.api, job.seq = group, api, seq
+    if _has_peers(group):  # alone, no one needs to know how far this process got
+        _progress.note(group, seq, fingerprint)
+    if _detail:
+        _compare(group, api, seq, fingerprint)
+    entry = None
+    if not blocking:
+        seconds = group.timeout.total_seconds()
+        entry = watchdog.watch(time.monotonic() + seconds,
+                               lambda: _timeout_text(group, api, seq, seconds))
     try:
-        return fut.result(timeout=seconds)
-    except concurrent.futures.TimeoutError:
-        _runner.abandon()
-        ranks = _missing_ranks(group, seq, grace=0.25)
-        raise DistTimeoutError(
-            f"{api} on group {group.group_name!r} (sequence number {seq}) did not finish "
-            f"within {seconds:.1f} s; ranks that did not arrive: {ranks}"
-            + ("" if ranks else " (all arrived: a peer may have died during the collective)")
-            + "."
-        ) from None
+        out = fn()
+        if blocking:
+            for x in jax.tree.leaves(out):
+                if isinstance(x, jax.Array):
+                    x.block_until_ready()
+            return out
     except Exception as err:  # XLA's collectives report a lost peer as a runtime error
+        if entry is not None:
+            entry.failed = True
         ranks = _missing_ranks(group, seq, grace=1.0)
         raise DistNetworkError(
             f"{api} on group {group.group_name!r} (sequence number {seq}) failed: {err}; "
             f"ranks that did not arrive: {ranks}."
         ) from err
+    leaves = jax.tree.leaves(out)
+    if leaves and isinstance(leaves[0], jax.Array):
+        entry.array = leaves[0]
+    else:
+        entry.failed = True  # nothing on the device to watch
+    return out
+
+
+def _compare(group: Any, api: str, seq: int, fingerprint: Any) -> None:
+    from jaxpg.groups import desync
+
+    state = group._world
+    procs = _processes_of(state, group.members)
+    rank_of = {p: _ranks_of_processes(state, [p], group.members)[0] for p in procs}
+    desync.compare_fingerprints(
+        group.store, seq, state.process_index,
+        desync.fingerprint_text(group.group_name, seq, fingerprint), procs, rank_of,
+        group.timeout, api, group.group_name)
+    if seq > 2:
+        _progress.discard(group, f"detail/{seq - 2}/{state.process_index}")
+
+
+def _timeout_text(group: Any, api: str, seq: int, seconds: float) -> str:
+    """The DistTimeoutError text: the op, group, sequence number and the missing ranks; when
+    every rank arrived, what each is running (from the progress records)."""
+    ranks = _missing_ranks(group, seq, grace=0.25)
+    text = (f"{api} on group {group.group_name!r} (sequence number {seq}) did not finish "
+            f"within {seconds:.1f} s; ranks that did not arrive: {ranks}")
+    if ranks:
+        return text + "."
+    if not _has_peers(group):
+        return text + (" (this process holds every rank of the group: the collective, or device "
+                       "work queued ahead of it, is still running).")
+    running = _running(group)
+    from jaxpg.groups.desync import describe_mismatch
+
+    mismatch = describe_mismatch(running) if running else None
+    if mismatch:
+        return (text + f" (all arrived, but they run different collectives: {mismatch} "
+                "Run with JAXPG_DEBUG=DETAIL to catch this before the collective runs.)")
+    shown = "; ".join(f"rank {r}: {t}" for r, t in sorted(running.items()))
+    return (text + " (all arrived: a peer may have died during the collective, or device work "
+            "queued ahead of it is still running"
+            + (f"; each rank is running {shown}" if shown else "") + ").")
+
+
+def _running(group: Any) -> dict[int, str]:
+    """What each process of the group last published as running (rank -> fingerprint)."""
+    state = group._world
+    out = {}
+    for p in _processes_of(state, group.members):
+        key = f"running/{p}"
+        try:
+            if group.store.check([key]):
+                out[_ranks_of_processes(state, [p], group.members)[0]] = \
+                    group.store.get(key).decode()
+        except Exception:  # noqa: BLE001 (a dead store: say nothing more)
+            pass
+    return out
 
 
 def _missing_ranks(group: Any, seq: int, grace: float) -> list[int]:

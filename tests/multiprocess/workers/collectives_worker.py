@@ -84,6 +84,13 @@ def run_all() -> None:
     got = per_rank(world, jaxpg.broadcast(local(world, data), src=n - 1))
     check("broadcast", all(close(v, data(n - 1)) for v in got.values()))
 
+    # async_op: a Work at once (queued on the runner), from a device array in every layout
+    x = jax.device_put(local(world, data))
+    works = [jaxpg.all_reduce(x, async_op=True), jaxpg.broadcast(x, src=n - 1, async_op=True)]
+    got_sum, got_b = (per_rank(world, w.result()) for w in works)
+    check("async_op", all(close(v, sum(data(r) for r in ranks)) for v in got_sum.values())
+          and all(close(v, data(n - 1)) for v in got_b.values()))
+
     got = per_rank(world, jaxpg.reduce(local(world, data), dst=0))
     check("reduce", all(close(v, sum(data(r) for r in ranks) if r == 0 else data(r))
                         for r, v in got.items()))

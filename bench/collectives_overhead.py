@@ -1,0 +1,215 @@
+"""Eager overhead with one rank per process: jaxpg's call against a hand-written
+``jax.jit(jax.shard_map(...))`` of the same ``lax`` op, side by side in the same process.
+
+Layouts (each a fresh set of processes, one CPU device each):
+
+* ``single``: ``init_process_group()`` in one process with one device;
+* ``tcp1``: ``init_process_group(init_method="tcp://...", world_size=1, rank=0)``, the
+  torch layout with a world of one (a multi-process world: store, progress, semantics);
+* ``mp2``: two processes, one rank each (gloo under XLA), started by ``jaxpg.run``;
+* ``mp2_detail``: the same with ``JAXPG_DEBUG=DETAIL`` (the fingerprint exchange through
+  the store before every collective): its ``eager - hand`` is DETAIL's per-call cost plus
+  the plain overhead.
+
+For each op (``all_reduce``, ``all_gather_into_tensor``, ``broadcast``) and size, a round
+calls each variant ``iters`` times back to back, blocking on every result, in a rotating
+order; the times are medians over rounds of the time per call, on rank 0, and the overhead
+is the median over rounds of the round's eager-minus-hand difference (load from other work
+that hits a round hits both variants). The hand-written
+kernel takes an input that is already a global array (no host work per call). Also timed at
+the smallest size: the time until the call returns (``dispatch``).
+
+    python bench/collectives_overhead.py              # about 5 minutes
+    python bench/collectives_overhead.py --quick      # 1K and 1M, fewer rounds
+
+Writes ``bench/results/collectives_overhead.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _sizes import fmt_size, parse_size  # noqa: E402  (bench/ is sys.path[0])
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+OPS = ("all_reduce", "all_gather_into_tensor", "broadcast")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Runs in each process of a layout; rank 0 writes its figures to ``args.out``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxpg
+
+    if args.layout == "tcp1":
+        jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                 world_size=1, rank=0)
+    else:
+        jaxpg.init_process_group()
+    rank, n = jaxpg.get_rank(), jaxpg.get_world_size()
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+    sharding = NamedSharding(mesh, P("i"))
+    dev = jax.local_devices()[0]
+
+    def smap(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+
+    hands = {
+        "all_reduce": smap(lambda x: lax.psum(x, "i")),
+        "all_gather_into_tensor": smap(lambda x: lax.all_gather(x, "i", tiled=True)),
+        "broadcast": smap(lambda x: lax.psum(
+            jnp.where(lax.axis_index("i") == 0, x, jnp.zeros_like(x)), "i")),
+    }
+    eagers = {
+        "all_reduce": jaxpg.all_reduce,
+        "all_gather_into_tensor": jaxpg.all_gather_into_tensor,
+        "broadcast": lambda x: jaxpg.broadcast(x, src=0),
+    }
+    rows = []
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    for op in args.ops.split(","):
+        for size in sizes:
+            elems = size // 4 // (n if op == "all_gather_into_tensor" else 1)
+            host = np.full(elems, rank + 1, np.float32)
+            x = jax.device_put(host, dev)
+            glob = jax.make_array_from_process_local_data(sharding, host, (n * elems,))
+            fns = {"hand": lambda h=hands[op], g=glob: h(g),
+                   "eager": lambda e=eagers[op], x=x: e(x)}
+            want = np.asarray(jax.device_get(fns["hand"]().addressable_data(0)))
+            got = np.asarray(jax.device_get(fns["eager"]()))
+            assert np.allclose(got.reshape(want.shape), want), (op, size)
+            iters = max(3, min(100, (4 << 20) // size))
+            times: dict[str, list[float]] = {k: [] for k in fns}
+            order = list(fns)
+            for r in range(args.rounds):
+                jaxpg.barrier()
+                for k in order[r % 2:] + order[:r % 2]:
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        fns[k]().block_until_ready()
+                    times[k].append((time.perf_counter() - t0) / iters)
+            med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+            # the median of each round's difference: load that hits a round hits both
+            diff = statistics.median(e - h for e, h in zip(times["eager"], times["hand"])) * 1e6
+            row = {"op": op, "size_bytes": size, "iters": iters, "rounds": args.rounds,
+                   "median_us": med, "overhead_us": diff,
+                   "overhead_pct": diff / med["hand"] * 100}
+            if size == min(sizes):
+                disp: dict[str, list[float]] = {k: [] for k in fns}
+                for _ in range(args.rounds * 20):
+                    for k, f in fns.items():
+                        t0 = time.perf_counter()
+                        out = f()
+                        disp[k].append(time.perf_counter() - t0)
+                        out.block_until_ready()
+                row["dispatch_us"] = {k: statistics.median(v) * 1e6 for k, v in disp.items()}
+            rows.append(row)
+            if rank == 0:
+                print(f"{args.layout} {op} {fmt_size(size)}: hand {med['hand']:.1f} us, "
+                      f"eager {med['eager']:.1f} us", flush=True)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"layout": args.layout, "n": n, "rows": rows}))
+    jaxpg.barrier()
+    jaxpg.destroy_process_group()
+
+
+def runner_hop(reps: int = 3000) -> dict:
+    """The blocking path's thread hop alone: a no-op queued on the runner and waited for,
+    against the same no-op called directly, interleaved; medians in µs."""
+    from jaxpg.groups import multiprocess
+
+    def noop() -> None:
+        return None
+
+    hop, direct = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        multiprocess.submit(noop, "noop").wait_result(10.0)
+        t1 = time.perf_counter()
+        noop()
+        t2 = time.perf_counter()
+        hop.append(t1 - t0)
+        direct.append(t2 - t1)
+    return {"hop_us": statistics.median(hop) * 1e6, "direct_us": statistics.median(direct) * 1e6,
+            "hop_p90_us": sorted(hop)[int(0.9 * reps)] * 1e6}
+
+
+def launch(layout: str, args: argparse.Namespace, out: Path) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "JAXPG_DEBUG", "TORCH_DISTRIBUTED_DEBUG")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    if layout == "mp2_detail":
+        env["JAXPG_DEBUG"] = "DETAIL"
+    wargs = [__file__, "--worker", "--layout", layout, "--sizes", args.sizes, "--ops", args.ops,
+             "--rounds", str(args.rounds), "--out", str(out)]
+    if layout.startswith("mp2"):
+        cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", *wargs]
+    else:
+        cmd = [sys.executable, *wargs]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print(proc.stdout.strip(), flush=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layout", default="single")
+    p.add_argument("--layouts", default="single,tcp1,mp2,mp2_detail")
+    p.add_argument("--sizes", default="1K,1M,16M")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--rounds", type=int, default=21)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", default=str(RESULTS / "collectives_overhead.json"))
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.quick:
+        args.sizes, args.rounds = "1K,1M", 5
+    results = {"command": " ".join(["python", "bench/collectives_overhead.py", *sys.argv[1:]]),
+               "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, shared with "
+                          "other jobs", "layouts": {}}
+    tmp = Path(args.out).with_suffix(".part.json")
+    for layout in args.layouts.split(","):
+        results["layouts"][layout] = launch(layout, args, tmp)
+    results["runner_hop"] = runner_hop()
+    print(f"runner thread hop: {results['runner_hop']}")
+    tmp.unlink(missing_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print("\n| layout | op | size | hand-written µs | eager µs | overhead µs |")
+    print("|---|---|---:|---:|---:|---:|")
+    for layout, res in results["layouts"].items():
+        for r in res["rows"]:
+            print(f"| {layout} | {r['op']} | {fmt_size(r['size_bytes'])} | "
+                  f"{r['median_us']['hand']:.1f} | {r['median_us']['eager']:.1f} | "
+                  f"{r['overhead_us']:+.1f} |")
+
+
+if __name__ == "__main__":
+    main()

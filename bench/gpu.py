@@ -1,0 +1,373 @@
+"""GPU benchmark for the eager path and DDP (issue 8), written to run on one GPU.
+
+Parts, each in fresh processes:
+
+* ``overhead``: an eager ``all_reduce`` against a hand-written jitted ``shard_map`` psum of
+  the same array at 1 KB, 1 MB and 64 MB, in two layouts: one process
+  (``init_process_group()``) and the torch layout with a world of one
+  (``init_process_group(init_method="tcp://...", world_size=1, rank=0)``). Per call: the
+  blocking time (median over interleaved rounds) and the time until the call returns.
+* ``async``: ``all_reduce(y)`` and ``all_reduce(y, async_op=True)`` where ``y`` depends on
+  about 30 ms of queued matmuls: on GPU both must return at once (stream-ordered); the
+  record says how long each call took to return, whether ``y`` was still being computed,
+  and that the result is right.
+* ``watchdog``: a ``tcp://`` world of one with a 1 s group timeout and about 4 s of device
+  work queued ahead of an ``all_reduce``: the call returns at once, and the watchdog must end
+  the process with exit code 6 and the named ``DistTimeoutError`` on stderr.
+* ``ddp``: one training step of a 25M-parameter MLP (1024-4096-4096-1024-10, batch 1024,
+  SGD momentum 0.9, TF32 matmuls allowed on both sides): a plain ``jax.jit`` optax step,
+  jaxpg ``DistributedDataParallel`` with the bucketed reducer and with one fused ``pmean``
+  (world of one GPU), and torch DDP (nccl, world of one; gloo on CPU), medians over
+  interleaved steps.
+
+    python bench/gpu.py            # on the GPU machine: writes bench/results/gpu.json
+    python bench/gpu.py --smoke    # small sizes on CPU to prove it runs: gpu_smoke.json
+
+The smoke run's figures are CPU figures at toy sizes, not GPU measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+FULL = {"sizes": [1 << 10, 1 << 20, 64 << 20], "layers": (1024, 4096, 4096, 1024, 10),
+        "batch": 1024, "steps": 20, "warmup": 3, "rounds": 15, "matmul": 4096, "chain": 12}
+SMOKE = {"sizes": [1 << 10, 64 << 10], "layers": (64, 128, 10), "batch": 32, "steps": 5,
+         "warmup": 2, "rounds": 5, "matmul": 512, "chain": 20}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(layout: str) -> None:
+    import jaxpg
+
+    if layout == "tcp1":
+        jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1,
+                                 rank=0)
+    else:
+        jaxpg.init_process_group()
+
+
+def part_overhead(cfg: dict, layout: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxpg
+
+    _init(layout)
+    dev = jax.local_devices()[0]
+    mesh = Mesh(np.array([dev]), ("i",))
+    hand = jax.jit(jax.shard_map(lambda x: lax.psum(x, "i"), mesh=mesh, in_specs=P("i"),
+                                 out_specs=P("i")))
+    rows = []
+    for size in cfg["sizes"]:
+        x = jax.device_put(jnp.ones(size // 4, jnp.float32), dev)
+        glob = jax.device_put(x, NamedSharding(mesh, P("i")))
+        fns = {"hand": lambda g=glob: hand(g), "eager": lambda x=x: jaxpg.all_reduce(x)}
+        assert np.allclose(np.asarray(fns["eager"]()), np.asarray(fns["hand"]()))
+        iters = max(2, min(200, (256 << 20) // size))
+        block: dict[str, list[float]] = {k: [] for k in fns}
+        ret: dict[str, list[float]] = {k: [] for k in fns}
+        for r in range(cfg["rounds"]):
+            for k in (list(fns) if r % 2 else list(fns)[::-1]):
+                f = fns[k]
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    f().block_until_ready()
+                block[k].append((time.perf_counter() - t0) / iters * 1e6)
+                for _ in range(min(iters, 20)):
+                    t0 = time.perf_counter()
+                    out = f()
+                    ret[k].append((time.perf_counter() - t0) * 1e6)
+                    out.block_until_ready()
+        med = {k: statistics.median(v) for k, v in block.items()}
+        rows.append({"layout": layout, "size_bytes": size, "block_us": med,
+                     "return_us": {k: statistics.median(v) for k, v in ret.items()},
+                     "overhead_us": med["eager"] - med["hand"]})
+    rows_async = part_async(cfg, layout)
+    jaxpg.destroy_process_group()
+    return {"overhead": rows, "async": rows_async}
+
+
+def part_async(cfg: dict, layout: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxpg
+
+    m = cfg["matmul"]
+
+    @jax.jit
+    def queued(a):
+        for _ in range(cfg["chain"]):
+            a = jnp.tanh(a @ a) * 0.5
+        return a
+
+    a = jnp.full((m, m), 0.01, jnp.float32)
+    queued(a).block_until_ready()
+    jaxpg.all_reduce(a).block_until_ready()  # compile the (m, m) kernel before timing
+    jaxpg.all_reduce(a, async_op=True).wait()
+    t0 = time.perf_counter()
+    queued(a).block_until_ready()
+    work_ms = (time.perf_counter() - t0) * 1e3
+    out = {"layout": layout, "queued_work_ms": work_ms}
+    for mode in ("plain", "async_op"):
+        y = queued(a)
+        t0 = time.perf_counter()
+        res = jaxpg.all_reduce(y, async_op=mode == "async_op")
+        out[f"{mode}_return_ms"] = (time.perf_counter() - t0) * 1e3
+        out[f"{mode}_input_ready_at_return"] = bool(y.is_ready())
+        value = res.result() if mode == "async_op" else res
+        out[f"{mode}_correct"] = bool(np.allclose(np.asarray(value), np.asarray(y)))
+    return out
+
+
+def part_watchdog(cfg: dict) -> None:
+    """A ``tcp://`` world of one with a 1 s group timeout and several seconds of device
+    work queued ahead of an ``all_reduce``: the call returns at once and the watchdog must
+    end the process (exit code 6) with the named error on stderr."""
+    import datetime
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpg
+
+    jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1,
+                             rank=0, timeout=datetime.timedelta(seconds=1))
+    m = cfg["matmul"]
+
+    @jax.jit
+    def queued(a):
+        for _ in range(cfg["chain"]):
+            a = jnp.tanh(a @ a) * 0.5
+        return a
+
+    a = jnp.full((m, m), 0.01, jnp.float32)
+    queued(a).block_until_ready()
+    jaxpg.all_reduce(a).block_until_ready()
+    t0 = time.perf_counter()
+    queued(a).block_until_ready()
+    one = time.perf_counter() - t0
+    y = a
+    for _ in range(max(1, int(4.0 / max(one, 1e-4)))):  # about 4 s of queued work
+        y = queued(y)
+    t0 = time.perf_counter()
+    jaxpg.all_reduce(y)
+    print(f"RETURNED after {(time.perf_counter() - t0) * 1e3:.2f} ms; input ready: "
+          f"{y.is_ready()}", flush=True)
+    time.sleep(30)
+    print("WATCHDOG DID NOT FIRE", flush=True)
+
+
+def _watchdog_child(smoke: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if smoke:  # the accelerator rules on CPU, through the same code
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                   _JAXPG_STREAM_SEMANTICS="1")
+    cmd = [sys.executable, __file__, "--part", "watchdog"] + (["--smoke"] if smoke else [])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    fired = [ln for ln in proc.stderr.splitlines() if "[jaxpg watchdog]" in ln]
+    returned = [ln for ln in proc.stdout.splitlines() if ln.startswith("RETURNED")]
+    return {"exit_code": proc.returncode, "seconds": time.perf_counter() - t0,
+            "returned": returned[0] if returned else None,
+            "watchdog_message": fired[0] if fired else None,
+            "ok": proc.returncode == 6 and bool(fired) and "all_reduce on group 'WORLD'"
+            in fired[0]}
+
+
+def _mlp(layers: tuple, seed: int):
+    import jax
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
+                                    for a, b in zip(layers[:-1], layers[1:], strict=True)])
+
+        def __call__(self, x):
+            for layer in self.layers[:-1]:
+                x = jax.nn.relu(layer(x))
+            return self.layers[-1](x)
+
+    return MLP(nnx.Rngs(seed))
+
+
+def part_ddp(cfg: dict) -> dict:
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import jaxpg
+    from jaxpg.ddp import DistributedDataParallel
+
+    jax.config.update("jax_default_matmul_precision", "tensorfloat32")
+    jaxpg.init_process_group()
+    group = jaxpg.new_group([0])
+    layers, batch_n = cfg["layers"], cfg["batch"]
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((batch_n, layers[0])).astype(np.float32),
+             "y": rng.integers(0, layers[-1], batch_n).astype(np.int32)}
+
+    def loss_fn(model, b):
+        logits = model(b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    tx = optax.sgd(0.01, momentum=0.9)
+    graphdef, params = nnx.split(_mlp(layers, 0))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def plain_step(params, opt_state, b):
+        def loss(p):
+            return loss_fn(nnx.merge(graphdef, p), b)
+        grads = jax.grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    dev_batch = jax.device_put(batch)
+    state = {"plain": (params, opt_state)}
+
+    def run_plain():
+        state["plain"] = plain_step(*state["plain"], dev_batch)
+        jax.block_until_ready(state["plain"])
+
+    ddps = {name: DistributedDataParallel(_mlp(layers, 0), tx, group=group, **kw)
+            for name, kw in (("jaxpg DDP (buckets)", {}),
+                             ("jaxpg DDP (fused pmean)", {"reduction": "fused_pmean"}))}
+    fns = {"plain jax.jit optax": run_plain}
+    for name, ddp in ddps.items():
+        fns[name] = (lambda d: lambda: (d.train_step(loss_fn, batch),
+                                        jax.block_until_ready(d.params)))(ddp)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            if i >= cfg["warmup"]:
+                times[k].append((time.perf_counter() - t0) * 1e3)
+    out = {k: {"step_ms": statistics.median(v), "samples_per_s": batch_n / statistics.median(v)
+               * 1e3} for k, v in times.items()}
+    out["params"] = sum(a * b + b for a, b in zip(layers[:-1], layers[1:], strict=True))
+    out["buckets"] = len(ddps["jaxpg DDP (buckets)"].bucket_plan)
+    jaxpg.destroy_process_group()
+    return out
+
+
+def part_torch(cfg: dict) -> dict:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    dist.init_process_group("nccl" if cuda else "gloo",
+                            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dev = torch.device("cuda:0" if cuda else "cpu")
+    torch.manual_seed(0)
+    layers, batch_n = cfg["layers"], cfg["batch"]
+    mods: list = []
+    for a, b in zip(layers[:-1], layers[1:], strict=True):
+        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(*mods[:-1]).to(dev), bucket_cap_mb=25,
+        device_ids=[0] if cuda else None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal((batch_n, layers[0])).astype(np.float32)).to(dev)
+    y = torch.from_numpy(rng.integers(0, layers[-1], batch_n)).long().to(dev)
+    times = []
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= cfg["warmup"]:
+            times.append((time.perf_counter() - t0) * 1e3)
+    dist.destroy_process_group()
+    step = statistics.median(times)
+    return {"torch DDP": {"step_ms": step, "samples_per_s": batch_n / step * 1e3,
+                          "backend": "nccl" if cuda else "gloo", "torch": torch.__version__}}
+
+
+def _child(part: str, layout: str, smoke: bool, out: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if smoke:
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    cmd = [sys.executable, __file__, "--part", part, "--layout", layout, "--out", str(out)]
+    if smoke:
+        cmd.append("--smoke")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        return {"error": (proc.stdout[-2000:] + proc.stderr[-2000:])}
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (proves it runs)")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--layout", default="single", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    cfg = SMOKE if args.smoke else FULL
+    if args.part == "watchdog":
+        part_watchdog(cfg)
+        return
+    if args.part:
+        if args.part == "overhead":
+            result = part_overhead(cfg, args.layout)
+        elif args.part == "ddp":
+            result = part_ddp(cfg)
+        else:
+            result = part_torch(cfg)
+        Path(args.out).write_text(json.dumps(result))
+        return
+    out = Path(args.out or RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json"))
+    tmp = out.with_suffix(".part.json")
+    result = {"command": "python bench/gpu.py" + (" --smoke" if args.smoke else ""),
+              "smoke": args.smoke, "config": {k: list(v) if isinstance(v, tuple) else v
+                                              for k, v in cfg.items()},
+              "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores"}
+    for layout in ("single", "tcp1"):
+        result[f"overhead_{layout}"] = _child("overhead", layout, args.smoke, tmp)
+    result["watchdog"] = _watchdog_child(args.smoke)
+    result["ddp"] = _child("ddp", "single", args.smoke, tmp)
+    result["torch_ddp"] = _child("torch", "single", args.smoke, tmp)
+    tmp.unlink(missing_ok=True)
+    import jax
+
+    result["jax"] = jax.__version__
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

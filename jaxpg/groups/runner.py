@@ -1,0 +1,125 @@
+"""The runner: one daemon thread that dispatches eager collectives, so callers can stop
+waiting.
+
+On CPU, XLA runs a collective on the dispatching thread when it counts it cheap (under 1000
+flops: a small all_reduce; all_gather, all_to_all and ppermute, which have no flops, at any
+size), so a peer that never arrives would block the caller forever. Blocking collectives and
+every ``async_op=True`` collective of a multi-process run are queued here as ``Job``s and run
+in the order they were called; the caller waits with a timeout, or not at all
+(``async_op``). A thread left stuck in a dead collective is abandoned (a daemon does not
+keep the process alive) and a fresh one, with a fresh queue, serves later calls.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Job", "runner"]
+
+
+class Job:
+    """A call queued on the runner: a light Future (one pre-acquired lock, released when
+    done) that also says which collective it ran last (group, op, sequence number), so a
+    timeout can name the missing ranks."""
+
+    __slots__ = ("_lock", "_result", "_error", "finished", "group", "api", "seq")
+
+    def __init__(self, api: str) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.finished = False
+        self.group: Any = None
+        self.api = api
+        self.seq = 0
+
+    def done(self) -> bool:
+        return self.finished
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self.finished = True
+        self._lock.release()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The job's result (or its error); ``concurrent.futures.TimeoutError`` after
+        ``timeout`` seconds."""
+        if not self.finished:
+            if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                raise concurrent.futures.TimeoutError
+            self._lock.release()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class _Worker:
+    """One runner thread with its own queue and counters (an abandoned one keeps them)."""
+
+    def __init__(self, local: threading.local) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.current: Job | None = None
+        self.submitted = 0  # written by callers only
+        self.finished = 0  # written by this worker's thread only
+        self._local = local
+        threading.Thread(target=self._loop, name="jaxpg-collective", daemon=True).start()
+
+    def _loop(self) -> None:
+        self._local.worker = self
+        while True:
+            fn, job = self.jobs.get()
+            self.current = job
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                result, error = None, exc
+            self.current = None
+            self.finished += 1
+            job._finish(result, error)
+
+
+class _Runner:
+    def __init__(self) -> None:
+        self._worker: _Worker | None = None
+        self._local = threading.local()
+
+    @property
+    def current(self) -> Job | None:
+        """The job running now (None when idle or on no worker)."""
+        return None if self._worker is None else self._worker.current
+
+    def on_runner(self) -> bool:
+        """True on a runner thread (a collective inside a queued job runs in place)."""
+        return getattr(self._local, "worker", None) is not None
+
+    def running_job(self) -> Job | None:
+        """On a runner thread, the job it runs; else None."""
+        worker = getattr(self._local, "worker", None)
+        return None if worker is None else worker.current
+
+    def idle(self) -> bool:
+        """True when no job is queued or running."""
+        worker = self._worker
+        return worker is None or worker.submitted == worker.finished
+
+    def submit(self, fn: Callable[[], Any], api: str) -> Job:
+        """Queues ``fn`` and returns its Job at once."""
+        if self._worker is None:
+            self._worker = _Worker(self._local)
+        job = Job(api)
+        self._worker.submitted += 1
+        self._worker.jobs.put((fn, job))
+        return job
+
+    def abandon(self) -> None:
+        """Leaves the current thread to its stuck job; the next ``submit`` starts another.
+        Jobs still queued behind the stuck one never run (their waits time out)."""
+        self._worker = None
+
+
+runner = _Runner()

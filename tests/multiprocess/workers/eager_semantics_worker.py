@@ -1,0 +1,122 @@
+"""Eager semantics across processes (started by tests/multiprocess/test_eager_semantics_mp.py).
+
+Modes (argv[1]):
+
+* ``async``: ``all_reduce(y, async_op=True)`` where ``y`` depends on queued device work
+  returns before that work is done (``y.is_ready()`` still False) and ``wait()`` gives the
+  sum; the plain gloo call blocks (its result is ready on return); then rank 1 leaves and
+  rank 0's ``Work.wait()`` raises the named DistTimeoutError.
+* ``watchdog``: run with ``_JAXPG_STREAM_SEMANTICS=1`` (the accelerator rules on CPU):
+  collectives return and give the right values; then rank 1 stops calling them, and rank
+  0's watchdog must end the process with the named error.
+* ``desync``: under ``JAXPG_DEBUG=DETAIL``, a shape mismatch and an op mismatch must raise
+  DistDesyncError on every rank, naming the odd rank, before anything runs.
+* ``desync_plain``: without DETAIL, an op mismatch times out and the error says what each
+  rank is running.
+"""
+
+import datetime
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxpg
+
+mode = sys.argv[1]
+timeout = datetime.timedelta(seconds=float(os.environ.get("TEST_TIMEOUT_S", "3")))
+jaxpg.init_process_group(timeout=timeout)
+rank, n = jaxpg.get_rank(), jaxpg.get_world_size()
+
+
+def say(text: str) -> None:
+    print(f"[rank {rank}] {text}", flush=True)
+
+
+@jax.jit
+def slow(x):
+    def step(_, a):
+        return jnp.tanh(a @ a) * 0.5 + 0.5
+    return jax.lax.fori_loop(0, 40, step, x)
+
+
+if mode == "async":
+    base = jnp.full((600, 600), 0.001 * (rank + 1), jnp.float32)
+    y = slow(base)  # queued: ~1 s of matmuls on this machine
+    work = jaxpg.all_reduce(y, async_op=True)
+    say(f"ASYNC returned, input ready: {y.is_ready()}")
+    got = np.asarray(work.result())
+    want = sum(np.asarray(slow(jnp.full((600, 600), 0.001 * (r + 1), jnp.float32)))
+               for r in range(n))
+    say(f"ASYNC values ok: {np.allclose(got, want, rtol=1e-5)}")
+    z = slow(base)
+    out = jaxpg.all_reduce(z)
+    say(f"PLAIN result ready on return: {out.is_ready()}")
+    w = jaxpg.broadcast(np.arange(3.0) + rank, src=1, async_op=True)
+    say(f"ASYNC broadcast ok: {np.allclose(np.asarray(w.result()), np.arange(3.0) + 1)}")
+    if rank == 1:
+        time.sleep(15)
+        os._exit(0)
+    work = jaxpg.all_reduce(np.ones(4, np.float32), async_op=True)
+    say("ASYNC timeout returned")
+    for limit in (1.0, None):
+        start = time.monotonic()
+        try:
+            work.wait(limit)
+            say("NO ERROR")
+        except jaxpg.DistError as err:
+            say(f"WAIT({limit}) raised after {time.monotonic() - start:.1f} s: "
+                f"{type(err).__name__}: {err}")
+    os._exit(0)
+
+if mode == "watchdog":
+    x = np.arange(4, dtype=np.float32) + rank
+    out = jaxpg.all_reduce(x)
+    want = sum(np.arange(4) + r for r in range(n))
+    say(f"STREAM values ok: {np.allclose(np.asarray(out), want)}")
+    work = jaxpg.all_gather_into_tensor(jnp.asarray(x), async_op=True)
+    want = np.concatenate([np.arange(4) + r for r in range(n)])
+    say(f"STREAM async ok: {np.allclose(np.asarray(work.result()), want)}")
+    if rank == 1:
+        time.sleep(20)
+        os._exit(0)
+    jaxpg.all_reduce(x)
+    say("STREAM returned")
+    time.sleep(20)
+    say("WATCHDOG DID NOT FIRE")
+    os._exit(1)
+
+if mode in ("desync", "desync_plain"):
+    cases = [("shape", 2), ("op", 1)] if mode == "desync" else [("op", 1)]
+    for case, odd in cases:
+        start = time.monotonic()
+        try:
+            if case == "shape":
+                jaxpg.all_reduce(np.ones(8 if rank == odd else 4, np.float32))
+            elif rank == odd:
+                jaxpg.all_gather_into_tensor(np.ones(4, np.float32))
+            else:
+                jaxpg.all_reduce(np.ones(4, np.float32))
+            say(f"CASE {case} NO ERROR")
+        except jaxpg.DistError as err:
+            say(f"CASE {case} raised after {time.monotonic() - start:.1f} s: "
+                f"{type(err).__name__}: {err}")
+    if mode == "desync":  # the world still works after a caught desync
+        out = jaxpg.all_reduce(np.ones(2, np.float32))
+        say(f"AFTER ok: {np.allclose(np.asarray(out), n)}")
+    # rank 0 hosts the coordination service: leave only once every rank has reported
+    store = jaxpg.GroupMember.WORLD.store
+    store.add("reported", 1)
+    deadline = time.monotonic() + 30
+    while int(store.get("reported")) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if rank != 0:
+        store.add("leaving", 1)
+        os._exit(0)
+    while int(store.add("leaving", 0)) < n - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    os._exit(0)
