@@ -344,6 +344,11 @@ def initialize_jax_distributed(
         address = info.coordinator_address
         assert address is not None
         bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", address)
+        if jax_config.cpu_collectives_implementation.value == "gloo":
+            from jaxpg import gloo_device  # where gloo listens: reachable from other hosts
+
+            host = address.rpartition(":")[0].strip("[]")
+            gloo_device.install(gloo_device.choose_gloo_device(host))
         try:
             jax.distributed.initialize(
                 coordinator_address=address,
