@@ -350,16 +350,28 @@ def initialize_jax_distributed(
             host = address.rpartition(":")[0].strip("[]")
             gloo_device.install(gloo_device.choose_gloo_device(host))
         try:
-            jax.distributed.initialize(
-                coordinator_address=address,
-                num_processes=info.world_size,
-                process_id=info.rank,
-                local_device_ids=local_device_ids,
-                cluster_detection_method="deactivate",
-                initialization_timeout=max(1, math.ceil(seconds)),
-                heartbeat_timeout_seconds=max(1, math.ceil(to_seconds(heartbeat_timeout))),
-                coordinator_bind_address=bind,
-            )
+            from jaxpg import hosted_coordinator  # jaxpg-run's launcher hosts the service
+
+            if hosted_coordinator.hosted_address() == address:
+                hosted_coordinator.connect(
+                    address,
+                    info.rank,
+                    info.world_size,
+                    init_timeout=max(1, math.ceil(seconds)),
+                    heartbeat_timeout=max(1, math.ceil(to_seconds(heartbeat_timeout))),
+                    local_device_ids=local_device_ids,
+                )
+            else:
+                jax.distributed.initialize(
+                    coordinator_address=address,
+                    num_processes=info.world_size,
+                    process_id=info.rank,
+                    local_device_ids=local_device_ids,
+                    cluster_detection_method="deactivate",
+                    initialization_timeout=max(1, math.ceil(seconds)),
+                    heartbeat_timeout_seconds=max(1, math.ceil(to_seconds(heartbeat_timeout))),
+                    coordinator_bind_address=bind,
+                )
         except Exception as err:
             raise DistBackendError(
                 f"jax.distributed.initialize(coordinator_address={address!r}, "
