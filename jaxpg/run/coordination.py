@@ -25,8 +25,18 @@ AGENT_HEARTBEAT_S = 30
 
 
 def _jaxlib() -> Any:
-    import jaxlib._jax as jaxlib_jax
+    """jaxlib's runtime module, imported quietly (its log level is read at import; the
+    workers, which inherit the launcher's environment, keep theirs)."""
+    import os
 
+    quiet = "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    try:
+        import jaxlib._jax as jaxlib_jax
+    finally:
+        if quiet:
+            del os.environ["TF_CPP_MIN_LOG_LEVEL"]
     return jaxlib_jax
 
 
