@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _netns import HOST_ADDRESSES, two_hosts, why_no_namespaces
 
 from jaxpg.gloo_device import GlooDevice, choose_gloo_device
-from _netns import HOST_ADDRESSES, two_hosts, why_no_namespaces
 
 WORKERS = Path(__file__).parent / "workers"
 
