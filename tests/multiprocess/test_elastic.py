@@ -94,27 +94,60 @@ def test_rank_killed_after_step_4_resumes_to_identical_parameters(tmp_path, refe
     assert_same(params, reference)
 
 
+@pytest.fixture
+def busy_loops(request):
+    """Two processes spinning on the CPU while the test runs (when the case asks for load)."""
+    procs = []
+    if request.node.callspec.params.get("load"):
+        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called")
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", ["random:2026", "stop:1:3", "ckpt:0:3"])
-def test_fault_injection(tmp_path, reference, fault):
+@pytest.mark.parametrize("fault, load", [
+    ("random:2026", False),   # a kill at a random rank and step, before that step's checkpoint
+    ("stop:0:3", False),      # SIGSTOPped rank 0 (it holds no coordinator under jaxpg-run)
+    ("ckpt:0:3", False),      # rank 0 dies while committing a checkpoint
+    ("killduring:0:2", False),  # rank 0 dies inside a step's collectives
+    ("raise:1:2", False),     # a rank raises and exits while the other waits in a barrier
+])  # fmt: skip
+def test_fault_injection(tmp_path, reference, busy_loops, fault, load):
     env = {"FAULT_GROUP_TIMEOUT": "6"} if fault.startswith("stop") else {}
     result, params = train(tmp_path, "run", fault, **env)
+    everything = result.stdout + result.stderr
+    assert not any(text in everything for text in CPP_ABORTS), everything[-3000:]
     assert "restart 1 of --max-restarts 2" in result.stderr
     resumed = re.search(r"\[rank 0\] RESUMED step=(\d+) attempt=1", result.stdout)
     assert resumed, result.stdout[-2000:]
-    if fault.startswith("random"):
+    kind, *spec = fault.split(":")
+    if kind == "random":
         drawn = re.search(r"FAULT killmid rank (\d) step (\d)", result.stdout)
         rank, step = int(drawn.group(1)), int(drawn.group(2))
         assert f"rank {rank} exited with code -9" in result.stderr
         assert int(resumed.group(1)) == step  # the killed step's checkpoint was never written
-    elif fault.startswith("stop"):
-        # rank 0 waits in the barrier for the group timeout and names the stopped rank
+    elif kind == "stop":
+        # rank 1 waits in the barrier for the group timeout and names the stopped rank 0
         assert re.search(r"DistTimeoutError: barrier on group 'WORLD' .* did not finish "
-                         r"within 6\.0 s; ranks that did not arrive: \[1\]", result.stderr)
+                         r"within 6\.0 s; ranks that did not arrive: \[0\]", result.stderr)
+        assert "rank 1 exited with code 1" in result.stderr
         assert int(resumed.group(1)) == 3
-    else:
+    elif kind == "ckpt":
         assert "dying while committing checkpoint 3" in result.stdout
+        assert "rank 0 exited with code -9 (killed by SIGKILL)" in result.stderr
         assert int(resumed.group(1)) == 2  # the last complete checkpoint, not the partial 3
+    elif kind == "killduring":
+        assert "rank 0 exited with code -9 (killed by SIGKILL)" in result.stderr
+        assert int(resumed.group(1)) in (2, 3)  # died in step 2's update or its checkpoint
+    else:
+        assert "RuntimeError: rank 1 fails at step 2" in result.stderr
+        assert "rank 1 exited with code 1" in result.stderr
+        assert int(resumed.group(1)) == 2
     assert_same(params, reference)
 
 

@@ -13,6 +13,10 @@ FAULT (only on the first attempt, ``TORCHELASTIC_RESTART_COUNT=0``):
 * ``kill:R:S``: rank R dies (SIGKILL) right after step S's checkpoint;
 * ``killmid:R:S``: rank R dies after step S's update, before its checkpoint;
 * ``stop:R:S``: rank R SIGSTOPs itself before step S's barrier;
+* ``killbefore:R:S``: rank R dies (SIGKILL) before step S's barrier;
+* ``killduring:R:S``: rank R dies 0.2 s into step S, after the barrier (in the DDP step's
+  collectives or the checkpoint write, whichever it is in);
+* ``raise:R:S``: rank R raises before step S's barrier (a Python error, exit code 1);
 * ``ckpt:R:S``: rank R dies while writing step S's checkpoint (its files written, before
   orbax commits it by renaming the temporary directory);
 * ``random:SEED``: ``killmid`` at a rank and step drawn from ``random.Random(SEED)``.
@@ -23,6 +27,7 @@ import os
 import random
 import signal
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +102,15 @@ for step in range(start, steps):
     if armed and kind == "stop" and step == fault_step:
         print(f"stopping myself at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
+    if armed and kind == "killbefore" and step == fault_step:
+        print(f"dying before the barrier of step {step}", flush=True)
+        die()
+    if armed and kind == "raise" and step == fault_step:
+        raise RuntimeError(f"rank {rank} fails at step {step}")
     jaxpg.barrier()
+    if armed and kind == "killduring" and step == fault_step:
+        print(f"dying 0.2 s into step {step}", flush=True)
+        threading.Timer(0.2, die).start()
     metrics = ddp.train_step(loss_fn, batch_for(step))
     if armed and kind == "killmid" and step == fault_step:
         print(f"dying after the update of step {step}", flush=True)
