@@ -69,3 +69,40 @@ def connect(
     state.num_processes = num_processes
     state.client = client
     state.initialize_preemption_sync_manager()
+
+
+_generation = 0
+# What a world leaves in the store: XLA's topology exchange and gloo rendezvous (measured on
+# CPU; the GPU platforms' names follow the same pattern, not measured: no GPU) and jaxpg's
+# TCPStore. The store cannot list its top level, so the names are spelled out.
+_WORLD_KEYS = [f"{platform}:{name}" for platform in ("cpu", "cuda", "rocm", "gpu")
+               for name in ("gloo", "local_topology", "global_topology")] + ["jaxpg_store"]
+
+
+def clear_before_shutdown(timeout_s: float = 30.0) -> None:
+    """Empties the hosted service's key/value store before this world shuts down.
+
+    The launcher's service outlives the world, so a later ``init_process_group`` in the
+    same processes would meet the old world's keys (gloo's, the topology's, the store's)
+    and fail on "already exists". Every process waits at a barrier, process 0 deletes the
+    world's keys, and all wait again. A no-op unless this process joined a hosted service; errors
+    (a peer already gone) are ignored: the world is going away anyway.
+    """
+    global _generation
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None or state.service is not None:
+        return
+    if hosted_address() != state.coordinator_address:
+        return
+    _generation += 1
+    client, ms = state.client, int(timeout_s * 1000)
+    try:
+        client.wait_at_barrier(f"jaxpg/clear/{_generation}/a", ms)
+        if state.process_id == 0:
+            for key in _WORLD_KEYS:  # a key, or a directory with everything under it
+                client.key_value_delete(key)
+        client.wait_at_barrier(f"jaxpg/clear/{_generation}/b", ms)
+    except Exception:
+        pass

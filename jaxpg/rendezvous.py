@@ -388,4 +388,7 @@ def shutdown_jax_distributed() -> None:
     import jax
 
     if jax.distributed.is_initialized():
+        from jaxpg import hosted_coordinator
+
+        hosted_coordinator.clear_before_shutdown()
         jax.distributed.shutdown()

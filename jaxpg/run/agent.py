@@ -70,7 +70,7 @@ def _start(args: argparse.Namespace, attempt: int, port: int, run_id: str) -> Wo
             master_addr=args.master_addr, master_port=port,
             devices_per_proc=args.devices_per_proc, gpus=gpus, nnodes=args.nnodes,
             restart_count=attempt, max_restarts=args.max_restarts, run_id=run_id,
-            coordinator_hosted=True,
+            coordinator_hosted=args.coordinator == "launcher",
         )  # fmt: skip
         for local_rank in range(nproc)
     ]
@@ -127,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.node_rank == 0:
                 fixed = attempt == 0 and args.nnodes == 1 and args.master_port is not None
                 port = args.master_port if fixed else _free_port(args.master_addr)
-                coordinator = WorkerCoordinator(port, args.nnodes * args.nproc_per_node)
+                if args.coordinator == "launcher":
+                    coordinator = WorkerCoordinator(port, args.nnodes * args.nproc_per_node)
                 nodes.publish_port(attempt, port)
             else:
                 port = nodes.port(attempt)

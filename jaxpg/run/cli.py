@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", "--max_restarts", type=_positive_int("--max-restarts", 0),
                    default=0,
                    help="restart the whole group up to N times when a worker fails (default 0)")
+    p.add_argument("--coordinator", choices=("launcher", "rank0"), default="launcher",
+                   help="who hosts JAX's coordination service: this launcher on node 0 "
+                        "(default; survives any worker's death) or the worker of rank 0, as "
+                        "jax.distributed.initialize does (for scripts that call it themselves)")
     p.add_argument("--grace-period", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping workers (default 5)")
     p.add_argument("--local-ranks-filter", "--local_ranks_filter", default=None,

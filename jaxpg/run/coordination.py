@@ -25,18 +25,8 @@ AGENT_HEARTBEAT_S = 30
 
 
 def _jaxlib() -> Any:
-    """jaxlib's runtime module, imported quietly (its log level is read at import; the
-    workers, which inherit the launcher's environment, keep theirs)."""
-    import os
+    import jaxlib._jax as jaxlib_jax
 
-    quiet = "TF_CPP_MIN_LOG_LEVEL" not in os.environ
-    if quiet:
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    try:
-        import jaxlib._jax as jaxlib_jax
-    finally:
-        if quiet:
-            del os.environ["TF_CPP_MIN_LOG_LEVEL"]
     return jaxlib_jax
 
 

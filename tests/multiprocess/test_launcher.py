@@ -239,3 +239,18 @@ def test_local_ranks_filter_tee_and_log_dir(tmp_path):
     assert "[rank 0] to stderr" in result.stderr
     assert (tmp_path / "r2" / "attempt_0" / "0" / "stdout.log").read_text().startswith("ENV ")
     assert not (tmp_path / "r2" / "attempt_0" / "0" / "stderr.log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("coordinator", ["launcher", "rank0"])
+def test_worlds_can_be_made_again_whoever_hosts_the_coordinator(coordinator):
+    result = launch("--nproc-per-node", "2", "--coordinator", coordinator,
+                    str(WORKERS / "reinit_worker.py"), JAX_PLATFORMS="cpu")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for r in range(2):
+        assert f"[rank {r}] RESULT 0 [1.0, 1.0]" in result.stdout
+        assert f"[rank {r}] RESULT 1 [3.0, 3.0]" in result.stdout
+    hosted = re.findall(r"HOSTED (\S+)", result.stdout)
+    assert len(hosted) == 2
+    assert all(h == "None" for h in hosted) == (coordinator == "rank0")
