@@ -102,8 +102,6 @@ def _watch(group: WorkerGroup, nodes, attempt: int) -> tuple[str | None, int]:
                 return f"{remote} (on another node)", 1
             if reported and nodes.all_succeeded(attempt):
                 return None, 0
-            if isinstance(nodes, NodeChannel) and (lost := nodes.lost_nodes()):
-                return f"the launcher of node(s) {lost} was lost", 1
         time.sleep(_POLL_S)
 
 
@@ -163,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 143
     except OSError as err:
         _say(f"could not start {_command(args)[0]!r}: {err}")
+        code = 1
+    except RuntimeError as err:  # jaxlib's errors from the launchers' coordination service
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        _say(f"lost the coordination between the launchers: {text}; stopping all workers")
         code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
