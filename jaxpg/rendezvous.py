@@ -295,7 +295,10 @@ def initialize_jax_distributed(
 
     A one-process world starts nothing. If ``jax.distributed`` is already running,
     its process id and count must match ``info``. On CPU, cross-process
-    collectives use gloo (``jax_cpu_collectives_implementation``). Call this before
+    collectives use gloo (``jax_cpu_collectives_implementation``), listening on an
+    address the other hosts can reach (:mod:`jaxpg.gloo_device`). Under ``jaxpg-run``
+    the launcher hosts the coordination service and every process, rank 0 included,
+    joins it as a client (:mod:`jaxpg.hosted_coordinator`). Call this before
     anything that initializes JAX's backends (``jax.devices()``, any computation).
 
     Args:
@@ -316,7 +319,8 @@ def initialize_jax_distributed(
     Raises:
         DistBackendError: if JAX's backends already started, or
             ``jax.distributed.initialize`` raised.
-        ValueError: if a running ``jax.distributed`` disagrees with ``info``.
+        ValueError: if a running ``jax.distributed`` disagrees with ``info``, or
+            ``GLOO_SOCKET_IFNAME`` names an interface this machine does not have.
     """
     import jax
     from jax._src import config as jax_config
