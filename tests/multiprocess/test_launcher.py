@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from jaxpg.run import main, worker_env
+from jaxpg.run.output import Console, Prefixer
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -64,6 +65,28 @@ def test_worker_env_replaces_the_device_count_and_shares_gpus():
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"]) == ("3", "1", "1")
     assert "GLIBC_TUNABLES" not in env  # GPU workers keep the allocator as it is
+
+
+def test_prefix_goes_before_every_line_and_redraw():
+    p = Prefixer(b"[rank 0] ")
+    chunks = [b"\r 10%|#", b"#  |\r 20%", b"|\nhello\nwor", b"ld\n", b"\r\n"]
+    assert [p.feed(c) for c in chunks] == [
+        b"\r[rank 0]  10%|#", b"#  |\r[rank 0]  20%", b"|\n[rank 0] hello\n[rank 0] wor",
+        b"ld\n", b"\r\n",
+    ]  # fmt: skip
+
+
+def test_console_ends_an_open_line_before_another_rank_writes():
+    import io
+
+    out = io.BytesIO()
+    console = Console(out)
+    a, b = Prefixer(b"[rank 0] "), Prefixer(b"[rank 1] ")
+    console.write(a, b"\r 10%")
+    console.write(b, b"a line\n")
+    console.write(a, b"\r 20%")
+    console.close(a)
+    assert out.getvalue() == b"\r[rank 0]  10%\n[rank 1] a line\n\r[rank 0]  20%\n"
 
 
 def test_cpu_workers_keep_large_buffers_in_the_heap_unless_told_otherwise():
