@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxpg.run.cli import parse_args
-from jaxpg.run.coordination import LocalNodes, NodeChannel, WorkerCoordinator
+from jaxpg.run.coordination import LocalNodes, NodeChannel, PortInUseError, WorkerCoordinator
 from jaxpg.run.env import visible_gpus, worker_env
 from jaxpg.run.workers import WorkerGroup
 
@@ -159,6 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Terminated:
         _say("got SIGTERM; stopping all workers")
         code = 143
+    except PortInUseError as err:
+        _say(str(err))
+        code = 1
     except OSError as err:
         _say(f"could not start {_command(args)[0]!r}: {err}")
         code = 1

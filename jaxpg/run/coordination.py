@@ -24,10 +24,46 @@ __all__ = ["LocalNodes", "NodeChannel", "WorkerCoordinator"]
 AGENT_HEARTBEAT_S = 30
 
 
+class PortInUseError(OSError):
+    """The port for a coordination service is taken."""
+
+
 def _jaxlib() -> Any:
     import jaxlib._jax as jaxlib_jax
 
     return jaxlib_jax
+
+
+def _start_service(address: str, num_nodes: int, heartbeat_timeout: int) -> Any:
+    """A recoverable coordination service at ``address``, started without its log line
+    ("Using experimental recoverable task feature ...") on the launcher's stderr; a failure
+    still raises, with its message."""
+    import os
+    import socket
+    import sys
+
+    port = int(address.rpartition(":")[2])
+    try:  # jaxlib's service crashes the process (SIGSEGV) on a port in use: check first
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::", port))
+    except OSError as err:
+        raise PortInUseError(
+            f"port {port} is in use on this machine ({err.strerror}), so the coordination "
+            "service cannot start there; pass another --master-port, or leave it out on one "
+            "node to get a free one"
+        ) from None
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        return _jaxlib().get_distributed_runtime_service(
+            address, num_nodes, heartbeat_timeout=heartbeat_timeout, shutdown_timeout=5,
+            recoverable=True,
+        )  # fmt: skip
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class WorkerCoordinator:
@@ -41,13 +77,7 @@ class WorkerCoordinator:
 
     def __init__(self, port: int, num_processes: int, heartbeat_timeout: int = 100):
         self.port = port
-        self._service = _jaxlib().get_distributed_runtime_service(
-            f"[::]:{port}",
-            num_processes,
-            heartbeat_timeout=heartbeat_timeout,
-            shutdown_timeout=5,
-            recoverable=True,
-        )
+        self._service = _start_service(f"[::]:{port}", num_processes, heartbeat_timeout)
 
     def shutdown(self) -> None:
         if self._service is not None:
@@ -108,10 +138,7 @@ class NodeChannel:
         self._timeout_ms = int(timeout * 1000)
         self._service = None
         if node_rank == 0:
-            self._service = jx.get_distributed_runtime_service(
-                f"[::]:{master_port}", nnodes, heartbeat_timeout=AGENT_HEARTBEAT_S,
-                shutdown_timeout=5, recoverable=True,
-            )  # fmt: skip
+            self._service = _start_service(f"[::]:{master_port}", nnodes, AGENT_HEARTBEAT_S)
         self._client = jx.get_distributed_runtime_client(
             f"{master_addr}:{master_port}", node_rank, init_timeout=int(timeout),
             heartbeat_timeout=AGENT_HEARTBEAT_S, use_compression=True,

@@ -12,7 +12,7 @@ import os
 import threading
 from typing import IO
 
-__all__ = ["Console", "Prefixer", "pump"]
+__all__ = ["Console", "Prefixer", "consoles", "pump"]
 
 _SEPARATORS = b"\r\n"
 
@@ -49,36 +49,58 @@ class Prefixer:
         return bytes(out)
 
 
+class _Screen:
+    """What several consoles writing to one file share: a lock and the open line."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: tuple[Console, Prefixer] | None = None
+
+
 class Console:
     """One launcher stream (stdout or stderr) shared by every worker's pump.
 
     A worker's line that is still open (no newline yet, e.g. a progress bar) is ended with a
     newline before another worker writes, and its next bytes start with its prefix again, so
-    every console line starts with the prefix of the rank that wrote it.
+    every console line starts with the prefix of the rank that wrote it. Consoles made by
+    :func:`consoles` for a stdout and stderr that are the same file (a terminal) share this.
     """
 
-    def __init__(self, out: IO[bytes]):
+    def __init__(self, out: IO[bytes], screen: _Screen | None = None):
         self.out = out
-        self.lock = threading.Lock()
-        self._open: Prefixer | None = None
+        self._screen = screen or _Screen()
 
     def write(self, prefixer: Prefixer, chunk: bytes) -> None:
-        with self.lock:
-            if self._open is not None and self._open is not prefixer:
-                self.out.write(b"\n")
-                self._open.at_start = True
+        screen = self._screen
+        with screen.lock:
+            if screen.open is not None and screen.open[1] is not prefixer:
+                console, other = screen.open
+                console.out.write(b"\n")
+                console.out.flush()
+                other.at_start = True
             self.out.write(prefixer.feed(chunk))
             self.out.flush()
-            self._open = None if prefixer.at_start else prefixer
+            screen.open = None if prefixer.at_start else (self, prefixer)
 
     def close(self, prefixer: Prefixer) -> None:
         """Ends ``prefixer``'s open line, if any (its stream closed)."""
-        with self.lock:
-            if self._open is prefixer:
+        screen = self._screen
+        with screen.lock:
+            if screen.open is not None and screen.open[1] is prefixer:
                 self.out.write(b"\n")
                 self.out.flush()
-                self._open = None
+                screen.open = None
                 prefixer.at_start = True
+
+
+def consoles(stdout: IO[bytes], stderr: IO[bytes]) -> tuple[Console, Console]:
+    """Consoles for the launcher's stdout and stderr; one screen if both are one file."""
+    try:
+        same = os.path.samestat(os.fstat(stdout.fileno()), os.fstat(stderr.fileno()))
+    except (OSError, ValueError, AttributeError):
+        same = False
+    screen = _Screen() if same else None
+    return Console(stdout, screen), Console(stderr, screen)
 
 
 def pump(fd: int, console: Console | None, prefix: bytes, log: IO[bytes] | None = None) -> None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxpg.run.output import Console, pump
+from jaxpg.run.output import consoles, pump
 
 __all__ = ["WorkerGroup"]
 
@@ -53,7 +53,7 @@ class WorkerGroup:
         self.first_rank = first_rank
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
-        consoles = (Console(sys.stdout.buffer), Console(sys.stderr.buffer))
+        both = consoles(sys.stdout.buffer, sys.stderr.buffer)
         for local_rank, env in enumerate(envs):
             outs = [os.pipe(), os.pipe()]
             try:
@@ -67,20 +67,17 @@ class WorkerGroup:
                     preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                 )
             except OSError:
-                for r, w in outs:
+                for r, _ in outs:
                     os.close(r)
-                    os.close(w)
+                self.stop(0.0)  # the workers already started
                 raise
             finally:
                 for _, w in outs:
-                    try:
-                        os.close(w)
-                    except OSError:
-                        pass
+                    os.close(w)
             self.procs.append(proc)
             prefix = f"[rank {first_rank + local_rank}] ".encode()
             for bit, name, (read_end, _), console in zip((1, 2), ("stdout", "stderr"), outs,
-                                                         consoles):
+                                                         both):
                 to_log = (tee_masks[local_rank] | redirect_masks[local_rank]) & bit
                 shown = local_rank in console_ranks and not redirect_masks[local_rank] & bit
                 log = None

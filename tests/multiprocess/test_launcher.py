@@ -277,3 +277,18 @@ def test_worlds_can_be_made_again_whoever_hosts_the_coordinator(coordinator):
     hosted = re.findall(r"HOSTED (\S+)", result.stdout)
     assert len(hosted) == 2
     assert all(h == "None" for h in hosted) == (coordinator == "rank0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_master_port_in_use_is_named_not_a_crash():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = launch("--master-port", str(port), str(WORKERS / "echo_env.py"))
+    assert result.returncode == 1
+    assert f"port {port} is in use on this machine" in result.stderr
+    assert "ENV" not in result.stdout  # no worker started
