@@ -7,6 +7,7 @@ process" fatal error, a check-failure stack trace) and the final parameters equa
 an uninterrupted run. Writes bench/results/fault_stress.json::
 
     python bench/fault_stress.py --runs 20
+    python bench/fault_stress.py --runs 3 --coordinator rank0   # baseline: rank 0 hosts it
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ CASES = {  # fault -> the launcher's words for the lost rank
 CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called")
 
 
-def run(tmp: Path, fault: str, restarts: int) -> tuple[subprocess.CompletedProcess, dict, float]:
+def run(tmp: Path, fault: str, restarts: int,
+        coordinator: str = "launcher") -> tuple[subprocess.CompletedProcess, dict, float]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", FAULT_GROUP_TIMEOUT="6", PYTHONPATH=str(ROOT))
     out = tmp / "params.npz"
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", "--max-restarts",
-         str(restarts), "--grace-period", "2", str(WORKER), str(tmp / "ckpt"), str(out),
-         str(STEPS), fault],
+         str(restarts), "--grace-period", "2", "--coordinator", coordinator, str(WORKER),
+         str(tmp / "ckpt"), str(out), str(STEPS), fault],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     seconds = time.monotonic() - start
@@ -56,11 +58,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=20, help="runs per case and load setting")
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--coordinator", default="launcher", choices=("launcher", "rank0"),
+                   help="rank0: the baseline, rank 0's worker hosts the service")
+    p.add_argument("--loads", default="0,1", help="0 without load, 1 with two busy loops")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         _, reference, _ = run(Path(d), "none", 0)
     rows = []
-    for load in (False, True):
+    for load in [bool(int(x)) for x in args.loads.split(",")]:
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                     for _ in range(2 * load)]
         try:
@@ -68,7 +73,7 @@ def main() -> None:
                 good, seconds, failures = 0, [], []
                 for i in range(args.runs):
                     with tempfile.TemporaryDirectory() as d:
-                        result, params, s = run(Path(d), fault, 2)
+                        result, params, s = run(Path(d), fault, 2, args.coordinator)
                     text = result.stdout + result.stderr
                     checks = {
                         "exit 0": result.returncode == 0,
@@ -85,13 +90,15 @@ def main() -> None:
                         failures.append({"run": i, "failed": failed,
                                          "tail": re.sub(r"\s+", " ", text[-600:])})
                     print(f"load={load} {fault} run {i}: {checks}", flush=True)
-                rows.append({"fault": fault, "load": load, "runs": args.runs, "good": good,
+                rows.append({"fault": fault, "load": load, "coordinator": args.coordinator,
+                             "runs": args.runs, "good": good,
                              "median_s": float(np.median(seconds)), "failures": failures})
         finally:
             for s in spinners:
                 s.kill()
                 s.wait()
-    out = ROOT / "bench" / "results" / "fault_stress.json"
+    suffix = "" if args.coordinator == "launcher" else f"_{args.coordinator}"
+    out = ROOT / "bench" / "results" / f"fault_stress{suffix}.json"
     out.write_text(json.dumps({"machine": "2 shared CPU cores (other benchmarks running)",
                                "steps": STEPS, "rows": rows}, indent=1))
     print(f"wrote {out}")
