@@ -121,36 +121,3 @@ def test_two_hosts_restart_together_after_a_failure_on_one():
     assert {e["MASTER_PORT"] for e in envs if e["TORCHELASTIC_RESTART_COUNT"] == "0"} != {
         e["MASTER_PORT"] for e in envs if e["TORCHELASTIC_RESTART_COUNT"] == "1"}
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_hosts_resume_ddp_after_a_rank_on_host_1_dies(tmp_path):
-    """Rank 3 (host 1) dies after step 1; both hosts restart with a fresh coordinator on
-    host 0 and resume from the checkpoint (a directory both hosts see, as a shared file
-    system would be)."""
-    reason = why_no_namespaces()
-    if reason is not None:
-        print(f"skipping the two-host DDP restart test: {reason}")
-        pytest.skip(f"cannot make network namespaces: {reason}")
-    args = [str(tmp_path / "ckpt"), str(tmp_path / "params.npz"), "3", "kill:3:1"]
-    with two_hosts() as hosts:
-        procs = [_launch(ns, i, 29613, ["--max-restarts", "1", "--grace-period", "1"],
-                         WORKERS / "elastic_ddp.py", *args)
-                 for i, ns in enumerate(hosts)]
-        outputs = []
-        try:
-            for p in procs:
-                outputs.append(p.communicate(timeout=240))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    for p, (out, err) in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:] + err[-3000:]
-        assert "Terminating process because" not in out + err
-    assert "rank 3 exited with code -9 (killed by SIGKILL)" in outputs[1][1]
-    stdout = outputs[0][0] + outputs[1][0]
-    for rank in range(4):
-        assert f"[rank {rank}] RESUMED step=2 attempt=1" in stdout
-    assert stdout.count("DONE") == 4 and (tmp_path / "params.npz").exists()
