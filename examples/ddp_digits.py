@@ -15,7 +15,13 @@ environment; ``--devices`` is then ignored)::
 
 ``--batch-size`` is the *global* batch: each rank trains on ``batch_size / world_size``
 samples per step, whatever the number of processes. With ``--checkpoint-dir`` the run saves
-a checkpoint after every epoch and, when started again, resumes from the latest one.
+a checkpoint after every epoch and, when started again, resumes from the latest one; under
+``jaxpg-run --max-restarts N`` a run that loses a worker restarts and carries on from the
+last completed epoch, to the same result as a run that never stopped::
+
+    jaxpg-run --nproc-per-node 2 --max-restarts 3 examples/ddp_digits.py --checkpoint-dir ckpt
+
+Only rank 0 prints and draws the progress bar.
 """
 
 import os
@@ -145,11 +151,11 @@ def main() -> None:
             losses.append(float(metrics["loss"]))
             accs.append(float(metrics["aux"]["accuracy"]))
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        if args.checkpoint_dir:  # before the report: a printed epoch is a saved epoch
+            jddp.save_checkpoint(args.checkpoint_dir, ddp, data_state={"epoch": epoch + 1})
         if is_main:
             print(f"epoch {epoch + 1:3d}  loss {np.mean(losses):.4f}  "
                   f"train accuracy {np.mean(accs):.3f}")
-        if args.checkpoint_dir:
-            jddp.save_checkpoint(args.checkpoint_dir, ddp, data_state={"epoch": epoch + 1})
 
     # Evaluate on the host: the parameters are replicated, so every process has them all.
     graphdef, params, rest = nnx.split(ddp.module, nnx.Param, ...)

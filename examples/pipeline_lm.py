@@ -146,7 +146,9 @@ def main() -> None:
     losses = []
     data_iter = batches(data, args.batch, args.seq, args.seed)
     start = time.perf_counter()
-    with tqdm(range(args.steps), desc="train", unit="step") as bar:
+    # One bar per job: under a launcher only process 0 draws it.
+    first = jax.process_index() == 0
+    with tqdm(range(args.steps), desc="train", unit="step", disable=not first) as bar:
         for i in bar:
             x, y = next(data_iter)
             params, opt_state, loss = step(params, opt_state, x, y)

@@ -295,7 +295,10 @@ def initialize_jax_distributed(
 
     A one-process world starts nothing. If ``jax.distributed`` is already running,
     its process id and count must match ``info``. On CPU, cross-process
-    collectives use gloo (``jax_cpu_collectives_implementation``). Call this before
+    collectives use gloo (``jax_cpu_collectives_implementation``), listening on an
+    address the other hosts can reach (:mod:`jaxpg.gloo_device`). Under ``jaxpg-run``
+    the launcher hosts the coordination service and every process, rank 0 included,
+    joins it as a client (:mod:`jaxpg.hosted_coordinator`). Call this before
     anything that initializes JAX's backends (``jax.devices()``, any computation).
 
     Args:
@@ -316,7 +319,8 @@ def initialize_jax_distributed(
     Raises:
         DistBackendError: if JAX's backends already started, or
             ``jax.distributed.initialize`` raised.
-        ValueError: if a running ``jax.distributed`` disagrees with ``info``.
+        ValueError: if a running ``jax.distributed`` disagrees with ``info``, or
+            ``GLOO_SOCKET_IFNAME`` names an interface this machine does not have.
     """
     import jax
     from jax._src import config as jax_config
@@ -344,17 +348,34 @@ def initialize_jax_distributed(
         address = info.coordinator_address
         assert address is not None
         bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", address)
+        if jax_config.cpu_collectives_implementation.value == "gloo":
+            from jaxpg import gloo_device  # where gloo listens: reachable from other hosts
+
+            host = address.rpartition(":")[0].strip("[]")
+            gloo_device.install(gloo_device.choose_gloo_device(host))
         try:
-            jax.distributed.initialize(
-                coordinator_address=address,
-                num_processes=info.world_size,
-                process_id=info.rank,
-                local_device_ids=local_device_ids,
-                cluster_detection_method="deactivate",
-                initialization_timeout=max(1, math.ceil(seconds)),
-                heartbeat_timeout_seconds=max(1, math.ceil(to_seconds(heartbeat_timeout))),
-                coordinator_bind_address=bind,
-            )
+            from jaxpg import hosted_coordinator  # jaxpg-run's launcher hosts the service
+
+            if hosted_coordinator.hosted_address() == address:
+                hosted_coordinator.connect(
+                    address,
+                    info.rank,
+                    info.world_size,
+                    init_timeout=max(1, math.ceil(seconds)),
+                    heartbeat_timeout=max(1, math.ceil(to_seconds(heartbeat_timeout))),
+                    local_device_ids=local_device_ids,
+                )
+            else:
+                jax.distributed.initialize(
+                    coordinator_address=address,
+                    num_processes=info.world_size,
+                    process_id=info.rank,
+                    local_device_ids=local_device_ids,
+                    cluster_detection_method="deactivate",
+                    initialization_timeout=max(1, math.ceil(seconds)),
+                    heartbeat_timeout_seconds=max(1, math.ceil(to_seconds(heartbeat_timeout))),
+                    coordinator_bind_address=bind,
+                )
         except Exception as err:
             raise DistBackendError(
                 f"jax.distributed.initialize(coordinator_address={address!r}, "
@@ -371,4 +392,7 @@ def shutdown_jax_distributed() -> None:
     import jax
 
     if jax.distributed.is_initialized():
+        from jaxpg import hosted_coordinator
+
+        hosted_coordinator.clear_before_shutdown()
         jax.distributed.shutdown()

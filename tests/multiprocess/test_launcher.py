@@ -1,9 +1,10 @@
-"""jaxpg-run: environment, output prefixes, failure propagation, Ctrl-C."""
+"""jaxpg-run: environment, live prefixed output and log files, failure propagation, Ctrl-C."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from jaxpg.run import main, worker_env
+from jaxpg.run.output import Console, Prefixer
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -63,6 +65,28 @@ def test_worker_env_replaces_the_device_count_and_shares_gpus():
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"]) == ("3", "1", "1")
     assert "GLIBC_TUNABLES" not in env  # GPU workers keep the allocator as it is
+
+
+def test_prefix_goes_before_every_line_and_redraw():
+    p = Prefixer(b"[rank 0] ")
+    chunks = [b"\r 10%|#", b"#  |\r 20%", b"|\nhello\nwor", b"ld\n", b"\r\n"]
+    assert [p.feed(c) for c in chunks] == [
+        b"\r[rank 0]  10%|#", b"#  |\r[rank 0]  20%", b"|\n[rank 0] hello\n[rank 0] wor",
+        b"ld\n", b"\r\n",
+    ]  # fmt: skip
+
+
+def test_console_ends_an_open_line_before_another_rank_writes():
+    import io
+
+    out = io.BytesIO()
+    console = Console(out)
+    a, b = Prefixer(b"[rank 0] "), Prefixer(b"[rank 1] ")
+    console.write(a, b"\r 10%")
+    console.write(b, b"a line\n")
+    console.write(a, b"\r 20%")
+    console.close(a)
+    assert out.getvalue() == b"\r[rank 0]  10%\n[rank 1] a line\n\r[rank 0]  20%\n"
 
 
 def test_cpu_workers_keep_large_buffers_in_the_heap_unless_told_otherwise():
@@ -174,6 +198,12 @@ def test_sigint_stops_every_worker_and_exits_130():
         (["--nnodes", "2", "x.py"], "needs --master-port"),
         (["--nnodes", "2", "--node-rank", "2", "x.py"], "--node-rank must be in [0, --nnodes=2)"),
         (["--master-port", "70000", "x.py"], "--master-port must be in [1, 65535]"),
+        (["--max-restarts", "-1", "x.py"], "--max-restarts must be at least 0, got -1"),
+        (["--tee", "3", "x.py"], "--tee writes log files, so it needs --log-dir"),
+        (["--log-dir", "d", "--tee", "5", "x.py"], "--tee must be 0, 1 (stdout), 2 (stderr)"),
+        (["--log-dir", "d", "--redirect", "4:1", "x.py"], "names local rank 4, but"),
+        (["--local-ranks-filter", "0,3", "x.py"], "names local ranks [3], but the local ranks"),
+        (["--local-ranks-filter", "a", "x.py"], "--local-ranks-filter must be local ranks"),
     ],
 )
 def test_bad_flags_give_a_clear_error(argv, message, capsys):
@@ -181,3 +211,84 @@ def test_bad_flags_give_a_clear_error(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_carriage_return_redraws_arrive_while_the_worker_draws(tmp_path):
+    # The worker waits for an ack of each redraw before drawing the next one.
+    command = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2",
+               str(WORKERS / "drawer.py"), str(tmp_path)]
+    seen = b""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as launcher:
+        try:
+            fd = launcher.stdout.fileno()
+            for k in range(3):
+                while f"\r[rank 0] step {k}".encode() not in seen:
+                    chunk = os.read(fd, 4096)
+                    assert chunk, (seen, launcher.stderr.read())
+                    seen += chunk
+                (tmp_path / str(k)).touch()
+            rest, err = launcher.communicate(timeout=60)
+        finally:
+            launcher.kill()
+    out = (seen + rest).decode()
+    assert launcher.returncode == 0, err
+    assert "\r[rank 0] done\n" in out
+    assert "[rank 1] hello from rank 1\n" in out
+    # every line and every redraw starts with its rank's prefix
+    for piece in re.split(r"[\r\n]", out):
+        assert piece == "" or piece.startswith("[rank "), repr(piece)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_local_ranks_filter_tee_and_log_dir(tmp_path):
+    result = launch("--nproc-per-node", "3", "--local-ranks-filter", "1", "--log-dir",
+                    str(tmp_path), "--rdzv-id", "r1", str(WORKERS / "echo_env.py"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(envs_by_rank(result.stdout)) == [1]  # the console shows local rank 1 only
+    assert "[rank 0]" not in result.stderr and "[rank 1] to stderr" in result.stderr
+    for r in range(3):  # every rank's raw output in its files (tee 3 by default)
+        folder = tmp_path / "r1" / "attempt_0" / str(r)
+        stdout = (folder / "stdout.log").read_text()
+        assert stdout.startswith("ENV ") and stdout.endswith("no newline at the end")
+        assert json.loads(stdout.splitlines()[0][4:])["RANK"] == str(r)
+        assert (folder / "stderr.log").read_text() == "to stderr\n"
+    result = launch("--nproc-per-node", "2", "--log-dir", str(tmp_path), "--rdzv-id", "r2",
+                    "--redirect", "0:1", str(WORKERS / "echo_env.py"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(envs_by_rank(result.stdout)) == [1]  # rank 0's stdout only in its file
+    assert "[rank 0] to stderr" in result.stderr
+    assert (tmp_path / "r2" / "attempt_0" / "0" / "stdout.log").read_text().startswith("ENV ")
+    assert not (tmp_path / "r2" / "attempt_0" / "0" / "stderr.log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("coordinator", ["launcher", "rank0"])
+def test_worlds_can_be_made_again_whoever_hosts_the_coordinator(coordinator):
+    result = launch("--nproc-per-node", "2", "--coordinator", coordinator,
+                    str(WORKERS / "reinit_worker.py"), JAX_PLATFORMS="cpu")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for r in range(2):
+        assert f"[rank {r}] RESULT 0 [1.0, 1.0]" in result.stdout
+        assert f"[rank {r}] RESULT 1 [3.0, 3.0]" in result.stdout
+    hosted = re.findall(r"HOSTED (\S+)", result.stdout)
+    assert len(hosted) == 2
+    assert all(h == "None" for h in hosted) == (coordinator == "rank0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_master_port_in_use_is_named_not_a_crash():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = launch("--master-port", str(port), str(WORKERS / "echo_env.py"))
+    assert result.returncode == 1
+    assert f"port {port} is in use on this machine" in result.stderr
+    assert "ENV" not in result.stdout  # no worker started

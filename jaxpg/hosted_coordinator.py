@@ -1,0 +1,108 @@
+"""Joining a coordination service that someone else hosts (``jaxpg-run``'s launcher).
+
+``jax.distributed.initialize`` makes process 0 host JAX's coordination service, so when
+process 0 dies the service dies with it and JAX's agents in every other process end them
+with a C++ fatal error. ``jaxpg-run`` hosts the service in the launcher instead and tells the
+workers through ``JAXPG_COORDINATOR_HOSTED=<host:port>``; :func:`connect` then starts
+``jax.distributed`` in every process, process 0 included, as a client only. Afterwards
+``jax.distributed`` is in the same state as after ``initialize`` (``jax.process_index()``,
+the CPU client's gloo collectives, ``jax.distributed.shutdown()`` all work as usual).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+__all__ = ["connect", "hosted_address"]
+
+ENV_VAR = "JAXPG_COORDINATOR_HOSTED"
+
+
+def hosted_address() -> str | None:
+    """The address of a launcher-hosted coordination service, if the launcher set one."""
+    return os.environ.get(ENV_VAR) or None
+
+
+def connect(
+    address: str,
+    process_id: int,
+    num_processes: int,
+    *,
+    init_timeout: int,
+    heartbeat_timeout: int,
+    local_device_ids: Sequence[int] | None = None,
+    shutdown_timeout: int = 300,
+) -> None:
+    """Starts ``jax.distributed`` as a client of the service at ``address`` (hosts none).
+
+    Args:
+        address: ``host:port`` of the running coordination service.
+        process_id: this process's id, in ``[0, num_processes)``.
+        num_processes: the number of processes the service expects.
+        init_timeout: seconds to wait for every process to connect.
+        heartbeat_timeout: seconds without heartbeats after which a process counts as dead.
+        local_device_ids: the GPUs this process uses (None: all visible).
+        shutdown_timeout: seconds the shutdown waits for the others.
+    """
+    from jax._src import config, distributed
+    from jax._src.lib import _jax
+
+    state = distributed.global_state
+    if state.client is not None:
+        raise RuntimeError("jax.distributed is already initialized.")
+    if local_device_ids:
+        visible = ",".join(str(x) for x in local_device_ids)
+        config.update("jax_cuda_visible_devices", visible)
+        config.update("jax_rocm_visible_devices", visible)
+    client = _jax.get_distributed_runtime_client(
+        address,
+        process_id,
+        init_timeout=init_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+        shutdown_timeout=shutdown_timeout,
+        use_compression=True,
+    )
+    client.connect()
+    state.coordinator_address = address
+    state.process_id = process_id
+    state.num_processes = num_processes
+    state.client = client
+    state.initialize_preemption_sync_manager()
+
+
+_generation = 0
+# What a world leaves in the store: XLA's topology exchange and gloo rendezvous (measured on
+# CPU; the GPU platforms' names follow the same pattern, not measured: no GPU) and jaxpg's
+# TCPStore. The store cannot list its top level, so the names are spelled out.
+_WORLD_KEYS = [f"{platform}:{name}" for platform in ("cpu", "cuda", "rocm", "gpu")
+               for name in ("gloo", "local_topology", "global_topology")] + ["jaxpg_store"]
+
+
+def clear_before_shutdown(timeout_s: float = 30.0) -> None:
+    """Empties the hosted service's key/value store before this world shuts down.
+
+    The launcher's service outlives the world, so a later ``init_process_group`` in the
+    same processes would meet the old world's keys (gloo's, the topology's, the store's)
+    and fail on "already exists". Every process waits at a barrier, process 0 deletes the
+    world's keys, and all wait again. A no-op unless this process joined a hosted service; errors
+    (a peer already gone) are ignored: the world is going away anyway.
+    """
+    global _generation
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None or state.service is not None:
+        return
+    if hosted_address() != state.coordinator_address:
+        return
+    _generation += 1
+    client, ms = state.client, int(timeout_s * 1000)
+    try:
+        client.wait_at_barrier(f"jaxpg/clear/{_generation}/a", ms)
+        if state.process_id == 0:
+            for key in _WORLD_KEYS:  # a key, or a directory with everything under it
+                client.key_value_delete(key)
+        client.wait_at_barrier(f"jaxpg/clear/{_generation}/b", ms)
+    except Exception:
+        pass

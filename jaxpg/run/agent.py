@@ -1,0 +1,179 @@
+"""The launcher's main loop: start the group, watch it, restart it or stop it."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from jaxpg.run.cli import parse_args
+from jaxpg.run.coordination import LocalNodes, NodeChannel, PortInUseError, WorkerCoordinator
+from jaxpg.run.env import visible_gpus, worker_env
+from jaxpg.run.workers import WorkerGroup
+
+__all__ = ["main"]
+
+_POLL_S = 0.05
+_REMOTE_POLL_S = 0.5
+
+
+class _Terminated(Exception):
+    """Raised in the main thread when the launcher gets SIGTERM."""
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"[jaxpg-run] {message}\n")
+    sys.stderr.flush()
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(rank: int, returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"rank {rank} exited with code {returncode} (killed by {name})"
+    return f"rank {rank} exited with code {returncode}"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    if args.no_python:
+        return [args.training_script, *args.training_script_args]
+    if args.module:
+        return [sys.executable, "-u", "-m", args.training_script, *args.training_script_args]
+    return [sys.executable, "-u", args.training_script, *args.training_script_args]
+
+
+def _start(args: argparse.Namespace, attempt: int, port: int, run_id: str) -> WorkerGroup:
+    import os
+
+    nproc, gpus = args.nproc_per_node, visible_gpus()
+    first = args.node_rank * nproc
+    envs = [
+        worker_env(
+            dict(os.environ), rank=first + local_rank, local_rank=local_rank,
+            world_size=args.nnodes * nproc, local_world_size=nproc, node_rank=args.node_rank,
+            master_addr=args.master_addr, master_port=port,
+            devices_per_proc=args.devices_per_proc, gpus=gpus, nnodes=args.nnodes,
+            restart_count=attempt, max_restarts=args.max_restarts, run_id=run_id,
+            coordinator_hosted=args.coordinator == "launcher",
+        )  # fmt: skip
+        for local_rank in range(nproc)
+    ]
+    log_dir = None if args.log_dir is None else Path(args.log_dir) / run_id / f"attempt_{attempt}"
+    return WorkerGroup(
+        _command(args), envs, first_rank=first, console_ranks=args.console_ranks,
+        tee_masks=args.tee_masks, redirect_masks=args.redirect_masks, log_dir=log_dir,
+    )  # fmt: skip
+
+
+def _watch(group: WorkerGroup, nodes, attempt: int) -> tuple[str | None, int]:
+    """Waits until this attempt ends: ``(None, 0)`` on success, else the failure and code."""
+    reported = False
+    next_remote = 0.0
+    while True:
+        failed = group.failed()
+        if failed is not None:
+            rank, rc = failed
+            message = _describe(rank, rc)
+            nodes.report_failure(attempt, message)
+            return message, _exit_code(rc)
+        if not reported and group.all_succeeded():
+            nodes.report_success(attempt)
+            reported = True
+        now = time.monotonic()
+        if now >= next_remote:
+            next_remote = now + _REMOTE_POLL_S
+            if (remote := nodes.failure(attempt)) is not None:
+                return f"{remote} (on another node)", 1
+            if reported and nodes.all_succeeded(attempt):
+                return None, 0
+        time.sleep(_POLL_S)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the launcher; returns its exit code (see :mod:`jaxpg.run`)."""
+    args = parse_args(argv)
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    group: WorkerGroup | None = None
+    coordinator: WorkerCoordinator | None = None
+    try:
+        if args.nnodes > 1:
+            nodes = NodeChannel(args.master_addr, args.master_port, args.nnodes, args.node_rank,
+                                args.rdzv_id)
+        else:
+            nodes = LocalNodes(args.rdzv_id)
+        for attempt in range(args.max_restarts + 1):
+            if args.node_rank == 0:
+                fixed = attempt == 0 and args.nnodes == 1 and args.master_port is not None
+                port = args.master_port if fixed else _free_port(args.master_addr)
+                if args.coordinator == "launcher":
+                    coordinator = WorkerCoordinator(port, args.nnodes * args.nproc_per_node)
+                nodes.publish_port(attempt, port)
+            else:
+                port = nodes.port(attempt)
+            group = _start(args, attempt, port, nodes.run_id)
+            failure, code = _watch(group, nodes, attempt)
+            if failure is not None:
+                _say(f"{failure}; stopping the other workers")
+            group.stop(args.grace_period)
+            group.join_output()
+            group = None
+            nodes.barrier(f"stopped/{attempt}")
+            if coordinator is not None:
+                coordinator.shutdown()
+                coordinator = None
+            if failure is None:
+                nodes.close()
+                return 0
+            if attempt < args.max_restarts:
+                _say(f"restarting the whole group with a fresh rendezvous (restart {attempt + 1} "
+                     f"of --max-restarts {args.max_restarts})")
+                continue
+            if args.max_restarts:
+                _say(f"no restarts left (--max-restarts {args.max_restarts}); giving up")
+            nodes.close()
+            return code
+        raise AssertionError("unreachable")
+    except KeyboardInterrupt:
+        _say("interrupted; stopping all workers")
+        code = 130
+    except _Terminated:
+        _say("got SIGTERM; stopping all workers")
+        code = 143
+    except PortInUseError as err:
+        _say(str(err))
+        code = 1
+    except OSError as err:
+        _say(f"could not start {_command(args)[0]!r}: {err}")
+        code = 1
+    except RuntimeError as err:  # jaxlib's errors from the launchers' coordination service
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        _say(f"lost the coordination between the launchers: {text}; stopping all workers")
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if group is not None:
+        group.stop(args.grace_period)
+        group.join_output()
+    if coordinator is not None:
+        coordinator.shutdown()
+    return code

@@ -1,0 +1,179 @@
+"""``jaxpg-run``'s command line: torchrun's flags, checked before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from jaxpg.run.env import visible_gpus
+
+__all__ = ["parse_args"]
+
+
+def _positive_int(name: str, minimum: int = 1):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxpg-run",
+        description="Start several JAX processes on this machine, like torchrun.",
+    )
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive_int("--nproc-per-node"),
+                   default=1, help="worker processes on this node (default 1)")
+    p.add_argument("--nnodes", type=_positive_int("--nnodes"), default=1,
+                   help="number of nodes (default 1)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0,
+                   help="this node's index in [0, nnodes) (default 0)")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+                   help="address of node 0, which hosts the coordination (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", type=int, default=None,
+                   help="port on node 0 (default: a free port; required with --nnodes > 1)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                   help="host:port of node 0; overrides --master-addr/--master-port")
+    p.add_argument("--rdzv-id", "--rdzv_id", "--run-id", "--run_id", dest="rdzv_id",
+                   default=None,
+                   help="the job's id, TORCHELASTIC_RUN_ID (default: node 0 makes one)")
+    p.add_argument("--standalone", action="store_true",
+                   help="one node, a free local port (as torchrun --standalone)")
+    p.add_argument("--devices-per-proc", "--devices_per_proc",
+                   type=_positive_int("--devices-per-proc"), default=None,
+                   help="devices per worker (default $JAXPG_DEVICES_PER_PROC or 1)")
+    p.add_argument("--max-restarts", "--max_restarts", type=_positive_int("--max-restarts", 0),
+                   default=0,
+                   help="restart the whole group up to N times when a worker fails (default 0)")
+    p.add_argument("--coordinator", choices=("launcher", "rank0"), default="launcher",
+                   help="who hosts JAX's coordination service: this launcher on node 0 "
+                        "(default; survives any worker's death) or the worker of rank 0, as "
+                        "jax.distributed.initialize does (for scripts that call it themselves)")
+    p.add_argument("--grace-period", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping workers (default 5)")
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", default=None,
+                   help="show only these local ranks' output on the console, e.g. 0 or 0,2 "
+                        "(log files keep every rank)")
+    p.add_argument("--log-dir", "--log_dir", default=None,
+                   help="write each worker's output to LOG_DIR/<run id>/attempt_<k>/<local "
+                        "rank>/{stdout,stderr}.log")
+    p.add_argument("--tee", "-t", default=None,
+                   help="with --log-dir: streams copied to the log files and the console: "
+                        "1 stdout, 2 stderr, 3 both, or per local rank like 0:3,1:1 "
+                        "(default 3 when --log-dir is given)")
+    p.add_argument("--redirect", "-r", default=None,
+                   help="with --log-dir: streams sent to the log files only (same values)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run the script argument as a module, like python -m")
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run the script argument as an executable, not with python")
+    p.add_argument("training_script", help="the script (or module with -m) to run")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                   help="arguments passed on to the script")
+    return p
+
+
+def _streams(flag: str, text: str | None, nproc: int) -> list[int]:
+    """Parses a --tee/--redirect value into a bit mask per local rank (1 out, 2 err)."""
+    if text is None:
+        return [0] * nproc
+    masks = [0] * nproc
+    bad = argparse.ArgumentTypeError(
+        f"{flag} must be 0, 1 (stdout), 2 (stderr), 3 (both) or local_rank:value pairs like "
+        f"0:3,1:1, got {text!r}"
+    )
+    if ":" not in text:
+        if text not in ("0", "1", "2", "3"):
+            raise bad
+        return [int(text)] * nproc
+    for part in text.split(","):
+        rank, _, value = part.partition(":")
+        if not rank.isdigit() or value not in ("0", "1", "2", "3"):
+            raise bad
+        if int(rank) >= nproc:
+            raise argparse.ArgumentTypeError(
+                f"{flag}={text!r} names local rank {rank}, but --nproc-per-node is {nproc}"
+            )
+        masks[int(rank)] = int(value)
+    return masks
+
+
+def _ranks_filter(text: str | None, nproc: int) -> set[int]:
+    if text is None or text.strip() == "":
+        return set(range(nproc))
+    try:
+        ranks = {int(r) for r in text.replace(" ", ",").split(",") if r}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--local-ranks-filter must be local ranks separated by commas, like 0,2; got {text!r}"
+        ) from None
+    bad = sorted(r for r in ranks if not 0 <= r < nproc)
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"--local-ranks-filter={text!r} names local ranks {bad}, but the local ranks are "
+            f"0..{nproc - 1} (--nproc-per-node {nproc})"
+        )
+    return ranks
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parses and checks ``argv``; exits with status 2 and a message naming the flag."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.standalone:
+        if args.nnodes != 1:
+            parser.error(f"--standalone runs one node, but --nnodes is {args.nnodes}")
+        args.master_addr, args.master_port = "127.0.0.1", None
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
+    if args.rdzv_endpoint is not None:
+        host, sep, port = args.rdzv_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            parser.error(f"--rdzv-endpoint must be host:port, got {args.rdzv_endpoint!r}")
+        args.master_addr, args.master_port = host, int(port)
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        parser.error(f"--master-port must be in [1, 65535], got {args.master_port}")
+    if args.master_port is None and args.nnodes > 1:
+        parser.error(
+            f"--nnodes {args.nnodes} needs --master-port (or --rdzv-endpoint) so that all "
+            "nodes agree on the coordinator's port"
+        )
+    if args.module and args.no_python:
+        parser.error("-m/--module and --no-python cannot be used together")
+    if args.grace_period < 0:
+        parser.error(f"--grace-period must be >= 0 seconds, got {args.grace_period}")
+    if args.devices_per_proc is None:
+        raw = os.environ.get("JAXPG_DEVICES_PER_PROC", "1")
+        try:
+            args.devices_per_proc = _positive_int("JAXPG_DEVICES_PER_PROC")(raw)
+        except argparse.ArgumentTypeError as err:
+            parser.error(str(err))
+    nproc = args.nproc_per_node
+    try:
+        args.console_ranks = _ranks_filter(args.local_ranks_filter, nproc)
+        if args.log_dir is None and (args.tee is not None or args.redirect is not None):
+            flag = "--tee" if args.tee is not None else "--redirect"
+            raise argparse.ArgumentTypeError(
+                f"{flag} writes log files, so it needs --log-dir DIR as well"
+            )
+        if args.log_dir is not None and args.tee is None and args.redirect is None:
+            args.tee = "3"
+        args.tee_masks = _streams("--tee", args.tee, nproc)
+        args.redirect_masks = _streams("--redirect", args.redirect, nproc)
+    except argparse.ArgumentTypeError as err:
+        parser.error(str(err))
+    gpus = visible_gpus()
+    needed = nproc * args.devices_per_proc
+    if gpus and needed > len(gpus):
+        parser.error(
+            f"--nproc-per-node {nproc} x --devices-per-proc "
+            f"{args.devices_per_proc} needs {needed} GPUs, but {len(gpus)} are visible"
+        )
+    return args

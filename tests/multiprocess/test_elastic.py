@@ -1,0 +1,205 @@
+"""jaxpg-run --max-restarts: torchrun's variables, and DDP runs that lose a rank and resume
+from their checkpoints to exactly the parameters of an uninterrupted run (a seeded
+fault-injection suite: a kill at a random step, a SIGSTOPped rank, a death while a
+checkpoint is written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "ddp_digits.py"
+STEPS = 6
+pytestmark = pytest.mark.slow
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def launch(args: list[str], timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxpg.run", *args], capture_output=True,
+                          text=True, timeout=timeout, env=_env(**env))
+
+
+def train(tmp: Path, name: str, fault: str, restarts: int = 2, **env: str):
+    """Runs elastic_ddp.py on 2 workers; returns (result, rank 0's final parameters)."""
+    out = tmp / f"{name}.npz"
+    result = launch(["--nproc-per-node", "2", "--max-restarts", str(restarts),
+                     "--grace-period", "2", str(WORKERS / "elastic_ddp.py"),
+                     str(tmp / name), str(out), str(STEPS), fault], **env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("DONE") == 2
+    return result, dict(np.load(out))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The parameters of an uninterrupted run."""
+    result, params = train(tmp_path_factory.mktemp("ref"), "ref", "none", restarts=0)
+    assert "restarting" not in result.stderr
+    return params
+
+
+def assert_same(params, reference):
+    assert params.keys() == reference.keys()
+    for k in reference:
+        np.testing.assert_array_equal(params[k], reference[k], err_msg=k)
+
+
+@pytest.mark.timeout(120)
+def test_restarts_set_torchelastic_variables_and_a_fresh_rendezvous():
+    result = launch(["--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-id", "job7",
+                     str(WORKERS / "fail_first_attempt.py")])
+    assert result.returncode == 0, result.stderr
+    assert "rank 1 exited with code 3" in result.stderr
+    assert "restart 1 of --max-restarts 3" in result.stderr
+    envs = [json.loads(line.split("ENV ", 1)[1]) for line in result.stdout.splitlines()
+            if "ENV " in line]
+    by_attempt = {a: [e for e in envs if e["TORCHELASTIC_RESTART_COUNT"] == a] for a in "01"}
+    assert len(envs) == 4 and all(len(v) == 2 for v in by_attempt.values())  # no third attempt
+    for e in envs:
+        assert e["TORCHELASTIC_MAX_RESTARTS"] == "3" and e["TORCHELASTIC_RUN_ID"] == "job7"
+        assert (e["GROUP_RANK"], e["GROUP_WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("0", "1", "2")
+        assert e["JAXPG_COORDINATOR_HOSTED"] == f"{e['MASTER_ADDR']}:{e['MASTER_PORT']}"
+    ports = [{e["MASTER_PORT"] for e in by_attempt[a]} for a in "01"]
+    assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]  # a fresh coordinator
+
+
+@pytest.mark.timeout(60)
+def test_without_restarts_the_failure_ends_the_run():
+    result = launch(["--nproc-per-node", "2", str(WORKERS / "fail_first_attempt.py")])
+    assert result.returncode == 3
+    assert "restarting" not in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_rank_killed_after_step_4_resumes_to_identical_parameters(tmp_path, reference):
+    result, params = train(tmp_path, "kill", "kill:1:4")
+    assert "rank 1 exited with code -9 (killed by SIGKILL)" in result.stderr
+    assert "[rank 0] RESUMED step=5 attempt=1" in result.stdout
+    assert_same(params, reference)
+
+
+@pytest.fixture
+def busy_loops(request):
+    """Two processes spinning on the CPU while the test runs (when the case asks for load)."""
+    procs = []
+    if request.node.callspec.params.get("load"):
+        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault, load", [
+    ("random:2026", False),   # a kill at a random rank and step, before that step's checkpoint
+    ("stop:0:3", False),      # SIGSTOPped rank 0 (it holds no coordinator under jaxpg-run)
+    ("ckpt:0:3", False),      # rank 0 dies while committing a checkpoint
+    ("killduring:0:2", False),  # rank 0 dies inside a step's collectives
+    ("raise:1:2", False),     # a rank raises and exits while the other waits in a barrier
+])  # fmt: skip
+def test_fault_injection(tmp_path, reference, busy_loops, fault, load):
+    env = {"FAULT_GROUP_TIMEOUT": "6"} if fault.startswith("stop") else {}
+    result, params = train(tmp_path, "run", fault, **env)
+    everything = result.stdout + result.stderr
+    assert not any(text in everything for text in CPP_ABORTS), everything[-3000:]
+    assert "restart 1 of --max-restarts 2" in result.stderr
+    resumed = re.search(r"\[rank 0\] RESUMED step=(\d+) attempt=1", result.stdout)
+    assert resumed, result.stdout[-2000:]
+    kind, *spec = fault.split(":")
+    if kind == "random":
+        drawn = re.search(r"FAULT killmid rank (\d) step (\d)", result.stdout)
+        rank, step = int(drawn.group(1)), int(drawn.group(2))
+        assert f"rank {rank} exited with code -9" in result.stderr
+        assert int(resumed.group(1)) == step  # the killed step's checkpoint was never written
+    elif kind == "stop":
+        # rank 1 waits in the barrier for the group timeout and names the stopped rank 0
+        assert re.search(r"DistTimeoutError: barrier on group 'WORLD' .* did not finish "
+                         r"within 6\.0 s; ranks that did not arrive: \[0\]", result.stderr)
+        assert "rank 1 exited with code 1" in result.stderr
+        assert int(resumed.group(1)) == 3
+    elif kind == "ckpt":
+        assert "dying while committing checkpoint 3" in result.stdout
+        assert "rank 0 exited with code -9 (killed by SIGKILL)" in result.stderr
+        assert int(resumed.group(1)) == 2  # the last complete checkpoint, not the partial 3
+    elif kind == "killduring":
+        assert "rank 0 exited with code -9 (killed by SIGKILL)" in result.stderr
+        assert int(resumed.group(1)) in (2, 3)  # died in step 2's update or its checkpoint
+    else:
+        assert "RuntimeError: rank 1 fails at step 2" in result.stderr
+        assert "rank 1 exited with code 1" in result.stderr
+        assert int(resumed.group(1)) == 2
+    assert_same(params, reference)
+
+
+def _kill_rank_when(launcher: subprocess.Popen, lines: list[str], marker: str, rank: str):
+    """Kills the launcher's worker with RANK=rank once ``marker`` appears in ``lines``."""
+    while launcher.poll() is None:
+        if any(marker in line for line in lines):
+            children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
+            for pid in children.split():
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if f"RANK={rank}".encode() in environ:
+                    os.kill(int(pid), signal.SIGKILL)
+                    return
+        time.sleep(0.05)
+
+
+def _digits(args: list[str], checkpoint_dir: Path, kill: bool) -> tuple[int, str, str]:
+    command = [sys.executable, "-m", "jaxpg.run", *args, str(EXAMPLE), "--epochs", "2",
+               "--hidden", "32", "--checkpoint-dir", str(checkpoint_dir)]
+    lines: list[str] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=_env()) as launcher:
+        err: list[str] = []
+        reader = threading.Thread(target=lambda: err.extend(launcher.stderr), daemon=True)
+        reader.start()
+        killer = None
+        if kill:
+            killer = threading.Thread(target=_kill_rank_when,
+                                      args=(launcher, lines, "epoch   1  loss", "1"), daemon=True)
+            killer.start()
+        try:
+            for line in launcher.stdout:
+                lines.append(line)
+            launcher.wait(timeout=200)
+        finally:
+            launcher.kill()
+        reader.join(timeout=10)
+    return launcher.returncode, "".join(lines), "".join(err)
+
+
+@pytest.mark.timeout(400)
+def test_ddp_digits_resumes_from_its_checkpoint_dir_under_restarts(tmp_path):
+    rc, plain, _ = _digits(["--nproc-per-node", "2"], tmp_path / "plain", kill=False)
+    assert rc == 0, plain[-2000:]
+    rc, out, err = _digits(["--nproc-per-node", "2", "--max-restarts", "1", "--grace-period",
+                            "2"], tmp_path / "killed", kill=True)
+    assert rc == 0, out[-2000:] + err[-2000:]
+    assert "rank 1 exited with code -9" in err and "restart 1 of --max-restarts 1" in err
+    assert "resumed from" in out
+
+    def final(text: str) -> list[str]:
+        return [re.sub(r"\(.*\)", "", line).strip() for line in text.splitlines()
+                if "epoch   2" in line or "test accuracy" in line]
+
+    assert final(out) == final(plain) and len(final(plain)) == 2
