@@ -28,18 +28,21 @@ slots) by ``lax.axis_index('pp')`` and runs it with ``lax.switch``:
       to rank ``r + 1`` (ring; rank ``p - 1``'s chunk ``c`` feeds rank 0's chunk
       ``c + 1``). The last stage applies head + loss at once and stores ``d(loss / m)``
       in the gradient buffer.
-    * ``B``: **stage-input remat**: recomputes the stage from its saved input with
-      ``jax.vjp``, accumulates the weight gradient and sends the input gradient to rank
-      ``r - 1``. With ``split_backward`` (ZB-H1) ``B`` differentiates by the input
-      only, and ``W`` recomputes once more and differentiates by the weights; the saved
-      input and output gradient live until ``W``.
+    * ``B``: by default (``remat=False``) runs the backward from the residuals the
+      forward saved (``jaxpg.pipeline.stage_split``), accumulates the weight gradient
+      and sends the input gradient on. With ``split_backward`` (ZB-H1, ZB-V) ``B``
+      computes only the input gradient and saves what ``W`` needs, and ``W`` only the
+      weight gradient: no recomputation. With ``remat=True`` (stage-input remat) only
+      the stage input is kept and ``B`` recomputes the stage with ``jax.vjp`` (``W``
+      once more).
 
-After the switch, two ``ppermute``s move the forward (+1) and backward (-1) messages,
-and each rank stores what it received into the slot the plan names. Both run on every
-tick (a rank with nothing to send sends zeros), as SPMD collectives must. Only stage inputs
-and output gradients are kept between ticks, in buffers of exactly the size the
-schedule needs (1F1B: about ``p`` slots, independent of ``m``); the price is one extra
-stage forward per backward (two for split schedules).
+After the switch, the one message of the tick (an activation or a gradient) goes to
+rank ``r + 1`` and ``r - 1`` by two ring ``ppermute``s (one when no message ever travels
+one of the ways) and each rank stores what it received into the slot the plan names;
+the turn of a V layout stays on the rank. The ``ppermute``s run on every tick (a rank
+with nothing to send sends zeros), as SPMD collectives must. Stage inputs, output
+gradients and (without remat) residuals are kept in buffers of exactly the size the
+schedule needs (1F1B: about ``p`` slots, independent of ``m``).
 
 With a data-parallel axis (``'dp'`` in the mesh), the batch is sharded over it; each
 replica splits its part into ``m`` microbatches, and ``grad_reducer`` (default:
@@ -63,14 +66,17 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
 from jaxpg.pipeline.stage_meta import infer_stage_metadata
-from jaxpg.pipeline.tick_program import store, tick_branches
+from jaxpg.pipeline.stage_split import split_stage
+from jaxpg.pipeline.tick_program import slot_buffers, store, tick_branches
 
 __all__ = ["StagedParams", "pipeline_value_and_grad", "resolve_schedule"]
 
@@ -125,6 +131,7 @@ class _Config(NamedTuple):
     pp_axis: str
     dp_axis: str | None
     grad_reducer: Callable | None
+    remat: bool
 
 
 def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
@@ -136,33 +143,48 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     first_p, last_p = params.first, params.last
     inputs = split_microbatches(inputs, m)
     targets = split_microbatches(targets, m)
+    pieces = None
+    if not cfg.remat:
+        one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
+        pieces = split_stage(cfg.stage_fn, one_stage, act_struct, cfg.timetable.split_backward)
     branches = tick_branches(
         cfg.stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches, act_struct,
-        (stages, first_p, last_p), inputs, targets,
+        (stages, first_p, last_p), inputs, targets, pieces,
     )  # fmt: skip
 
-    def buffer(n):
-        return jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), act_struct)
-
     state = {
-        "act": buffer(plan.num_act_slots),
-        "grad": buffer(plan.num_grad_slots),
+        "act": slot_buffers(act_struct, plan.num_act_slots),
+        "grad": slot_buffers(act_struct, plan.num_grad_slots),
         "g_stages": jax.tree.map(jnp.zeros_like, stages),
         "g_first": jax.tree.map(jnp.zeros_like, first_p),
         "g_last": jax.tree.map(jnp.zeros_like, last_p),
         "loss": jnp.zeros((), jnp.float32),
     }
-    forward_perm = [(i, (i + 1) % p) for i in range(p)]
-    backward_perm = [(i, (i - 1) % p) for i in range(p)]
+    if pieces is not None:
+        state["res"] = slot_buffers(pieces.res_structs, plan.num_act_slots)
+        state["wres"] = slot_buffers(pieces.wres_structs, plan.num_grad_slots)
+    up_perm = [(i, (i + 1) % p) for i in range(p)]
+    down_perm = [(i, (i - 1) % p) for i in range(p)]
 
     def tick(state, row):
         op = lax.dynamic_index_in_dim(row, rank, 0, keepdims=False)
-        branch, mb, chunk, act_slot, grad_slot, recv_act, recv_grad = (op[i] for i in range(7))
-        state, send_f, send_b = lax.switch(branch, branches, state, mb, chunk, act_slot, grad_slot)
-        got_f = lax.ppermute(send_f, cfg.pp_axis, forward_perm)
-        got_b = lax.ppermute(send_b, cfg.pp_axis, backward_perm)
-        state = dict(state, act=store(state["act"], recv_act, got_f))
-        state["grad"] = store(state["grad"], recv_grad, got_b)
+        state, out = lax.switch(
+            op[cols.BRANCH], branches, state, op[cols.MB], op[cols.CHUNK], op[cols.ACT],
+            op[cols.GRAD],
+        )  # fmt: skip
+        state = dict(state)
+        for perm, act_col, grad_col in (
+            (up_perm, cols.UP_ACT, cols.UP_GRAD),
+            (down_perm, cols.DOWN_ACT, cols.DOWN_GRAD),
+            (None, cols.LOCAL_ACT, cols.LOCAL_GRAD),
+        ):
+            if not (plan.uses(act_col) or plan.uses(grad_col)):
+                continue  # no message ever travels this way: skip its ppermute
+            got = out if perm is None else lax.ppermute(out, cfg.pp_axis, perm)
+            if plan.uses(act_col):
+                state["act"] = store(state["act"], op[act_col], got)
+            if plan.uses(grad_col):
+                state["grad"] = store(state["grad"], op[grad_col], got)
         return state, None
 
     state, _ = lax.scan(tick, state, jnp.asarray(plan.table))
@@ -207,7 +229,9 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
         first_fn=cfg.first_fn, first_params=params.first, loss_fn=cfg.loss_fn,
         last_params=params.last, targets=mb_struct(targets),
     )  # fmt: skip
-    stages = jax.tree.map(lambda a: a.reshape(v, p, *a.shape[1:]), params.stages)
+    order = np.array([[tt.stage_of(r, c) for r in range(p)] for c in range(v)])
+    inverse = np.argsort(order.ravel())
+    stages = jax.tree.map(lambda a: a[order], params.stages)  # [v, p, ...] by (chunk, rank)
     batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
     param_spec = StagedParams(P(None, cfg.pp_axis), P(), P())
     body = functools.partial(_body, cfg, plan, metas[0].input)
@@ -218,7 +242,7 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
         out_specs=(P(), param_spec),
         check_vma=False,
     )(params._replace(stages=stages), inputs, targets)
-    stacked = jax.tree.map(lambda a: a.reshape(v * p, *a.shape[2:]), grads.stages)
+    stacked = jax.tree.map(lambda a: a.reshape(v * p, *a.shape[2:])[inverse], grads.stages)
     return loss, grads._replace(stages=stacked)
 
 
@@ -241,6 +265,7 @@ def pipeline_value_and_grad(
     pp_axis: str = "pp",
     dp_axis: str = "dp",
     grad_reducer: Callable[[Any], Any] | None = None,
+    remat: bool = False,
 ) -> tuple[jax.Array, Any]:
     """Mean loss over the batch and its gradient, computed by a pipeline schedule.
 
@@ -266,6 +291,11 @@ def pipeline_value_and_grad(
             stage gradients ``[v, ...]`` and the replicated first/last gradients) over the
             data-parallel axis; default ``pmean`` over ``dp_axis``. Without a ``dp_axis``
             it is applied as given (default: none).
+        remat: ``False`` (default) keeps each microbatch's vjp residuals from its
+            forward until its backward, so no forward runs twice (and a split backward's
+            ``B`` and ``W`` together do the work of one backward); ``True`` keeps only the
+            stage inputs and recomputes the stage forward in the backward (and again in
+            ``W``): less memory, more work.
 
     Returns:
         ``(loss, grads)``: the mean loss, and gradients of the same structure as ``params``.
@@ -297,6 +327,10 @@ def pipeline_value_and_grad(
     v = next(iter(counts)) // p
     timetable = resolve_schedule(schedule, p, num_microbatches, v)
     dp = dp_axis if dp_axis in mesh.axis_names else None
-    cfg = _Config(stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer)
+    if not isinstance(remat, bool):
+        raise TypeError(f"remat={remat!r} must be True or False.")
+    cfg = _Config(
+        stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer, remat
+    )
     loss, grads = _compiled(cfg)(staged, inputs, targets)
     return loss, grads if isinstance(params, StagedParams) else grads.stages

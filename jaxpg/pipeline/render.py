@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from jaxpg.pipeline.timetable import Timetable
+from jaxpg.pipeline.timetable import Timetable, timetable_title, render_grid
 
 __all__ = ["render_png", "render_text"]
 
@@ -32,15 +32,8 @@ _COLORS = {
 _NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
 
 
-def _title(tt: Timetable) -> str:
-    return (
-        f"{tt.name}: p={tt.num_stages} m={tt.num_microbatches} v={tt.num_chunks}, "
-        f"{tt.num_ticks} ticks, bubble {tt.bubble_fraction:.1%}"
-    )
-
-
 def render_text(tt: Timetable, header: bool = True) -> str:
-    """The timetable as a fixed-width text grid, one line per rank.
+    """The timetable as a fixed-width text grid, one line per rank (as ``tt.to_text``).
 
     Args:
       tt: The timetable.
@@ -49,23 +42,7 @@ def render_text(tt: Timetable, header: bool = True) -> str:
     Returns:
       The grid as a string, without a trailing newline.
     """
-    cells = [
-        ["." if a is None else a.label(tt.num_chunks) for a in (row[r] for row in tt.grid)]
-        for r in range(tt.num_stages)
-    ]
-    width = max([2] + [len(c) for line in cells for c in line])
-    prefix = f"rank {tt.num_stages - 1}"
-    lines = []
-    if header:
-        ticks = [str(t) if len(str(t)) <= width else "" for t in range(tt.num_ticks)]
-        lines += [_title(tt), "tick".ljust(len(prefix)) + " | " + _join(ticks, width)]
-    for r, line in enumerate(cells):
-        lines.append(f"rank {r}".ljust(len(prefix)) + " | " + _join(line, width))
-    return "\n".join(lines)
-
-
-def _join(cells: list[str], width: int) -> str:
-    return " ".join(c.ljust(width) for c in cells).rstrip()
+    return render_grid(tt, header=header)
 
 
 def render_png(tt: Timetable, path: str | os.PathLike, *, dpi: int = 120) -> None:
@@ -122,7 +99,7 @@ def render_png(tt: Timetable, path: str | os.PathLike, *, dpi: int = 120) -> Non
     ax.set_xticks([t + 0.5 for t in range(0, ticks, step)], [str(t) for t in range(0, ticks, step)])
     ax.set_xlabel("tick")
     ax.tick_params(length=0, labelsize=8)
-    ax.set_title(_title(tt), fontsize=9)
+    ax.set_title(timetable_title(tt), fontsize=9)
     kinds = ("F", "B", "W") if tt.split_backward else ("F", "B")
     if tt.num_chunks == 1:
         shades = [""]
