@@ -92,7 +92,8 @@ def simulate(
             )
         for rank, action in enumerate(row):
             if action is not None:
-                done_at[(action.kind, action.microbatch, model_stage(layout, p, rank, action.chunk))] = tick
+                stage = model_stage(layout, p, rank, action.chunk)
+                done_at[(action.kind, action.microbatch, stage)] = tick
                 cursor[rank] += 1
                 remaining -= 1
         grid.append(tuple(row))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from jaxpg.pipeline.timetable import Timetable, timetable_title, render_grid
+from jaxpg.pipeline.timetable import Timetable, render_grid, timetable_title
 
 __all__ = ["render_png", "render_text"]
 

@@ -75,6 +75,8 @@ class StagePieces(NamedTuple):
         weight: ``weight(p, x, dy, res, wres) -> dp`` (split backward only).
         res_structs: shapes and dtypes of ``res``.
         wres_structs: shapes and dtypes of ``wres``.
+        primitives: the primitive names each piece runs, by piece (``"F"``, ``"B"``,
+            ``"W"``), to inspect how the work was divided.
     """
 
     forward: Callable
@@ -82,6 +84,7 @@ class StagePieces(NamedTuple):
     weight: Callable | None
     res_structs: tuple[jax.ShapeDtypeStruct, ...]
     wres_structs: tuple[jax.ShapeDtypeStruct, ...]
+    primitives: dict[str, tuple[str, ...]]
 
 
 def split_stage(
@@ -189,4 +192,6 @@ def split_stage(
     return StagePieces(
         forward, backward, weight if split_backward else None,
         structs(res_vars), structs(wres_vars),
+        {k: tuple(e.primitive.name for e in v) for k, v in
+         (("F", f_eqns), ("B", b_eqns), ("W", w_eqns))},
     )  # fmt: skip

@@ -38,7 +38,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Action", "KIND_CODES", "LAYOUTS", "Timetable", "model_stage", "render_grid", "timetable_title"]
+__all__ = [
+    "Action", "KIND_CODES", "LAYOUTS", "Timetable", "model_stage", "render_grid",
+    "timetable_title",
+]  # fmt: skip
 
 #: Stage layouts: how (rank, chunk) maps to a model stage; see :func:`model_stage`.
 LAYOUTS = ("loop", "v")
