@@ -138,6 +138,7 @@ def plan_buffers(timetable: Any) -> BufferPlan:
     ticks = len(grid)
     table = np.full((ticks, p, NUM_COLUMNS), -1, dtype=np.int32)
     table[:, :, BRANCH] = 0
+    table[:, :, CHUNK] = 0
     act_slots = [_Slots() for _ in range(p)]
     grad_slots = [_Slots() for _ in range(p)]
     act_of: dict[tuple[int, int], tuple[int, int]] = {}  # (stage, mb) -> (slot, ready tick)

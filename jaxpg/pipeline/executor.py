@@ -76,7 +76,14 @@ from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
 from jaxpg.pipeline.stage_meta import infer_stage_metadata
 from jaxpg.pipeline.stage_split import split_stage
-from jaxpg.pipeline.tick_program import slot_buffers, store, tick_branches
+from jaxpg.pipeline.tick_program import (
+    TickIn,
+    read_slot,
+    slot_buffers,
+    tick_branches,
+    write_slot,
+    writes,
+)
 
 __all__ = ["StagedParams", "pipeline_value_and_grad", "resolve_schedule"]
 
@@ -152,27 +159,35 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
         (stages, first_p, last_p), inputs, targets, pieces,
     )  # fmt: skip
 
-    state = {
+    remat = pieces is None
+    bufs = {
         "act": slot_buffers(act_struct, plan.num_act_slots),
         "grad": slot_buffers(act_struct, plan.num_grad_slots),
+        "res": () if remat else slot_buffers(pieces.res_structs, plan.num_act_slots),
+        "wres": () if remat else slot_buffers(pieces.wres_structs, plan.num_grad_slots),
+    }
+    acc = {
         "g_stages": jax.tree.map(jnp.zeros_like, stages),
         "g_first": jax.tree.map(jnp.zeros_like, first_p),
         "g_last": jax.tree.map(jnp.zeros_like, last_p),
         "loss": jnp.zeros((), jnp.float32),
     }
-    if pieces is not None:
-        state["res"] = slot_buffers(pieces.res_structs, plan.num_act_slots)
-        state["wres"] = slot_buffers(pieces.wres_structs, plan.num_grad_slots)
+    # Per branch: does it write (act, grad, res, wres)? Indexed by the branch number.
+    flags = jnp.asarray([writes(name, remat) for name in plan.branches], dtype=bool)
     up_perm = [(i, (i + 1) % p) for i in range(p)]
     down_perm = [(i, (i - 1) % p) for i in range(p)]
 
-    def tick(state, row):
+    def tick(carry, row):
+        bufs, acc = carry
         op = lax.dynamic_index_in_dim(row, rank, 0, keepdims=False)
-        state, out = lax.switch(
-            op[cols.BRANCH], branches, state, op[cols.MB], op[cols.CHUNK], op[cols.ACT],
-            op[cols.GRAD],
-        )  # fmt: skip
-        state = dict(state)
+        branch, a, g = op[cols.BRANCH], op[cols.ACT], op[cols.GRAD]
+        io = TickIn(*(read_slot(bufs[k], s) for k, s in (("act", a), ("grad", g),
+                                                           ("res", a), ("wres", g))))  # fmt: skip
+        acc, out = lax.switch(branch, branches, acc, op[cols.MB], op[cols.CHUNK], io)
+        bufs = dict(bufs)
+        for i, (key, slot) in enumerate((("act", a), ("grad", g), ("res", a), ("wres", g))):
+            if any(w[i] for w in (writes(n, remat) for n in plan.branches)):
+                bufs[key] = write_slot(bufs[key], jnp.where(flags[branch, i], slot, -1), out[i + 1])
         for perm, act_col, grad_col in (
             (up_perm, cols.UP_ACT, cols.UP_GRAD),
             (down_perm, cols.DOWN_ACT, cols.DOWN_GRAD),
@@ -180,19 +195,19 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
         ):
             if not (plan.uses(act_col) or plan.uses(grad_col)):
                 continue  # no message ever travels this way: skip its ppermute
-            got = out if perm is None else lax.ppermute(out, cfg.pp_axis, perm)
+            got = out.message if perm is None else lax.ppermute(out.message, cfg.pp_axis, perm)
             if plan.uses(act_col):
-                state["act"] = store(state["act"], op[act_col], got)
+                bufs["act"] = write_slot(bufs["act"], op[act_col], got)
             if plan.uses(grad_col):
-                state["grad"] = store(state["grad"], op[grad_col], got)
-        return state, None
+                bufs["grad"] = write_slot(bufs["grad"], op[grad_col], got)
+        return (bufs, acc), None
 
-    state, _ = lax.scan(tick, state, jnp.asarray(plan.table))
-    loss = lax.psum(state["loss"], cfg.pp_axis)
+    (_, acc), _ = lax.scan(tick, (bufs, acc), jnp.asarray(plan.table))
+    loss = lax.psum(acc["loss"], cfg.pp_axis)
     grads = StagedParams(
-        state["g_stages"],
-        lax.psum(state["g_first"], cfg.pp_axis),
-        lax.psum(state["g_last"], cfg.pp_axis),
+        acc["g_stages"],
+        lax.psum(acc["g_first"], cfg.pp_axis),
+        lax.psum(acc["g_last"], cfg.pp_axis),
     )
     if cfg.dp_axis is not None:
         loss = lax.pmean(loss, cfg.dp_axis)

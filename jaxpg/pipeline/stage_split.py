@@ -14,7 +14,12 @@ into a jaxpr and sorts its equations:
   what the weight gradient ``dp`` needs. The values ``B`` computes that ``W`` reads
   (e.g. the gradient at a hidden layer) are ``W``'s residuals, saved by ``B``.
 * those that depend on the activation ``x`` but not on ``dy`` are forward work, run
-  by ``F``; the values the backward reads are ``F``'s residuals.
+  by ``F``. Of the values the backward reads, the results of matmuls and other
+  non-elementwise operations are ``F``'s residuals, saved; elementwise ones (an
+  activation function and its derivative) are recomputed by the backward from those,
+  as torch's autograd recomputes ``gelu``'s derivative from its saved input. For a
+  ``x + W2 gelu(W1 x)`` block that saves one ``[b, 4d]`` array instead of the six
+  ``jax.vjp`` keeps, and recomputes no matmul.
 * those that depend on neither (parameters and constants only: a transpose of a
   weight, a broadcast bias, zeros) are run by whichever piece needs them, so that no
   copy of a parameter is ever saved per microbatch. The stage input ``x``, the
@@ -32,7 +37,16 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend.core import Literal, Var
 
-__all__ = ["StagePieces", "split_stage"]
+__all__ = ["StagePieces", "split_stage", "ELEMENTWISE"]
+
+#: Primitives the backward recomputes instead of saving their results: elementwise and
+#: shape-only operations, cheap next to the matmuls whose results are saved.
+ELEMENTWISE = frozenset(
+    "abs add and broadcast_in_dim ceil clamp convert_element_type copy copy_p cos cosh "
+    "div eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow "
+    "is_finite le log log1p logistic lt max min mul ne neg not or pow real reshape rem "
+    "round rsqrt select_n sign sin sinh sqrt square squeeze sub tan tanh xor".split()
+)
 
 
 def _is_var(v: Any) -> bool:
@@ -134,19 +148,23 @@ def split_stage(
         else:
             free_eqns.add(i)
 
+    cheap = {i for i in forward_eqns if eqns[i].primitive.name in ELEMENTWISE}
     b_targets = list(dx_out) if split_backward else list(dp_out) + list(dx_out)
-    b_idx, b_reads = _slice(eqns, backward_eqns | free_eqns, b_targets)
+    b_idx, b_reads = _slice(eqns, backward_eqns | free_eqns | cheap, b_targets)
     w_idx, w_reads = [], set()
     if split_backward:
-        w_idx, w_reads = _slice(eqns, (backward_eqns | free_eqns) - set(b_idx), dp_out)
+        w_allowed = (backward_eqns - set(b_idx)) | free_eqns | cheap
+        w_idx, w_reads = _slice(eqns, w_allowed, dp_out)
     inputs = set(jaxpr.invars) | set(jaxpr.constvars)
-    forward_made = {v for i in forward_eqns for v in eqns[i].outvars}
+    forward_made = {v for i in forward_eqns - cheap for v in eqns[i].outvars}
     order = {v: n for n, v in enumerate(v for eqn in eqns for v in eqn.outvars)}
     res_vars = sorted((b_reads | w_reads) & forward_made, key=order.__getitem__)
-    b_made = {v for i in b_idx for v in eqns[i].outvars}
+    b_made = {v for i in b_idx if i in backward_eqns for v in eqns[i].outvars}
     wres_vars = sorted(w_reads & b_made, key=order.__getitem__)
     f_idx, f_reads = _slice(eqns, forward_eqns | free_eqns, list(y_out) + res_vars)
-    stray = (f_reads | b_reads | w_reads) - inputs - forward_made - b_made
+    stray = (f_reads | b_reads | w_reads) - inputs - forward_made - b_made - {
+        v for i in cheap | free_eqns for v in eqns[i].outvars
+    }
     if stray:  # pragma: no cover - a jaxpr always defines what it reads
         raise RuntimeError(f"split_stage: unresolved jaxpr variables {sorted(map(str, stray))}")
     f_eqns = [eqns[i] for i in f_idx]
