@@ -87,7 +87,7 @@ def default_in_flight_limits(tt: Timetable) -> list[int] | None:
     p, m, v = tt.num_stages, tt.num_microbatches, tt.num_chunks
     if tt.name == "gpipe":
         return [m] * p
-    if tt.name == "1f1b":
+    if tt.name == "1f1b":  # with split_backward, W follows its B at once: the same
         return [min(p - s, m) for s in range(p)]
     if tt.name == "interleaved_1f1b":
         return [min(interleaved_warmup(p, m, v, s) + 1, v * m) for s in range(p)]

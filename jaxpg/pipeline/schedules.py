@@ -90,7 +90,7 @@ def _one_f_one_b_order(p: int, m: int, rank: int, warmup: int) -> list[Action]:
     return order
 
 
-def one_f_one_b(p: int, m: int) -> Timetable:
+def one_f_one_b(p: int, m: int, split_backward: bool = False) -> Timetable:
     """1F1B (PipeDream-flush): warmup forwards, one-forward-one-backward, cooldown.
 
     Rank ``s`` runs ``p - 1 - s`` warmup forwards, then alternates one forward
@@ -99,14 +99,28 @@ def one_f_one_b(p: int, m: int) -> Timetable:
     Args:
       p: Pipeline stages (ranks).
       m: Microbatches, any ``m >= 1`` (with ``m < p`` it degenerates to GPipe).
+      split_backward: Run each backward as ``B`` (input gradient) then, in the
+        next free tick, ``W`` (weight gradient), so every tick is one forward
+        long. Without remat this costs no extra work, removes the lockstep
+        executor's wait of an ``F`` beside a whole ``B`` (``jaxpg.pipeline.costs``)
+        and, as the ``W`` of a rank overlap the next rank's ``B``, takes
+        ``3 m + 2 (p - 1)`` ticks against ``3 (m + p - 1)`` time units unsplit.
 
     Returns:
-      A :class:`Timetable` of ``2 (m + p - 1)`` ticks; stage ``s`` holds at
-      most ``min(p - s, m)`` activations at once, whatever ``m`` is.
+      A :class:`Timetable` of ``2 (m + p - 1)`` ticks (``3 m + 2 (p - 1)`` split);
+      stage ``s`` holds at most ``min(p - s, m)`` activations at once, whatever
+      ``m`` is.
     """
     p, m = _check_counts("one_f_one_b", p, m)
+    if not isinstance(split_backward, bool):
+        raise TypeError(f"split_backward={split_backward!r} must be True or False.")
     orders = [_one_f_one_b_order(p, m, r, p - 1 - r) for r in range(p)]
-    return simulate("1f1b", orders, num_microbatches=m)
+    if split_backward:
+        orders = [
+            [b for a in order for b in ([a, Action("W", a.microbatch)] if a.kind == "B" else [a])]
+            for order in orders
+        ]
+    return simulate("1f1b", orders, num_microbatches=m, split_backward=split_backward)
 
 
 def interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
