@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jaxpg.pipeline.buffer_plan import plan_buffers
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
 from jaxpg.pipeline.mesh import pipeline_mesh
-from jaxpg.pipeline.schedules import get_schedule
+from jaxpg.pipeline.schedules import get_schedule, one_f_one_b
 
 D_IN, D, D_OUT = 3, 8, 2
 
@@ -86,6 +86,20 @@ def test_schedule_matches_reference(name, p, m, v, remat):
     loss, grads = pipeline_value_and_grad(
         block, head_loss, params, x, t, mesh=pp_mesh(p), schedule=name,
         num_microbatches=m, first_fn=embed, remat=remat,
+    )  # fmt: skip
+    want_loss, want_grads = reference(params, x, t)
+    assert_close(loss, want_loss)
+    assert_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("p,m,remat", [(4, 5, False), (2, 3, True)])
+def test_one_f_one_b_with_split_backward_matches_reference(p, m, remat):
+    params = make_params(p)
+    x, t = make_batch(2 * m)
+    loss, grads = pipeline_value_and_grad(
+        block, head_loss, params, x, t, mesh=pp_mesh(p),
+        schedule=one_f_one_b(p, m, split_backward=True), first_fn=embed, remat=remat,
     )  # fmt: skip
     want_loss, want_grads = reference(params, x, t)
     assert_close(loss, want_loss)

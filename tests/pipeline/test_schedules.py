@@ -315,7 +315,7 @@ def test_no_import_cycles_in_the_pipeline_package():
     assert "render" not in imports["timetable"]
 
 
-@pytest.mark.parametrize("module", ["timetable", "schedules", "checker", "render"])
+@pytest.mark.parametrize("module", ["timetable", "schedules", "checker", "render", "costs"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
