@@ -66,7 +66,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -219,6 +218,22 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     return loss, grads
 
 
+def _by_chunk_and_rank(a, tt):
+    """Model-order stack ``[v p, ...]`` -> ``[v, p, ...]`` indexed by (chunk, rank)."""
+    v, p = tt.num_chunks, tt.num_stages
+    a = a.reshape(v, p, *a.shape[1:])  # loop layout: chunk c, rank r is stage c p + r
+    if tt.layout == "v":  # chunk 1 of rank r is stage 2p - 1 - r: reverse its ranks
+        a = jnp.concatenate([a[:1], a[1:, ::-1]])
+    return a
+
+
+def _in_model_order(a, tt):
+    """The inverse of ``_by_chunk_and_rank``."""
+    if tt.layout == "v":
+        a = jnp.concatenate([a[:1], a[1:, ::-1]])
+    return a.reshape(tt.num_chunks * tt.num_stages, *a.shape[2:])
+
+
 def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
     p = cfg.mesh.shape[cfg.pp_axis]
     tt = cfg.timetable
@@ -244,9 +259,7 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
         first_fn=cfg.first_fn, first_params=params.first, loss_fn=cfg.loss_fn,
         last_params=params.last, targets=mb_struct(targets),
     )  # fmt: skip
-    order = np.array([[tt.stage_of(r, c) for r in range(p)] for c in range(v)])
-    inverse = np.argsort(order.ravel())
-    stages = jax.tree.map(lambda a: a[order], params.stages)  # [v, p, ...] by (chunk, rank)
+    stages = jax.tree.map(lambda a: _by_chunk_and_rank(a, tt), params.stages)
     batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
     param_spec = StagedParams(P(None, cfg.pp_axis), P(), P())
     body = functools.partial(_body, cfg, plan, metas[0].input)
@@ -257,7 +270,7 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
         out_specs=(P(), param_spec),
         check_vma=False,
     )(params._replace(stages=stages), inputs, targets)
-    stacked = jax.tree.map(lambda a: a.reshape(v * p, *a.shape[2:])[inverse], grads.stages)
+    stacked = jax.tree.map(lambda a: _in_model_order(a, tt), grads.stages)
     return loss, grads._replace(stages=stacked)
 
 
