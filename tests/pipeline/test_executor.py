@@ -92,7 +92,6 @@ def test_schedule_matches_reference(name, p, m, v, remat):
     assert_close(grads, want_grads)
 
 
-@pytest.mark.parametrize("remat", [False, True])
 @pytest.mark.parametrize("p,m,remat", [(4, 5, False), (2, 3, True)])
 def test_one_f_one_b_with_split_backward_matches_reference(p, m, remat):
     params = make_params(p)
