@@ -1,36 +1,50 @@
-"""Pipeline executor benchmark: memory, compile time and step time per schedule.
+"""Pipeline executor benchmark: memory, compile time, step time, efficiency, torch.
 
-Measures, for the jaxpg executor on ``p`` simulated CPU devices (default 4):
+The model is ``--blocks`` (default 8) residual MLP blocks ``x + W2 gelu(W1 x + b1) + b2``
+(width ``--dim``, hidden ``4 * dim``) and a mean squared error, cut into ``p * v``
+pipeline stages of ``blocks / (p v)`` blocks each, so every schedule runs the same model.
 
-* peak memory from the compiled program's memory analysis (``temp_size_in_bytes``:
-  the buffers the program allocates, including the activation and gradient slots, plus
-  argument and output sizes) for GPipe, 1F1B and ZB-H1 at ``m`` in {8, 16, 32}, with a
-  fixed microbatch size, so the batch grows with ``m``;
-* compile time (lower + compile) at ``m = 64`` against ``m = 8`` (the scan over ticks
-  keeps it flat);
-* step time (median wall time of ``loss, grads``) at ``m = 8``;
-* with ``--torch``: the same layer shapes and stage count with
-  ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``), one process per
-  stage over gloo on this machine's CPU, for a side-by-side step time.
+* ``memory``: XLA's compiled memory analysis (``temp_size_in_bytes``: the buffers the
+  program allocates, slots and residuals included) for each schedule with ``remat`` off
+  and on, at ``m`` in {8, 16, 32} and a fixed microbatch size.
+* ``compile``: lower + compile at ``m = 64`` against ``m = 8``.
+* ``steps``: step time (``loss, grads``) on ``--stages`` simulated CPU devices, every
+  variant run side by side: each round runs every variant once, in turn, and the
+  ratios are taken within a round; the tables give medians over ``--rounds`` rounds.
+  ``grad_check`` records that the variants' gradients agree.
+* ``--efficiency``: in a subprocess with 2 simulated devices and single-threaded XLA
+  CPU kernels (one device per core on a 2-core machine), step time of every schedule
+  at ``p = 2`` against the bound ``T1 (m + p - 1) / m / p``, ``T1`` the un-pipelined
+  step of the same model and batch on one device.
+* ``--torch``: ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) on the same model, stage count
+  and microbatches, one CPU process per rank over gloo, one thread each.
 
-Every block is ``x + W2 gelu(W1 x + b1) + b2`` (width ``--dim``, hidden ``4 * dim``); the
-loss is the mean squared error on the last stage. Writes ``bench/results/pipeline.json``
-and prints a markdown table.
+Writes ``bench/results/pipeline.json`` and prints markdown tables.
 
-    python bench/pipeline.py [--torch] [--dim 256] [--microbatch 16]
+    python bench/pipeline.py [--efficiency] [--torch] [--dim 512] [--microbatch 16]
 """
 
 import os
+import sys
 
+_WORKER = "--efficiency-worker" in sys.argv
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + (
+        " --xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false"
+        if _WORKER
+        else " --xla_force_host_platform_device_count=8"
+    )
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -41,36 +55,64 @@ from jax.sharding import Mesh  # noqa: E402
 
 from jaxpg.pipeline.buffer_plan import plan_buffers  # noqa: E402
 from jaxpg.pipeline.executor import pipeline_value_and_grad  # noqa: E402
-from jaxpg.pipeline.schedules import get_schedule  # noqa: E402
+from jaxpg.pipeline.schedules import get_schedule, one_f_one_b  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "zb_h1")
+CHUNKS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zb_v": 2}
+# "1f1b_split": 1F1B with each backward run as B then W (one_f_one_b(split_backward=True)).
+SPLIT_1F1B = "1f1b_split"
+# (schedule, remat) run side by side in the step-time rounds.
+STEP_VARIANTS = [
+    ("gpipe", False), ("1f1b", True), ("1f1b", False), ("zb_h1", True), ("zb_h1", False),
+    ("interleaved_1f1b", False), ("zb_v", False), (SPLIT_1F1B, False),
+]  # fmt: skip
 
 
 def block(w, x):
     return x + jax.nn.gelu(x @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
 
 
+@functools.cache
+def stage_fn(layers):
+    def stage(w, x):
+        for i in range(layers):
+            x = block(jax.tree.map(lambda a, i=i: a[i], w), x)
+        return x
+
+    return stage
+
+
 def mse(_, y, t):
     return jnp.mean((y - t) ** 2)
 
 
-def make_params(p, d, seed=0):
+def make_params(blocks, d, seed=0):
     k1, k2 = jax.random.split(jax.random.key(seed))
     return {
-        "w1": jax.random.normal(k1, (p, d, 4 * d)) / np.sqrt(d),
-        "b1": jnp.zeros((p, 4 * d)),
-        "w2": jax.random.normal(k2, (p, 4 * d, d)) / np.sqrt(4 * d),
-        "b2": jnp.zeros((p, d)),
+        "w1": jax.random.normal(k1, (blocks, d, 4 * d)) / np.sqrt(d),
+        "b1": jnp.zeros((blocks, 4 * d)),
+        "w2": jax.random.normal(k2, (blocks, 4 * d, d)) / np.sqrt(4 * d),
+        "b2": jnp.zeros((blocks, d)),
     }
 
 
-def jax_fn(name, p, m):
+def staged(params, stages):
+    """``[blocks, ...]`` -> ``[stages, blocks / stages, ...]``, in model order."""
+    return jax.tree.map(lambda a: a.reshape(stages, -1, *a.shape[1:]), params)
+
+
+def label(name, remat):
+    return f"{name} remat" if remat else name
+
+
+def jax_fn(name, p, m, layers, remat):
     mesh = Mesh(np.array(jax.devices()[:p]), ("pp",))
+    schedule = one_f_one_b(p, m, split_backward=True) if name == SPLIT_1F1B else name
 
     def run(params, x, t):
         return pipeline_value_and_grad(
-            block, mse, params, x, t, mesh=mesh, schedule=name, num_microbatches=m
-        )
+            stage_fn(layers), mse, params, x, t, mesh=mesh, schedule=schedule,
+            num_microbatches=m, remat=remat,
+        )  # fmt: skip
 
     return jax.jit(run)
 
@@ -80,67 +122,162 @@ def batch(m, b, d, seed=1):
     return jax.random.normal(kx, (m * b, d)), jax.random.normal(kt, (m * b, d))
 
 
+def setup(args, name, remat, m, p=None):
+    p = p or args.stages
+    v = CHUNKS.get(name, 1)
+    params = staged(make_params(args.blocks, args.dim), p * v)
+    return jax_fn(name, p, m, args.blocks // (p * v), remat), params
+
+
 def measure_memory(args):
     rows = []
-    params = make_params(args.stages, args.dim)
-    for name in SCHEDULES:
-        for m in (8, 16, 32):
-            x, t = batch(m, args.microbatch, args.dim)
-            analysis = jax_fn(name, args.stages, m).lower(params, x, t).compile()
-            analysis = analysis.memory_analysis()
-            plan = plan_buffers(get_schedule(name, args.stages, m))
-            rows.append(
-                {
-                    "schedule": name,
-                    "m": m,
+    for name in ("gpipe", "1f1b", "zb_h1", "zb_v"):
+        for remat in (False, True):
+            for m in (8, 16, 32):
+                fn, params = setup(args, name, remat, m)
+                x, t = batch(m, args.microbatch, args.dim)
+                analysis = fn.lower(params, x, t).compile().memory_analysis()
+                plan = plan_buffers(get_schedule(name, args.stages, m, CHUNKS[name]))
+                rows.append({
+                    "schedule": label(name, remat), "name": name, "remat": remat, "m": m,
                     "temp_bytes": analysis.temp_size_in_bytes,
                     "argument_bytes": analysis.argument_size_in_bytes,
                     "output_bytes": analysis.output_size_in_bytes,
-                    "act_slots": plan.num_act_slots,
-                    "grad_slots": plan.num_grad_slots,
-                }
-            )
-            print(f"memory {name} m={m}: temp {analysis.temp_size_in_bytes:,} B", flush=True)
+                    "act_slots": plan.num_act_slots, "grad_slots": plan.num_grad_slots,
+                })  # fmt: skip
+                print(f"memory {label(name, remat)} m={m}: temp "
+                      f"{analysis.temp_size_in_bytes:,} B", flush=True)  # fmt: skip
     return rows
 
 
 def measure_compile(args):
     rows = []
-    params = make_params(args.stages, args.dim)
-    for name in SCHEDULES:
+    for name in ("1f1b", "zb_h1", "zb_v"):
         for m in (8, 64):
+            fn, params = setup(args, name, False, m)
             x, t = batch(m, args.microbatch, args.dim)
             start = time.perf_counter()
-            jax_fn(name, args.stages, m).lower(params, x, t).compile()
+            fn.lower(params, x, t).compile()
             seconds = time.perf_counter() - start
             rows.append({"schedule": name, "m": m, "compile_s": round(seconds, 3)})
             print(f"compile {name} m={m}: {seconds:.2f}s", flush=True)
     return rows
 
 
+def side_by_side(fns, rounds, cpu=None):
+    """Runs every ``fns[key]()`` once per round, in turn; returns the samples per key.
+
+    Wall-clock seconds; if ``cpu`` is a dict, it receives the process CPU seconds of each
+    run too (all threads: on a shared, oversubscribed machine this is the work done,
+    whatever other jobs do to the wall clock).
+    """
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    samples = {key: [] for key in fns}
+    if cpu is not None:
+        cpu.update({key: [] for key in fns})
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn())
+            samples[key].append(time.perf_counter() - start)
+            if cpu is not None:
+                cpu[key].append(time.process_time() - start_cpu)
+    return samples
+
+
 def measure_steps(args, m=8):
-    rows = []
-    params = make_params(args.stages, args.dim)
     x, t = batch(m, args.microbatch, args.dim)
-    for name in SCHEDULES:
-        fn = jax_fn(name, args.stages, m)
-        jax.block_until_ready(fn(params, x, t))
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(params, x, t))
-            times.append(time.perf_counter() - start)
-        ms = 1e3 * statistics.median(times)
-        rows.append({"framework": "jax (jaxpg)", "schedule": name, "m": m, "step_ms": ms})
-        print(f"step {name} m={m}: {ms:.1f} ms", flush=True)
+    fns, grads = {}, {}
+    for name, remat in STEP_VARIANTS:
+        fn, params = setup(args, name, remat, m)
+        fns[label(name, remat)] = functools.partial(fn, params, x, t)
+    cpu = {}
+    samples = side_by_side(fns, args.rounds, cpu)
+    for key, fn in fns.items():
+        loss, g = fn()
+        grads[key] = (float(loss), jax.tree.map(lambda a: np.asarray(a).reshape(-1), g))
+
+    def max_diff(a, b):
+        la, lb = jax.tree.leaves(grads[a][1]), jax.tree.leaves(grads[b][1])
+        return max(float(np.max(np.abs(u - w))) for u, w in zip(la, lb, strict=True))
+
+    def ratio(a, b, table=samples):
+        return statistics.median(x / y for x, y in zip(table[a], table[b], strict=True))
+
+    rows = [
+        {"framework": "jax (jaxpg)", "schedule": key, "m": m,
+         "step_ms": 1e3 * statistics.median(s), "cpu_ms": 1e3 * statistics.median(cpu[key]),
+         "samples_ms": [round(1e3 * v, 2) for v in s],
+         "cpu_samples_ms": [round(1e3 * v, 2) for v in cpu[key]]}
+        for key, s in samples.items()
+    ]  # fmt: skip
+    for r in rows:
+        print(f"step {r['schedule']} m={m}: {r['step_ms']:.1f} ms wall, "
+              f"{r['cpu_ms']:.1f} ms CPU", flush=True)  # fmt: skip
+    pairs = {
+        "zb_h1 / 1f1b": ("zb_h1", "1f1b"),
+        "1f1b / 1f1b remat": ("1f1b", "1f1b remat"),
+        "zb_h1 / zb_h1 remat": ("zb_h1", "zb_h1 remat"),
+        "zb_v / 1f1b": ("zb_v", "1f1b"),
+        "interleaved_1f1b / 1f1b": ("interleaved_1f1b", "1f1b"),
+        "1f1b_split / 1f1b": (SPLIT_1F1B, "1f1b"),
+    }
+    ratios = {k: ratio(a, b) for k, (a, b) in pairs.items()}
+    ratios.update({f"{k} (CPU time)": ratio(a, b, cpu) for k, (a, b) in pairs.items()})
+    check = {
+        "1f1b vs 1f1b remat: max |grad diff|": max_diff("1f1b", "1f1b remat"),
+        "zb_h1 vs 1f1b remat: max |grad diff|": max_diff("zb_h1", "1f1b remat"),
+        "zb_v vs 1f1b remat: max |grad diff|": max_diff("zb_v", "1f1b remat"),
+    }
+    check["max |grad|"] = max(float(np.max(np.abs(a))) for a in jax.tree.leaves(grads["1f1b"][1]))
+    print(json.dumps({"ratios (median of per-round ratios)": ratios, **check}, indent=1))
+    return rows, ratios, check
+
+
+def efficiency_worker(args, m=8, p=2):
+    """Runs in a subprocess with 2 single-threaded simulated devices; prints JSON."""
+    x, t = batch(m, args.microbatch, args.dim)
+    params = make_params(args.blocks, args.dim)
+    one = jax.jit(jax.value_and_grad(lambda w, x, t: mse(None, stage_fn(args.blocks)(w, x), t)))
+    fns = {"un-pipelined, 1 device": functools.partial(one, params, x, t)}
+    for name in CHUNKS:
+        fn, sp = setup(args, name, False, m, p=p)
+        fns[name] = functools.partial(fn, sp, x, t)
+    samples = side_by_side(fns, args.rounds)
+    t1 = samples["un-pipelined, 1 device"]
+    rows = []
+    for key, s in samples.items():
+        ideal = [a * (m + p - 1) / m / p for a in t1]
+        rows.append({
+            "schedule": key, "p": p, "m": m, "step_ms": 1e3 * statistics.median(s),
+            "efficiency": statistics.median(i / x for i, x in zip(ideal, s, strict=True)),
+        })  # fmt: skip
+    print("EFFICIENCY " + json.dumps(rows))
+
+
+def measure_efficiency(args):
+    cmd = [sys.executable, __file__, "--efficiency-worker", "--dim", str(args.dim),
+           "--microbatch", str(args.microbatch), "--rounds", str(args.rounds),
+           "--blocks", str(args.blocks)]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
+    rows = json.loads(next(ln for ln in out.splitlines() if ln.startswith("EFFICIENCY "))[11:])
+    for r in rows:
+        print(f"efficiency {r['schedule']}: {r['step_ms']:.1f} ms, {r['efficiency']:.2f}")
     return rows
 
 
 def _torch_worker(rank, world, args, m, result_path, port):
-    """One pipeline stage in its own process (torch.distributed.pipelining over gloo)."""
+    """One pipeline rank in its own process (torch.distributed.pipelining over gloo)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -155,23 +292,35 @@ def _torch_worker(rank, world, args, m, result_path, port):
         def forward(self, x):
             return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
-    torch.manual_seed(rank)
-    d, b = args.dim, args.microbatch
-    stage = PipelineStage(Block(d), rank, world, torch.device("cpu"))
+    def stage(index, num_stages):
+        layers = args.blocks // num_stages
+        torch.manual_seed(index)
+        module = torch.nn.Sequential(*[Block(args.dim) for _ in range(layers)])
+        return PipelineStage(module, index, num_stages, torch.device("cpu"))
+
+    d, b, p = args.dim, args.microbatch, world
     x, t = torch.randn(m * b, d), torch.randn(m * b, d)
+    schedules = {
+        "gpipe": (ScheduleGPipe, [rank], p),
+        "1f1b": (Schedule1F1B, [rank], p),
+        "interleaved_1f1b": (ScheduleInterleaved1F1B, [rank, rank + p], 2 * p),
+        "zb_v": (ScheduleZBVZeroBubble, [rank, 2 * p - 1 - rank], 2 * p),
+    }
     times = {}
-    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-        schedule = cls(stage, n_microbatches=m, loss_fn=torch.nn.functional.mse_loss)
+    for name, (cls, indices, num_stages) in schedules.items():
+        stages = [stage(i, num_stages) for i in indices]
+        arg = stages[0] if len(stages) == 1 else stages
+        schedule = cls(arg, n_microbatches=m, loss_fn=torch.nn.functional.mse_loss)
+        first, last = 0 in indices, num_stages - 1 in indices
         samples = []
-        for i in range(args.repeats + 2):
+        for i in range(args.rounds + 2):
             dist.barrier()
             start = time.perf_counter()
-            if rank == 0:
-                schedule.step(x)
-            elif rank == world - 1:
-                schedule.step(target=t, losses=[])
+            kwargs = {"target": t, "losses": []} if last else {}
+            if first:
+                schedule.step(x, **kwargs)
             else:
-                schedule.step()
+                schedule.step(**kwargs)
             dist.barrier()
             if i >= 2:
                 samples.append(time.perf_counter() - start)
@@ -182,7 +331,7 @@ def _torch_worker(rank, world, args, m, result_path, port):
 
 
 def torch_step_times(args, m=8):
-    """Step times of torch.distributed.pipelining's GPipe and 1F1B, same shapes."""
+    """Step times of torch.distributed.pipelining on the same model, stages and m."""
     import socket
     import tempfile
 
@@ -213,45 +362,61 @@ def table(result):
         )
     lines += ["", "| schedule | compile m=8 (s) | compile m=64 (s) |", "|---|---|---|"]
     compile_s = {(r["schedule"], r["m"]): r["compile_s"] for r in result["compile"]}
-    for name in SCHEDULES:
+    for name in sorted({k[0] for k in compile_s}):
         lines.append(f"| {name} | {compile_s[(name, 8)]:.2f} | {compile_s[(name, 64)]:.2f} |")
     lines += ["", "| framework | schedule | m | step (ms) |", "|---|---|---|---|"]
     for r in result["steps"]:
         lines.append(f"| {r['framework']} | {r['schedule']} | {r['m']} | {r['step_ms']:.1f} |")
+    lines += ["", "| ratio (median over rounds) | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in result["ratios"].items()]
+    if "efficiency" in result:
+        lines += ["", "| schedule (p=2, m=8) | step (ms) | efficiency |", "|---|---|---|"]
+        lines += [f"| {r['schedule']} | {r['step_ms']:.1f} | {r['efficiency']:.2f} |"
+                  for r in result["efficiency"]]  # fmt: skip
     return "\n".join(lines)
 
 
 def main():
     parser = argparse.ArgumentParser(description="Pipeline executor benchmark.")
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--microbatch", type=int, default=16, help="rows per microbatch")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--blocks", type=int, default=8, help="MLP blocks in the model")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--microbatch", type=int, default=64, help="rows per microbatch")
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--torch", action="store_true", help="add torch.distributed.pipelining")
+    parser.add_argument("--efficiency", action="store_true", help="p=2 against the bound")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--efficiency-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.json"))
     args = parser.parse_args()
+    if args.efficiency_worker:
+        efficiency_worker(args)
+        return
 
     result = {
         "config": {
-            "stages": args.stages,
-            "dim": args.dim,
-            "hidden": 4 * args.dim,
-            "microbatch_rows": args.microbatch,
-            "devices": f"{args.stages} simulated CPU devices",
-            "cpu_count": os.cpu_count(),
-            "jax": jax.__version__,
+            "stages": args.stages, "blocks": args.blocks, "dim": args.dim,
+            "hidden": 4 * args.dim, "microbatch_rows": args.microbatch,
+            "rounds": args.rounds,
+            "devices": f"{args.stages} simulated CPU devices, one process",
+            "cpu_count": os.cpu_count(), "jax": jax.__version__,
             "python": platform.python_version(),
-        },
-        "memory": measure_memory(args),
-        "compile": measure_compile(args),
-        "steps": measure_steps(args),
+            "note": "2-core machine shared with other jobs; compare ratios, not absolutes",
+        },  # fmt: skip
     }
+    if not args.skip_memory:
+        result["memory"] = measure_memory(args)
+        result["compile"] = measure_compile(args)
+    result["steps"], result["ratios"], result["grad_check"] = measure_steps(args)
+    if args.efficiency:
+        result["efficiency"] = measure_efficiency(args)
     if args.torch:
         result["steps"] += torch_step_times(args)
-        result["config"]["torch"] = "torch.distributed.pipelining, gloo, one process per stage"
+        result["config"]["torch"] = "torch.distributed.pipelining, gloo, one process per rank"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
+    if not args.skip_memory:
+        print(table(result))
     print(f"written to {args.out}")
 
 

@@ -2,6 +2,14 @@
 
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.checker import check_timetable, default_in_flight_limits, peak_in_flight
+from jaxpg.pipeline.costs import (
+    ActionCosts,
+    TimedTimetable,
+    default_costs,
+    lockstep_time,
+    measure_costs,
+    timed,
+)
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
 from jaxpg.pipeline.hybrid import bucketed_grad_reducer
 from jaxpg.pipeline.mesh import pipeline_mesh
@@ -17,17 +25,21 @@ from jaxpg.pipeline.schedules import (
     theory_bubble_fraction,
     theory_ticks,
     zero_bubble_h1,
+    zero_bubble_v,
 )
 from jaxpg.pipeline.stage_meta import StageMeta, infer_stage_metadata
+from jaxpg.pipeline.stage_split import StagePieces, split_stage
 from jaxpg.pipeline.timetable import KIND_CODES, Action, Timetable
 from jaxpg.pipeline.train_step import init_train_state, make_train_step, place_pipeline_params
 
 __all__ = [
     "Action", "Timetable", "KIND_CODES", "gpipe", "one_f_one_b", "interleaved_1f1b",
-    "zero_bubble_h1", "get_schedule", "available_schedules", "theory_ticks",
+    "zero_bubble_h1", "zero_bubble_v", "get_schedule", "available_schedules", "theory_ticks",
     "theory_bubble_fraction", "check_timetable", "peak_in_flight", "default_in_flight_limits",
     "render_text", "render_png", "StagedParams", "pipeline_value_and_grad", "make_train_step",
     "init_train_state", "place_pipeline_params", "pipeline_mesh", "split_microbatches",
     "merge_microbatches", "StageMeta", "infer_stage_metadata", "BufferPlan", "plan_buffers",
-    "stack_modules", "split_module", "module_fn", "bucketed_grad_reducer",
+    "stack_modules", "split_module", "module_fn", "bucketed_grad_reducer", "ActionCosts",
+    "TimedTimetable", "default_costs", "lockstep_time", "measure_costs", "timed",
+    "StagePieces", "split_stage",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxpg.pipeline.timetable import Action, Timetable
+from jaxpg.pipeline.timetable import Action, Timetable, model_stage
 
 __all__ = ["dependencies", "simulate"]
 
@@ -47,6 +47,7 @@ def simulate(
     num_microbatches: int,
     num_chunks: int = 1,
     split_backward: bool = False,
+    layout: str = "loop",
 ) -> Timetable:
     """Run every rank's action order in unit-time ticks and record the grid.
 
@@ -57,6 +58,7 @@ def simulate(
       num_microbatches: ``m``.
       num_chunks: ``v``, model chunks per rank.
       split_backward: Whether the orders contain ``W`` actions.
+      layout: How chunks map to model stages (``"loop"`` or ``"v"``).
 
     Returns:
       The :class:`Timetable` the simulation produced.
@@ -78,7 +80,7 @@ def simulate(
             if cursor[rank] == len(order):
                 continue
             action = order[cursor[rank]]
-            stage = action.chunk * p + rank
+            stage = model_stage(layout, p, rank, action.chunk)
             deps = dependencies(action.kind, action.microbatch, stage, num_model_stages)
             if all(done_at.get(dep, tick) < tick for dep in deps):
                 row[rank] = action
@@ -90,7 +92,8 @@ def simulate(
             )
         for rank, action in enumerate(row):
             if action is not None:
-                done_at[(action.kind, action.microbatch, action.chunk * p + rank)] = tick
+                stage = model_stage(layout, p, rank, action.chunk)
+                done_at[(action.kind, action.microbatch, stage)] = tick
                 cursor[rank] += 1
                 remaining -= 1
         grid.append(tuple(row))
@@ -102,4 +105,5 @@ def simulate(
         num_chunks=num_chunks,
         split_backward=split_backward,
         grid=tuple(grid),
+        layout=layout,
     )

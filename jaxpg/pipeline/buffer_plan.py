@@ -49,8 +49,12 @@ BRANCHES = (
     "W",  # split backward: weight gradient
 )
 
-# Columns of BufferPlan.table.
-_BRANCH, _MB, _CHUNK, _ACT, _GRAD, _RECV_ACT, _RECV_GRAD = range(7)
+# Columns of BufferPlan.table. A message arrives from rank r - 1 ("up", through the +1
+# ring ppermute), from rank r + 1 ("down", the -1 ring), or from the rank itself
+# ("local": the turn of a V-shaped layout); each goes to an act or a grad slot.
+(BRANCH, MB, CHUNK, ACT, GRAD, UP_ACT, UP_GRAD, DOWN_ACT, DOWN_GRAD, LOCAL_ACT,
+ LOCAL_GRAD) = range(11)  # fmt: skip
+NUM_COLUMNS = 11
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +62,11 @@ class BufferPlan:
     """Integer instructions for the executor, made once per timetable.
 
     Attributes:
-        table: int32 array ``[ticks, ranks, 7]``; columns are the branch index into
-            ``branches``, microbatch, chunk, act slot, grad slot, the act slot where the
-            message from the previous rank is stored after the tick (``-1``: none) and the
-            grad slot where the message from the next rank is stored (``-1``: none).
+        table: int32 array ``[ticks, ranks, 11]``; columns are the branch index into
+            ``branches``, microbatch, chunk, act slot, grad slot, then where the messages
+            received at the end of the tick are stored (``-1``: nowhere): the act and grad
+            slot for the message from rank ``r - 1`` ("up"), from rank ``r + 1``
+            ("down") and from the rank itself ("local", the turn of a V layout).
         branches: the branch names used, indexed by the table's first column.
         num_act_slots: slots in each rank's stage-input activation buffer.
         num_grad_slots: slots in each rank's output-gradient buffer.
@@ -71,6 +76,10 @@ class BufferPlan:
     branches: tuple[str, ...]
     num_act_slots: int
     num_grad_slots: int
+
+    def uses(self, column: int) -> bool:
+        """Whether any tick stores into the slots named by ``column`` (an arrival column)."""
+        return bool((self.table[..., column] >= 0).any())
 
 
 class _Slots:
@@ -94,6 +103,20 @@ def _describe(kind: str, mb: int, stage: int, tick: int, rank: int) -> str:
     return f"{kind}(microbatch={mb}, stage={stage}) at tick {tick} on rank {rank}"
 
 
+def _arrival_column(buffer: str, source: int, dest: int, p: int, name: str) -> int:
+    """The table column where ``dest`` stores a ``buffer`` message sent by ``source``."""
+    act = buffer == "act"
+    if source == dest:
+        return LOCAL_ACT if act else LOCAL_GRAD
+    if dest == (source + 1) % p:
+        return UP_ACT if act else UP_GRAD
+    if dest == (source - 1) % p:
+        return DOWN_ACT if act else DOWN_GRAD
+    raise ValueError(  # pragma: no cover - both layouts only talk to neighbours
+        f"Timetable {name!r} sends from rank {source} to rank {dest}, which is not a neighbour."
+    )
+
+
 def plan_buffers(timetable: Any) -> BufferPlan:
     """Simulates ``timetable`` and assigns buffer slots; see the module docstring.
 
@@ -113,8 +136,9 @@ def plan_buffers(timetable: Any) -> BufferPlan:
     num_model_stages = p * v
     grid = timetable.grid
     ticks = len(grid)
-    table = np.full((ticks, p, 7), -1, dtype=np.int32)
-    table[:, :, _BRANCH] = 0
+    table = np.full((ticks, p, NUM_COLUMNS), -1, dtype=np.int32)
+    table[:, :, BRANCH] = 0
+    table[:, :, CHUNK] = 0
     act_slots = [_Slots() for _ in range(p)]
     grad_slots = [_Slots() for _ in range(p)]
     act_of: dict[tuple[int, int], tuple[int, int]] = {}  # (stage, mb) -> (slot, ready tick)
@@ -140,7 +164,7 @@ def plan_buffers(timetable: Any) -> BufferPlan:
             if action is None:
                 continue
             kind, mb, chunk = action.kind, action.microbatch, action.chunk
-            stage = chunk * p + rank
+            stage = timetable.stage_of(rank, chunk)
             what = _describe(kind, mb, stage, tick, rank)
             if not (0 <= mb < m and 0 <= chunk < v) or kind not in ("F", "B", "W"):
                 raise ValueError(f"Timetable {timetable.name!r} has an invalid action {what}.")
@@ -153,18 +177,18 @@ def plan_buffers(timetable: Any) -> BufferPlan:
             done.add((kind, stage, mb))
             first, last = stage == 0, stage == num_model_stages - 1
             entry = table[tick, rank]
-            entry[_MB], entry[_CHUNK] = mb, chunk
+            entry[MB], entry[CHUNK] = mb, chunk
             if kind == "F":
                 name = "F" + ("_first" if first else "") + ("_last" if last else "")
                 if first:
                     slot = act_slots[rank].take()
                     act_of[(stage, mb)] = (slot, tick - 1)
-                entry[_ACT] = need(act_of, (stage, mb), what, tick)
+                entry[ACT] = need(act_of, (stage, mb), what, tick)
                 if last:
                     grad_of[(stage, mb)] = (grad_slots[rank].take(), tick - 1)
-                    entry[_GRAD] = grad_of[(stage, mb)][0]
+                    entry[GRAD] = grad_of[(stage, mb)][0]
                 else:
-                    arrivals.append(("act", (rank + 1) % p, (stage + 1, mb)))
+                    arrivals.append(("act", rank, (stage + 1, mb)))
             else:
                 if kind == "W":
                     name, before = "W", "B"
@@ -175,22 +199,20 @@ def plan_buffers(timetable: Any) -> BufferPlan:
                     raise ValueError(
                         f"Timetable {timetable.name!r} runs {what} before its {before}."
                     )
-                entry[_ACT] = need(act_of, (stage, mb), what, tick)
-                entry[_GRAD] = need(grad_of, (stage, mb), what, tick)
+                entry[ACT] = need(act_of, (stage, mb), what, tick)
+                entry[GRAD] = need(grad_of, (stage, mb), what, tick)
                 if kind == "W" or not split:
-                    act_slots[rank].free(int(entry[_ACT]))
-                    grad_slots[rank].free(int(entry[_GRAD]))
+                    act_slots[rank].free(int(entry[ACT]))
+                    grad_slots[rank].free(int(entry[GRAD]))
                 if kind == "B" and not first:
-                    arrivals.append(("grad", (rank - 1) % p, (stage - 1, mb)))
+                    arrivals.append(("grad", rank, (stage - 1, mb)))
             if name not in names:
                 names.append(name)
-            entry[_BRANCH] = names.index(name)
-        for buffer, rank, key in arrivals:
-            slots, store, col = (
-                (act_slots, act_of, _RECV_ACT)
-                if buffer == "act"
-                else (grad_slots, grad_of, _RECV_GRAD)
-            )
+            entry[BRANCH] = names.index(name)
+        for buffer, source, key in arrivals:
+            rank = timetable.place_of(key[0])[0]
+            slots, store = (act_slots, act_of) if buffer == "act" else (grad_slots, grad_of)
+            col = _arrival_column(buffer, source, rank, p, timetable.name)
             slot = slots[rank].take()
             store[key] = (slot, tick)
             table[tick, rank, col] = slot

@@ -81,16 +81,20 @@ def default_in_flight_limits(tt: Timetable) -> list[int] | None:
     * ``zb_h1``: ``p`` on every rank, counted until W; this is 1F1B's peak
       (rank 0's), the "same peak activation memory" of the paper. (Counted
       until B it is ``p - s``, exactly 1F1B's.)
+    * ``zb_v``: ``2 p`` chunk activations (half a stage each) on every rank, counted
+      until W: again 1F1B's peak of ``p`` stage activations.
     """
     p, m, v = tt.num_stages, tt.num_microbatches, tt.num_chunks
     if tt.name == "gpipe":
         return [m] * p
-    if tt.name == "1f1b":
+    if tt.name == "1f1b":  # with split_backward, W follows its B at once: the same
         return [min(p - s, m) for s in range(p)]
     if tt.name == "interleaved_1f1b":
         return [min(interleaved_warmup(p, m, v, s) + 1, v * m) for s in range(p)]
     if tt.name == "zb_h1":
         return [min(p, m)] * p
+    if tt.name == "zb_v":
+        return [min(2 * p, 2 * m)] * p
     return None
 
 

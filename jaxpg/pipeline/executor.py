@@ -28,18 +28,21 @@ slots) by ``lax.axis_index('pp')`` and runs it with ``lax.switch``:
       to rank ``r + 1`` (ring; rank ``p - 1``'s chunk ``c`` feeds rank 0's chunk
       ``c + 1``). The last stage applies head + loss at once and stores ``d(loss / m)``
       in the gradient buffer.
-    * ``B``: **stage-input remat**: recomputes the stage from its saved input with
-      ``jax.vjp``, accumulates the weight gradient and sends the input gradient to rank
-      ``r - 1``. With ``split_backward`` (ZB-H1) ``B`` differentiates by the input
-      only, and ``W`` recomputes once more and differentiates by the weights; the saved
-      input and output gradient live until ``W``.
+    * ``B``: by default (``remat=False``) runs the backward from the residuals the
+      forward saved (``jaxpg.pipeline.stage_split``), accumulates the weight gradient
+      and sends the input gradient on. With ``split_backward`` (ZB-H1, ZB-V) ``B``
+      computes only the input gradient and saves what ``W`` needs, and ``W`` only the
+      weight gradient: no recomputation. With ``remat=True`` (stage-input remat) only
+      the stage input is kept and ``B`` recomputes the stage with ``jax.vjp`` (``W``
+      once more).
 
-After the switch, two ``ppermute``s move the forward (+1) and backward (-1) messages,
-and each rank stores what it received into the slot the plan names. Both run on every
-tick (a rank with nothing to send sends zeros), as SPMD collectives must. Only stage inputs
-and output gradients are kept between ticks, in buffers of exactly the size the
-schedule needs (1F1B: about ``p`` slots, independent of ``m``); the price is one extra
-stage forward per backward (two for split schedules).
+After the switch, the one message of the tick (an activation or a gradient) goes to
+rank ``r + 1`` and ``r - 1`` by two ring ``ppermute``s (one when no message ever travels
+one of the ways) and each rank stores what it received into the slot the plan names;
+the turn of a V layout stays on the rank. The ``ppermute``s run on every tick (a rank
+with nothing to send sends zeros), as SPMD collectives must. Stage inputs, output
+gradients and (without remat) residuals are kept in buffers of exactly the size the
+schedule needs (1F1B: about ``p`` slots, independent of ``m``).
 
 With a data-parallel axis (``'dp'`` in the mesh), the batch is sharded over it; each
 replica splits its part into ``m`` microbatches, and ``grad_reducer`` (default:
@@ -67,10 +70,19 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
 from jaxpg.pipeline.stage_meta import infer_stage_metadata
-from jaxpg.pipeline.tick_program import store, tick_branches
+from jaxpg.pipeline.stage_split import split_stage
+from jaxpg.pipeline.tick_program import (
+    TickIn,
+    read_slot,
+    slot_buffers,
+    tick_branches,
+    write_slot,
+    writes,
+)
 
 __all__ = ["StagedParams", "pipeline_value_and_grad", "resolve_schedule"]
 
@@ -125,6 +137,7 @@ class _Config(NamedTuple):
     pp_axis: str
     dp_axis: str | None
     grad_reducer: Callable | None
+    remat: bool
 
 
 def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
@@ -136,41 +149,64 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     first_p, last_p = params.first, params.last
     inputs = split_microbatches(inputs, m)
     targets = split_microbatches(targets, m)
+    pieces = None
+    if not cfg.remat:
+        one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
+        pieces = split_stage(cfg.stage_fn, one_stage, act_struct, cfg.timetable.split_backward)
     branches = tick_branches(
         cfg.stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches, act_struct,
-        (stages, first_p, last_p), inputs, targets,
+        (stages, first_p, last_p), inputs, targets, pieces,
     )  # fmt: skip
 
-    def buffer(n):
-        return jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), act_struct)
-
-    state = {
-        "act": buffer(plan.num_act_slots),
-        "grad": buffer(plan.num_grad_slots),
+    remat = pieces is None
+    bufs = {
+        "act": slot_buffers(act_struct, plan.num_act_slots),
+        "grad": slot_buffers(act_struct, plan.num_grad_slots),
+        "res": () if remat else slot_buffers(pieces.res_structs, plan.num_act_slots),
+        "wres": () if remat else slot_buffers(pieces.wres_structs, plan.num_grad_slots),
+    }
+    acc = {
         "g_stages": jax.tree.map(jnp.zeros_like, stages),
         "g_first": jax.tree.map(jnp.zeros_like, first_p),
         "g_last": jax.tree.map(jnp.zeros_like, last_p),
         "loss": jnp.zeros((), jnp.float32),
     }
-    forward_perm = [(i, (i + 1) % p) for i in range(p)]
-    backward_perm = [(i, (i - 1) % p) for i in range(p)]
+    # Per branch: does it write (act, grad, res, wres)? Indexed by the branch number.
+    flags = jnp.asarray([writes(name, remat) for name in plan.branches], dtype=bool)
+    up_perm = [(i, (i + 1) % p) for i in range(p)]
+    down_perm = [(i, (i - 1) % p) for i in range(p)]
 
-    def tick(state, row):
+    def tick(carry, row):
+        bufs, acc = carry
         op = lax.dynamic_index_in_dim(row, rank, 0, keepdims=False)
-        branch, mb, chunk, act_slot, grad_slot, recv_act, recv_grad = (op[i] for i in range(7))
-        state, send_f, send_b = lax.switch(branch, branches, state, mb, chunk, act_slot, grad_slot)
-        got_f = lax.ppermute(send_f, cfg.pp_axis, forward_perm)
-        got_b = lax.ppermute(send_b, cfg.pp_axis, backward_perm)
-        state = dict(state, act=store(state["act"], recv_act, got_f))
-        state["grad"] = store(state["grad"], recv_grad, got_b)
-        return state, None
+        branch, a, g = op[cols.BRANCH], op[cols.ACT], op[cols.GRAD]
+        io = TickIn(*(read_slot(bufs[k], s) for k, s in (("act", a), ("grad", g),
+                                                           ("res", a), ("wres", g))))  # fmt: skip
+        acc, out = lax.switch(branch, branches, acc, op[cols.MB], op[cols.CHUNK], io)
+        bufs = dict(bufs)
+        for i, (key, slot) in enumerate((("act", a), ("grad", g), ("res", a), ("wres", g))):
+            if any(w[i] for w in (writes(n, remat) for n in plan.branches)):
+                bufs[key] = write_slot(bufs[key], jnp.where(flags[branch, i], slot, -1), out[i + 1])
+        for perm, act_col, grad_col in (
+            (up_perm, cols.UP_ACT, cols.UP_GRAD),
+            (down_perm, cols.DOWN_ACT, cols.DOWN_GRAD),
+            (None, cols.LOCAL_ACT, cols.LOCAL_GRAD),
+        ):
+            if not (plan.uses(act_col) or plan.uses(grad_col)):
+                continue  # no message ever travels this way: skip its ppermute
+            got = out.message if perm is None else lax.ppermute(out.message, cfg.pp_axis, perm)
+            if plan.uses(act_col):
+                bufs["act"] = write_slot(bufs["act"], op[act_col], got)
+            if plan.uses(grad_col):
+                bufs["grad"] = write_slot(bufs["grad"], op[grad_col], got)
+        return (bufs, acc), None
 
-    state, _ = lax.scan(tick, state, jnp.asarray(plan.table))
-    loss = lax.psum(state["loss"], cfg.pp_axis)
+    (_, acc), _ = lax.scan(tick, (bufs, acc), jnp.asarray(plan.table))
+    loss = lax.psum(acc["loss"], cfg.pp_axis)
     grads = StagedParams(
-        state["g_stages"],
-        lax.psum(state["g_first"], cfg.pp_axis),
-        lax.psum(state["g_last"], cfg.pp_axis),
+        acc["g_stages"],
+        lax.psum(acc["g_first"], cfg.pp_axis),
+        lax.psum(acc["g_last"], cfg.pp_axis),
     )
     if cfg.dp_axis is not None:
         loss = lax.pmean(loss, cfg.dp_axis)
@@ -180,6 +216,22 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
         grads = cfg.grad_reducer(grads)
     grads = grads._replace(stages=jax.tree.map(lambda a: a[:, None], grads.stages))
     return loss, grads
+
+
+def _by_chunk_and_rank(a, tt):
+    """Model-order stack ``[v p, ...]`` -> ``[v, p, ...]`` indexed by (chunk, rank)."""
+    v, p = tt.num_chunks, tt.num_stages
+    a = a.reshape(v, p, *a.shape[1:])  # loop layout: chunk c, rank r is stage c p + r
+    if tt.layout == "v":  # chunk 1 of rank r is stage 2p - 1 - r: reverse its ranks
+        a = jnp.concatenate([a[:1], a[1:, ::-1]])
+    return a
+
+
+def _in_model_order(a, tt):
+    """The inverse of ``_by_chunk_and_rank``."""
+    if tt.layout == "v":
+        a = jnp.concatenate([a[:1], a[1:, ::-1]])
+    return a.reshape(tt.num_chunks * tt.num_stages, *a.shape[2:])
 
 
 def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
@@ -207,7 +259,7 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
         first_fn=cfg.first_fn, first_params=params.first, loss_fn=cfg.loss_fn,
         last_params=params.last, targets=mb_struct(targets),
     )  # fmt: skip
-    stages = jax.tree.map(lambda a: a.reshape(v, p, *a.shape[1:]), params.stages)
+    stages = jax.tree.map(lambda a: _by_chunk_and_rank(a, tt), params.stages)
     batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
     param_spec = StagedParams(P(None, cfg.pp_axis), P(), P())
     body = functools.partial(_body, cfg, plan, metas[0].input)
@@ -218,7 +270,7 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
         out_specs=(P(), param_spec),
         check_vma=False,
     )(params._replace(stages=stages), inputs, targets)
-    stacked = jax.tree.map(lambda a: a.reshape(v * p, *a.shape[2:]), grads.stages)
+    stacked = jax.tree.map(lambda a: _in_model_order(a, tt), grads.stages)
     return loss, grads._replace(stages=stacked)
 
 
@@ -241,6 +293,7 @@ def pipeline_value_and_grad(
     pp_axis: str = "pp",
     dp_axis: str = "dp",
     grad_reducer: Callable[[Any], Any] | None = None,
+    remat: bool = False,
 ) -> tuple[jax.Array, Any]:
     """Mean loss over the batch and its gradient, computed by a pipeline schedule.
 
@@ -266,6 +319,11 @@ def pipeline_value_and_grad(
             stage gradients ``[v, ...]`` and the replicated first/last gradients) over the
             data-parallel axis; default ``pmean`` over ``dp_axis``. Without a ``dp_axis``
             it is applied as given (default: none).
+        remat: ``False`` (default) keeps each microbatch's vjp residuals from its
+            forward until its backward, so no forward runs twice (and a split backward's
+            ``B`` and ``W`` together do the work of one backward); ``True`` keeps only the
+            stage inputs and recomputes the stage forward in the backward (and again in
+            ``W``): less memory, more work.
 
     Returns:
         ``(loss, grads)``: the mean loss, and gradients of the same structure as ``params``.
@@ -297,6 +355,10 @@ def pipeline_value_and_grad(
     v = next(iter(counts)) // p
     timetable = resolve_schedule(schedule, p, num_microbatches, v)
     dp = dp_axis if dp_axis in mesh.axis_names else None
-    cfg = _Config(stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer)
+    if not isinstance(remat, bool):
+        raise TypeError(f"remat={remat!r} must be True or False.")
+    cfg = _Config(
+        stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer, remat
+    )
     loss, grads = _compiled(cfg)(staged, inputs, targets)
     return loss, grads if isinstance(params, StagedParams) else grads.stages

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 
-from jaxpg.pipeline.timetable import Timetable
+from jaxpg.pipeline.costs import ActionCosts, lockstep_time, timed
+from jaxpg.pipeline.timetable import Timetable, render_grid, timetable_title
 
 __all__ = ["render_png", "render_text"]
 
@@ -32,15 +33,8 @@ _COLORS = {
 _NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
 
 
-def _title(tt: Timetable) -> str:
-    return (
-        f"{tt.name}: p={tt.num_stages} m={tt.num_microbatches} v={tt.num_chunks}, "
-        f"{tt.num_ticks} ticks, bubble {tt.bubble_fraction:.1%}"
-    )
-
-
 def render_text(tt: Timetable, header: bool = True) -> str:
-    """The timetable as a fixed-width text grid, one line per rank.
+    """The timetable as a fixed-width text grid, one line per rank (as ``tt.to_text``).
 
     Args:
       tt: The timetable.
@@ -49,26 +43,16 @@ def render_text(tt: Timetable, header: bool = True) -> str:
     Returns:
       The grid as a string, without a trailing newline.
     """
-    cells = [
-        ["." if a is None else a.label(tt.num_chunks) for a in (row[r] for row in tt.grid)]
-        for r in range(tt.num_stages)
-    ]
-    width = max([2] + [len(c) for line in cells for c in line])
-    prefix = f"rank {tt.num_stages - 1}"
-    lines = []
-    if header:
-        ticks = [str(t) if len(str(t)) <= width else "" for t in range(tt.num_ticks)]
-        lines += [_title(tt), "tick".ljust(len(prefix)) + " | " + _join(ticks, width)]
-    for r, line in enumerate(cells):
-        lines.append(f"rank {r}".ljust(len(prefix)) + " | " + _join(line, width))
-    return "\n".join(lines)
+    return render_grid(tt, header=header)
 
 
-def _join(cells: list[str], width: int) -> str:
-    return " ".join(c.ljust(width) for c in cells).rstrip()
-
-
-def render_png(tt: Timetable, path: str | os.PathLike, *, dpi: int = 120) -> None:
+def render_png(
+    tt: Timetable,
+    path: str | os.PathLike,
+    *,
+    dpi: int = 120,
+    costs: ActionCosts | None = None,
+) -> None:
     """Draw the timetable as colored boxes and save it as a PNG.
 
     F is blue, B green, W orange, idle white; each box shows its microbatch
@@ -78,6 +62,10 @@ def render_png(tt: Timetable, path: str | os.PathLike, *, dpi: int = 120) -> Non
       tt: The timetable.
       path: Where to write the PNG.
       dpi: Resolution of the image.
+      costs: If given, draw each action as wide as its cost, where it starts
+        when the timetable is replayed event-driven (``jaxpg.pipeline.costs.timed``),
+        and give the makespan, the bubble in cost units and the lockstep
+        executor's time in the title. Default: one tick per action.
 
     Raises:
       ImportError: If matplotlib is not installed.
@@ -91,23 +79,47 @@ def render_png(tt: Timetable, path: str | os.PathLike, *, dpi: int = 120) -> Non
             "run `pip install matplotlib` and try again."
         ) from err
 
-    p, ticks = tt.num_stages, tt.num_ticks
+    p = tt.num_stages
+    title = timetable_title(tt)
+    if costs is None:
+        ticks = tt.num_ticks
+        place = {(r, t): (float(t), 1.0) for t, row in enumerate(tt.grid) for r in range(p)}
+    else:
+        replay = timed(tt, costs)
+        ticks = replay.makespan
+        place = {
+            (r, t): (begin, costs.of(tt.grid[t][r].kind)) for (r, t), begin in replay.start.items()
+        }
+        title = (
+            f"{tt.name}: p={p} m={tt.num_microbatches} v={tt.num_chunks}, costs "
+            f"F:B:W = {costs.F:g}:{costs.B:g}:{costs.W:g}, time {replay.makespan:g}, "
+            f"bubble {replay.bubble_fraction:.1%}, lockstep {lockstep_time(tt, costs):g}"
+        )
     cell = 0.32
     height = 1.3 + 0.45 * p
     fig = Figure(figsize=(max(6.0, 1.2 + cell * ticks), height))
     ax = fig.add_subplot()
     fontsize = 7 if tt.num_microbatches < 10 else 6
+    if costs is not None:
+        for r in range(p):  # idle is what no action covers
+            ax.add_patch(Rectangle((0, r), ticks, 1, facecolor="white", edgecolor="#555555",
+                                   lw=0.5))  # fmt: skip
     for t, row in enumerate(tt.grid):
         for r, action in enumerate(row):
+            if action is None and costs is not None:
+                continue
+            x0, width = place[(r, t)]
             face = "white"
             if action is not None:
                 shades = _COLORS[action.kind]
                 face = shades[action.chunk % len(shades)]
-            ax.add_patch(Rectangle((t, r), 1, 1, facecolor=face, edgecolor="#555555", lw=0.5))
+            ax.add_patch(
+                Rectangle((x0, r), width, 1, facecolor=face, edgecolor="#555555", lw=0.5)
+            )
             if action is not None:
                 color = "white" if action.chunk % 2 == 0 else "black"
                 ax.text(
-                    t + 0.5,
+                    x0 + width / 2,
                     r + 0.5,
                     str(action.microbatch),
                     ha="center",
@@ -118,11 +130,18 @@ def render_png(tt: Timetable, path: str | os.PathLike, *, dpi: int = 120) -> Non
     ax.set_xlim(0, ticks)
     ax.set_ylim(p, 0)
     ax.set_yticks([r + 0.5 for r in range(p)], [f"rank {r}" for r in range(p)])
-    step = max(1, ticks // 20)
-    ax.set_xticks([t + 0.5 for t in range(0, ticks, step)], [str(t) for t in range(0, ticks, step)])
-    ax.set_xlabel("tick")
+    step = max(1, int(ticks) // 20)
+    if costs is None:
+        ax.set_xticks(
+            [t + 0.5 for t in range(0, ticks, step)], [str(t) for t in range(0, ticks, step)]
+        )
+        ax.set_xlabel("tick")
+    else:
+        marks = range(0, int(ticks) + 1, step)
+        ax.set_xticks(list(marks), [str(t) for t in marks])
+        ax.set_xlabel("time (cost units; one forward = 1)")
     ax.tick_params(length=0, labelsize=8)
-    ax.set_title(_title(tt), fontsize=9)
+    ax.set_title(title, fontsize=9)
     kinds = ("F", "B", "W") if tt.split_backward else ("F", "B")
     if tt.num_chunks == 1:
         shades = [""]

@@ -1,4 +1,4 @@
-"""The pipeline schedules: GPipe, 1F1B, interleaved 1F1B and zero-bubble ZB-H1.
+"""The pipeline schedules: GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZB-V.
 
 Each builder writes down, for every rank, the order in which the rank runs
 its forward (F), backward (B) and weight-gradient (W) actions, and lets
@@ -14,13 +14,17 @@ schedule              ticks                bubble fraction
 ``1f1b``              ``2 (m + p - 1)``    ``(p - 1) / (m + p - 1)``
 ``interleaved_1f1b``  ``2 (v m + p - 1)``  ``(p - 1) / (v m + p - 1)``
 ``zb_h1``             ``3 m + p - 1``      ``(p - 1) / (3 m + p - 1)``
+``zb_v``              ``6 m + p - 1``      ``(p - 1) / (6 m + p - 1)``
 ====================  ===================  ===========================
 
 For the interleaved schedule a tick is one chunk's F or B (``1/v`` of a full
 stage), so its bubble fraction is in the Megatron paper's unit. For ZB-H1 F,
 B and W each take a tick, the ``T_F = T_B = T_W`` case of Qi et al. (2023):
 each rank idles ``p - 1`` ticks against 1F1B's ``3 (p - 1)`` (there the full
-backward is ``B + W``, two ticks), a third of 1F1B's bubble.
+backward is ``B + W``, two ticks), a third of 1F1B's bubble. ZB-V runs two
+chunks per rank in a V (a tick is one chunk's F, B or W, half a stage's), and
+idles ``p - 1`` such half-ticks per rank for ``m >= 2 p``; for a small ``m`` its
+bubble is larger (see ``bench/results/pipeline_bubbles.json``).
 
 Example:
     >>> from jaxpg.pipeline.schedules import get_schedule
@@ -46,6 +50,7 @@ __all__ = [
     "theory_bubble_fraction",
     "theory_ticks",
     "zero_bubble_h1",
+    "zero_bubble_v",
 ]
 
 
@@ -85,7 +90,7 @@ def _one_f_one_b_order(p: int, m: int, rank: int, warmup: int) -> list[Action]:
     return order
 
 
-def one_f_one_b(p: int, m: int) -> Timetable:
+def one_f_one_b(p: int, m: int, split_backward: bool = False) -> Timetable:
     """1F1B (PipeDream-flush): warmup forwards, one-forward-one-backward, cooldown.
 
     Rank ``s`` runs ``p - 1 - s`` warmup forwards, then alternates one forward
@@ -94,14 +99,28 @@ def one_f_one_b(p: int, m: int) -> Timetable:
     Args:
       p: Pipeline stages (ranks).
       m: Microbatches, any ``m >= 1`` (with ``m < p`` it degenerates to GPipe).
+      split_backward: Run each backward as ``B`` (input gradient) then, in the
+        next free tick, ``W`` (weight gradient), so every tick is one forward
+        long. Without remat this costs no extra work, removes the lockstep
+        executor's wait of an ``F`` beside a whole ``B`` (``jaxpg.pipeline.costs``)
+        and, as the ``W`` of a rank overlap the next rank's ``B``, takes
+        ``3 m + 2 (p - 1)`` ticks against ``3 (m + p - 1)`` time units unsplit.
 
     Returns:
-      A :class:`Timetable` of ``2 (m + p - 1)`` ticks; stage ``s`` holds at
-      most ``min(p - s, m)`` activations at once, whatever ``m`` is.
+      A :class:`Timetable` of ``2 (m + p - 1)`` ticks (``3 m + 2 (p - 1)`` split);
+      stage ``s`` holds at most ``min(p - s, m)`` activations at once, whatever
+      ``m`` is.
     """
     p, m = _check_counts("one_f_one_b", p, m)
+    if not isinstance(split_backward, bool):
+        raise TypeError(f"split_backward={split_backward!r} must be True or False.")
     orders = [_one_f_one_b_order(p, m, r, p - 1 - r) for r in range(p)]
-    return simulate("1f1b", orders, num_microbatches=m)
+    if split_backward:
+        orders = [
+            [b for a in order for b in ([a, Action("W", a.microbatch)] if a.kind == "B" else [a])]
+            for order in orders
+        ]
+    return simulate("1f1b", orders, num_microbatches=m, split_backward=split_backward)
 
 
 def interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
@@ -194,11 +213,81 @@ def zero_bubble_h1(p: int, m: int) -> Timetable:
     return simulate("zb_h1", orders, num_microbatches=m, split_backward=True)
 
 
+def _zbv_order(p: int, m: int, rank: int) -> list[Action]:
+    """Rank ``rank``'s actions in torch's ``ScheduleZBVZeroBubble`` order (``B`` = its ``I``)."""
+    n = max(2 * p - 1, m)  # torch pads to 2p - 1 microbatches and drops the extra ones
+    order: list[Action] = []
+    f0 = f1 = b0 = b1 = 0
+
+    def add(kind: str, mb: int, chunk: int) -> None:
+        order.append(Action(kind, mb, chunk))
+
+    for _ in range(2 * (p - rank) - 1):
+        add("F", f0, 0)
+        f0 += 1
+    for _ in range(rank):
+        add("F", f1, 1)
+        add("F", f0, 0)
+        f1, f0 = f1 + 1, f0 + 1
+    for _ in range(p - rank):
+        add("F", f1, 1)
+        add("B", b1, 1)
+        add("W", b1, 1)
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            add("F", f0, 0)
+            f0 += 1
+        add("B", b0, 0)
+        add("W", b0, 0)
+        add("F", f1, 1)
+        add("B", b1, 1)
+        add("W", b1, 1)
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        add("B", b0, 0)
+        add("B", b1, 1)
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(p - rank):
+        add("B", b0, 0)
+        add("W", w0, 0)
+        b0, w0 = b0 + 1, w0 + 1
+    order += [Action("W", i, 1) for i in range(w1, b1)]
+    order += [Action("W", i, 0) for i in range(w0, b0)]
+    return [a for a in order if a.microbatch < m]
+
+
+def zero_bubble_v(p: int, m: int) -> Timetable:
+    """ZB-V of Qi et al. (2023), in the order of torch's ``ScheduleZBVZeroBubble``.
+
+    Two chunks per rank in a V: chunk 0 of rank ``r`` is model stage ``r`` and
+    chunk 1 is stage ``2 p - 1 - r`` (``layout="v"``), so the forward goes down
+    the ranks and back up and the loss is on rank 0. The backward is split into
+    ``B`` (input gradient) and ``W`` (weight gradient), and the ``W`` fill the
+    bubbles. Every action is one chunk's work (half a stage).
+
+    Args:
+      p: Pipeline stages (ranks); the model has ``2 p`` stages.
+      m: Microbatches, any ``m >= 1`` (the bubble is smallest for ``m >= 2 p``).
+
+    Returns:
+      A :class:`Timetable` with ``num_chunks=2``, ``layout="v"`` and
+      ``split_backward=True``.
+    """
+    p, m = _check_counts("zero_bubble_v", p, m)
+    orders = [_zbv_order(p, m, r) for r in range(p)]
+    return simulate(
+        "zb_v", orders, num_microbatches=m, num_chunks=2, split_backward=True, layout="v"
+    )
+
+
 _BUILDERS: dict[str, Callable[..., Timetable]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zero_bubble_h1,
+    "zb_v": zero_bubble_v,
 }
 
 
@@ -211,10 +300,12 @@ def get_schedule(name: str, p: int, m: int, v: int = 1) -> Timetable:
     """Build the schedule called ``name`` for ``p`` stages and ``m`` microbatches.
 
     Args:
-      name: One of ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``.
+      name: One of ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``,
+        ``"zb_v"``.
       p: Pipeline stages (ranks).
       m: Microbatches.
-      v: Model chunks per rank; only ``"interleaved_1f1b"`` takes ``v > 1``.
+      v: Model chunks per rank; ``"interleaved_1f1b"`` takes ``v >= 2``, ``"zb_v"``
+        runs two chunks (``v`` 1 or 2 both mean its fixed two), the others one.
 
     Returns:
       The schedule's :class:`Timetable`.
@@ -223,6 +314,10 @@ def get_schedule(name: str, p: int, m: int, v: int = 1) -> Timetable:
         raise ValueError(f"Unknown schedule name={name!r}; choose one of {available_schedules()}.")
     if name == "interleaved_1f1b":
         return interleaved_1f1b(p, m, v)
+    if name == "zb_v":
+        if v not in (1, 2):
+            raise ValueError(f"Schedule 'zb_v' runs exactly two chunks per rank, got v={v!r}.")
+        return zero_bubble_v(p, m)
     if v != 1:
         raise ValueError(
             f"Schedule {name!r} runs one model chunk per rank, got v={v!r}; "
@@ -239,6 +334,8 @@ def theory_ticks(name: str, p: int, m: int, v: int = 1) -> int:
         return 2 * (v * m + p - 1)
     if name == "zb_h1":
         return 3 * m + p - 1
+    if name == "zb_v":
+        return 6 * m + p - 1
     raise ValueError(f"Unknown schedule name={name!r}; choose one of {available_schedules()}.")
 
 
@@ -250,4 +347,6 @@ def theory_bubble_fraction(name: str, p: int, m: int, v: int = 1) -> float:
         return (p - 1) / (v * m + p - 1)
     if name == "zb_h1":
         return (p - 1) / (3 * m + p - 1)
+    if name == "zb_v":
+        return (p - 1) / (6 * m + p - 1)
     raise ValueError(f"Unknown schedule name={name!r}; choose one of {available_schedules()}.")

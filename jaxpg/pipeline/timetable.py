@@ -8,8 +8,11 @@ builders in :mod:`jaxpg.pipeline.schedules`, checked by
 Vocabulary:
 
 * ``p`` (``num_stages``) pipeline ranks; ``v`` (``num_chunks``) model chunks
-  per rank, so the model has ``v * p`` *model stages*. Chunk ``c`` on rank
-  ``r`` is model stage ``c * p + r`` (Megatron's interleaved layout).
+  per rank, so the model has ``v * p`` *model stages*. With ``layout="loop"``
+  chunk ``c`` on rank ``r`` is model stage ``c * p + r`` (Megatron's
+  interleaved layout); with ``layout="v"`` (two chunks, ZB-V) chunk 0 on rank
+  ``r`` is stage ``r`` and chunk 1 is stage ``2 p - 1 - r``, so the model goes
+  down the ranks and back up (the last stage is on rank 0).
 * ``m`` (``num_microbatches``) microbatches, numbered ``0 .. m-1``.
 * Kinds: ``"F"`` forward; ``"B"`` backward (the input gradient only when
   ``split_backward`` is true, else the whole backward); ``"W"`` the weight
@@ -35,7 +38,24 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Action", "KIND_CODES", "Timetable"]
+__all__ = [
+    "Action", "KIND_CODES", "LAYOUTS", "Timetable", "model_stage", "render_grid",
+    "timetable_title",
+]  # fmt: skip
+
+#: Stage layouts: how (rank, chunk) maps to a model stage; see :func:`model_stage`.
+LAYOUTS = ("loop", "v")
+
+
+def model_stage(layout: str, num_stages: int, rank: int, chunk: int) -> int:
+    """The model stage held by chunk ``chunk`` of rank ``rank`` under ``layout``.
+
+    ``"loop"``: ``chunk * p + rank``. ``"v"``: ``rank`` for chunk 0 and
+    ``2 p - 1 - rank`` for chunk 1.
+    """
+    if layout == "v":
+        return rank if chunk == 0 else (chunk + 1) * num_stages - 1 - rank
+    return chunk * num_stages + rank
 
 #: Integer codes of the action kinds in :meth:`Timetable.as_arrays`; 0 is idle.
 KIND_CODES: dict[str | None, int] = {None: 0, "F": 1, "B": 2, "W": 3}
@@ -75,6 +95,8 @@ class Timetable:
         gradient) and ``W`` (weight gradient). If false there is no ``W``.
       grid: ``grid[tick][rank]``, an :class:`Action` or ``None`` (idle). Lists
         are accepted and stored as tuples.
+      layout: ``"loop"`` or ``"v"``, how chunks map to model stages
+        (:func:`model_stage`).
     """
 
     name: str
@@ -83,8 +105,15 @@ class Timetable:
     num_chunks: int
     split_backward: bool
     grid: tuple[tuple[Action | None, ...], ...]
+    layout: str = "loop"
 
     def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Timetable layout={self.layout!r} must be one of {LAYOUTS}.")
+        if self.layout == "v" and self.num_chunks != 2:
+            raise ValueError(
+                f"Timetable layout='v' needs num_chunks=2, got num_chunks={self.num_chunks!r}."
+            )
         for field in ("num_stages", "num_microbatches", "num_chunks"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
@@ -138,7 +167,14 @@ class Timetable:
 
     def stage_of(self, rank: int, chunk: int) -> int:
         """The model stage that chunk ``chunk`` on rank ``rank`` holds."""
-        return chunk * self.num_stages + rank
+        return model_stage(self.layout, self.num_stages, rank, chunk)
+
+    def place_of(self, stage: int) -> tuple[int, int]:
+        """``(rank, chunk)`` that holds model stage ``stage``."""
+        p = self.num_stages
+        chunk = stage // p
+        rank = stage % p if self.layout == "loop" or chunk == 0 else p - 1 - stage % p
+        return rank, chunk
 
     def actions_of(self, rank: int) -> list[tuple[int, Action]]:
         """The ``(tick, action)`` pairs of one rank, in tick order, idle ticks left out."""
@@ -192,9 +228,43 @@ class Timetable:
         Cells read ``F3``, ``B3``, ``W3``; with several chunks a letter names
         the chunk (``F3a`` is chunk 0, ``F3b`` chunk 1).
         """
-        from jaxpg.pipeline.render import render_text
-
-        return render_text(self, header=header)
+        return render_grid(self, header=header)
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+def timetable_title(tt: Timetable) -> str:
+    return (
+        f"{tt.name}: p={tt.num_stages} m={tt.num_microbatches} v={tt.num_chunks}, "
+        f"{tt.num_ticks} ticks, bubble {tt.bubble_fraction:.1%}"
+    )
+
+
+def render_grid(tt: Timetable, header: bool = True) -> str:
+    """The timetable as a fixed-width text grid, one line per rank.
+
+    Args:
+      tt: The timetable.
+      header: Whether to start with a title line and a line of tick numbers.
+
+    Returns:
+      The grid as a string, without a trailing newline.
+    """
+    cells = [
+        ["." if a is None else a.label(tt.num_chunks) for a in (row[r] for row in tt.grid)]
+        for r in range(tt.num_stages)
+    ]
+    width = max([2] + [len(c) for line in cells for c in line])
+    prefix = f"rank {tt.num_stages - 1}"
+    lines = []
+    if header:
+        ticks = [str(t) if len(str(t)) <= width else "" for t in range(tt.num_ticks)]
+        lines += [timetable_title(tt), "tick".ljust(len(prefix)) + " | " + _join(ticks, width)]
+    for r, line in enumerate(cells):
+        lines.append(f"rank {r}".ljust(len(prefix)) + " | " + _join(line, width))
+    return "\n".join(lines)
+
+
+def _join(cells: list[str], width: int) -> str:
+    return " ".join(c.ljust(width) for c in cells).rstrip()

@@ -86,6 +86,7 @@ def make_train_step(
     dp_axis: str = "dp",
     grad_reducer: Callable[[Any], Any] | None = None,
     donate: bool = True,
+    remat: bool = False,
 ) -> Callable[[Any, Any, Any, Any], tuple[Any, Any, jax.Array]]:
     """Returns ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)``.
 
@@ -104,7 +105,11 @@ def make_train_step(
         dp_axis: data-parallel mesh axis (used if the mesh has it).
         grad_reducer: reduces gradients over the data-parallel axis; default ``pmean``.
         donate: donate the parameter and optimizer-state buffers to the step.
+        remat: ``False`` keeps vjp residuals from each forward to its backward; ``True``
+            recomputes the stage forward from its input (see ``pipeline_value_and_grad``).
     """
+    if not isinstance(remat, bool):
+        raise TypeError(f"remat={remat!r} must be True or False.")
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}."
@@ -114,7 +119,7 @@ def make_train_step(
         loss, grads = pipeline_value_and_grad(
             stage_fn, loss_fn, params, inputs, targets, mesh=mesh, schedule=schedule,
             num_microbatches=num_microbatches, first_fn=first_fn, pp_axis=pp_axis,
-            dp_axis=dp_axis, grad_reducer=grad_reducer,
+            dp_axis=dp_axis, grad_reducer=grad_reducer, remat=remat,
         )  # fmt: skip
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss

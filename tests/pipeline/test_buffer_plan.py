@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxpg.pipeline.buffer_plan import plan_buffers
+from jaxpg.pipeline.buffer_plan import NUM_COLUMNS, plan_buffers
 from jaxpg.pipeline.checker import peak_in_flight
 from jaxpg.pipeline.schedules import get_schedule
 from jaxpg.pipeline.timetable import Action, Timetable
@@ -16,7 +16,7 @@ from jaxpg.pipeline.timetable import Action, Timetable
 def test_slots_match_peak_in_flight(name, p, m, v):
     tt = get_schedule(name, p, m, v)
     plan = plan_buffers(tt)
-    assert plan.table.shape == (tt.num_ticks, p, 7)
+    assert plan.table.shape == (tt.num_ticks, p, NUM_COLUMNS)
     assert plan.num_act_slots == max(peak_in_flight(tt))
     assert (plan.table[:, :, 3:] < max(plan.num_act_slots, plan.num_grad_slots)).all()
 

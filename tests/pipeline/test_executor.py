@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jaxpg.pipeline.buffer_plan import plan_buffers
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
 from jaxpg.pipeline.mesh import pipeline_mesh
-from jaxpg.pipeline.schedules import get_schedule
+from jaxpg.pipeline.schedules import get_schedule, one_f_one_b
 
 D_IN, D, D_OUT = 3, 8, 2
 
@@ -62,28 +62,51 @@ def pp_mesh(p):
     return Mesh(np.array(jax.devices()[:p]), ("pp",))
 
 
+# Every schedule at p = 2 and 4, m = p, 2p and one m that is not a multiple of p, with
+# the default remat=False (residuals kept); remat=True (stage-input recompute) on a
+# thinner set that still runs every schedule at both p.
 CASES = [
-    (name, p, m, 1)
+    (name, p, m, 1, False)
     for name in ("gpipe", "1f1b", "zb_h1")
     for p, ms in ((2, (2, 4, 3)), (4, (4, 8, 5)))
     for m in ms
-] + [("interleaved_1f1b", p, m, 2) for p, m in ((2, 2), (2, 4), (4, 4), (4, 8))]
+] + [("interleaved_1f1b", p, m, 2, False) for p, m in ((2, 2), (2, 4), (4, 4), (4, 8))]
+CASES += [("zb_v", p, m, 2, False) for p, m in ((2, 2), (2, 3), (2, 4), (4, 4), (4, 8), (4, 5))]
+CASES += [
+    (name, p, m, v, True)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zb_v", 2))
+    for p, m in ((2, 4), (4, 8))
+] + [("1f1b", 4, 5, 1, True), ("zb_h1", 2, 3, 1, True), ("zb_v", 4, 5, 2, True)]
 
 
-@pytest.mark.parametrize("name,p,m,v", CASES)
-def test_schedule_matches_reference(name, p, m, v):
+@pytest.mark.parametrize("name,p,m,v,remat", CASES)
+def test_schedule_matches_reference(name, p, m, v, remat):
     params = make_params(p * v)
     x, t = make_batch(2 * m)
     loss, grads = pipeline_value_and_grad(
         block, head_loss, params, x, t, mesh=pp_mesh(p), schedule=name,
-        num_microbatches=m, first_fn=embed,
+        num_microbatches=m, first_fn=embed, remat=remat,
     )  # fmt: skip
     want_loss, want_grads = reference(params, x, t)
     assert_close(loss, want_loss)
     assert_close(grads, want_grads)
 
 
-def test_plain_stacked_params_without_embedding_or_head():
+@pytest.mark.parametrize("p,m,remat", [(4, 5, False), (2, 3, True)])
+def test_one_f_one_b_with_split_backward_matches_reference(p, m, remat):
+    params = make_params(p)
+    x, t = make_batch(2 * m)
+    loss, grads = pipeline_value_and_grad(
+        block, head_loss, params, x, t, mesh=pp_mesh(p),
+        schedule=one_f_one_b(p, m, split_backward=True), first_fn=embed, remat=remat,
+    )  # fmt: skip
+    want_loss, want_grads = reference(params, x, t)
+    assert_close(loss, want_loss)
+    assert_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_plain_stacked_params_without_embedding_or_head(remat):
     params = make_params(4)
     x, _ = make_batch(8)
     x = x @ params.first  # inputs already have the block's width
@@ -93,15 +116,19 @@ def test_plain_stacked_params_without_embedding_or_head():
         return jnp.mean((y - t) ** 2)
 
     loss, grads = pipeline_value_and_grad(
-        block, mse, params.stages, x, t, mesh=pp_mesh(4), schedule="1f1b", num_microbatches=4
-    )
+        block, mse, params.stages, x, t, mesh=pp_mesh(4), schedule="1f1b", num_microbatches=4,
+        remat=remat,
+    )  # fmt: skip
     ref_params = StagedParams(params.stages, None, jnp.eye(D))
     want_loss, want_grads = reference(ref_params, x, t, use_embed=False)
     assert_close(loss, want_loss)
     assert_close(grads, want_grads.stages)
 
 
-def test_pytree_activations():
+@pytest.mark.parametrize(
+    "name,v,remat", [("gpipe", 1, False), ("gpipe", 1, True), ("zb_v", 2, False)]
+)
+def test_pytree_activations(name, v, remat):
     def pair_block(w, xs):
         a, b = xs
         return (jnp.tanh(a @ w["w"] + b), b * 0.5 + w["b"])
@@ -109,17 +136,18 @@ def test_pytree_activations():
     def pair_loss(_, ys, t):
         return jnp.mean((ys[0] + ys[1] - t) ** 2)
 
-    params = make_params(2).stages
+    params = make_params(2 * v).stages
     a, _ = make_batch(4)
     xs = (a @ jnp.ones((D_IN, D)), jnp.ones((4, D)))
     t = jnp.zeros((4, D))
     loss, grads = pipeline_value_and_grad(
-        pair_block, pair_loss, params, xs, t, mesh=pp_mesh(2), schedule="gpipe", num_microbatches=2
-    )
+        pair_block, pair_loss, params, xs, t, mesh=pp_mesh(2), schedule=name,
+        num_microbatches=2, remat=remat,
+    )  # fmt: skip
 
     def ref(params):
         h = xs
-        for s in range(2):
+        for s in range(2 * v):
             h = pair_block(jax.tree.map(lambda q, s=s: q[s], params), h)
         return pair_loss(None, h, t)
 
@@ -128,21 +156,28 @@ def test_pytree_activations():
     assert_close(grads, want_grads)
 
 
-@pytest.mark.parametrize("p,v,name", [(2, 1, "1f1b"), (4, 1, "zb_h1"), (2, 2, "interleaved_1f1b")])
-def test_hybrid_dp_pp_matches_global_batch(p, v, name):
+@pytest.mark.parametrize(
+    "p,v,name,remat",
+    [
+        (2, 1, "1f1b", False), (2, 1, "1f1b", True), (4, 1, "zb_h1", False),
+        (4, 1, "zb_h1", True), (2, 2, "interleaved_1f1b", False), (2, 2, "zb_v", False),
+    ],
+)  # fmt: skip
+def test_hybrid_dp_pp_matches_global_batch(p, v, name, remat):
     params = make_params(p * v)
     x, t = make_batch(4 * p)
     mesh = pipeline_mesh(p, 2)
     loss, grads = pipeline_value_and_grad(
         block, head_loss, params, x, t, mesh=mesh, schedule=name, num_microbatches=p,
-        first_fn=embed,
+        first_fn=embed, remat=remat,
     )  # fmt: skip
     want_loss, want_grads = reference(params, x, t)
     assert_close(loss, want_loss)
     assert_close(grads, want_grads)
 
 
-def test_custom_grad_reducer_is_applied():
+@pytest.mark.parametrize("remat", [False, True])
+def test_custom_grad_reducer_is_applied(remat):
     calls = []
 
     def reducer(g):
@@ -153,7 +188,7 @@ def test_custom_grad_reducer_is_applied():
     x, t = make_batch(8)
     loss, grads = pipeline_value_and_grad(
         block, head_loss, params, x, t, mesh=pipeline_mesh(2, 2), schedule="1f1b",
-        num_microbatches=2, first_fn=embed, grad_reducer=reducer,
+        num_microbatches=2, first_fn=embed, grad_reducer=reducer, remat=remat,
     )  # fmt: skip
     assert calls, "the grad_reducer was never called"
     want_loss, want_grads = reference(params, x, t)
@@ -166,7 +201,7 @@ def test_1f1b_buffers_do_not_grow_with_microbatches():
     gpipe = {m: plan_buffers(get_schedule("gpipe", 4, m)).num_act_slots for m in (4, 8)}
     assert gpipe == {4: 4, 8: 8}
 
-    def temp_bytes(name, m):
+    def temp_bytes(name, m, remat=False):
         x, t = make_batch(2 * m)
         f = jax.jit(
             functools.partial(
@@ -177,13 +212,17 @@ def test_1f1b_buffers_do_not_grow_with_microbatches():
                 schedule=name,
                 num_microbatches=m,
                 first_fn=embed,
+                remat=remat,
             )  # fmt: skip
         )
         analysis = f.lower(make_params(4), x, t).compile().memory_analysis()
         return analysis.temp_size_in_bytes
 
-    assert temp_bytes("1f1b", 4) == temp_bytes("1f1b", 16)
+    for remat in (False, True):
+        assert temp_bytes("1f1b", 4, remat) == temp_bytes("1f1b", 16, remat)
     assert temp_bytes("gpipe", 16) > temp_bytes("gpipe", 4)
+    # Keeping residuals costs memory (here tanh's output per slot), bounded by the slots.
+    assert temp_bytes("1f1b", 8, False) > temp_bytes("1f1b", 8, True)
 
 
 def test_batch_not_divisible_names_sizes():
@@ -228,6 +267,15 @@ def test_stage_shapes_that_do_not_chain():
         pipeline_value_and_grad(
             widening, lambda _, y, t: jnp.mean(y), params, x, x, mesh=pp_mesh(2),
             schedule="gpipe", num_microbatches=2,
+        )  # fmt: skip
+
+
+def test_remat_must_be_a_bool():
+    x, t = make_batch(4)
+    with pytest.raises(TypeError, match="remat='yes' must be True or False"):
+        pipeline_value_and_grad(
+            block, head_loss, make_params(2), x, t, mesh=pp_mesh(2), schedule="1f1b",
+            num_microbatches=2, first_fn=embed, remat="yes",
         )  # fmt: skip
 
 

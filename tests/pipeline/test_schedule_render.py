@@ -13,7 +13,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(
-    "name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+    "name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2)]
 )
 def test_render_png_writes_a_png(tmp_path, name, v):
     path = tmp_path / f"{name}.png"

@@ -17,6 +17,7 @@ from jaxpg.pipeline.schedules import (
     theory_bubble_fraction,
     theory_ticks,
     zero_bubble_h1,
+    zero_bubble_v,
 )
 from jaxpg.pipeline.timetable import KIND_CODES, Action, Timetable
 
@@ -27,6 +28,7 @@ CONFIGS = [
     for p, m in [(2, 2), (2, 4), (2, 3), (4, 4), (4, 8), (4, 6)]
 ] + [("interleaved_1f1b", p, m, v) for p, m in [(2, 2), (2, 4), (4, 4), (4, 8)] for v in (2,)]
 CONFIGS += [("interleaved_1f1b", 4, 8, 3), ("gpipe", 4, 2, 1), ("1f1b", 4, 2, 1)]
+CONFIGS += [("zb_v", p, m, 2) for p, m in [(2, 3), (2, 4), (2, 5), (4, 7), (4, 8), (4, 12)]]
 
 
 def _ids(config):
@@ -48,7 +50,7 @@ def test_schedule_is_valid_and_matches_theory(config):
     tt = get_schedule(name, p, m, v)
     check_timetable(tt)
     assert (tt.name, tt.num_stages, tt.num_microbatches, tt.num_chunks) == (name, p, m, v)
-    assert tt.split_backward == (name == "zb_h1")
+    assert tt.split_backward == name.startswith("zb")
     assert tt.num_ticks == theory_ticks(name, p, m, v)
     assert tt.bubble_fraction == pytest.approx(theory_bubble_fraction(name, p, m, v))
     per_rank = (3 if tt.split_backward else 2) * m * v
@@ -78,6 +80,27 @@ def test_zero_bubble_h1_is_a_third_of_one_f_one_b_bubble(p, m):
     # Same activation memory as 1F1B: F..B exactly 1F1B's; F..W never above 1F1B's peak p.
     assert peak_in_flight(zb, until="B") == peak_in_flight(ofob)
     assert max(peak_in_flight(zb)) == max(peak_in_flight(ofob)) == p
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_zero_bubble_v_layout_and_order_follow_torch(p):
+    m = 2 * p
+    tt = zero_bubble_v(p, m)
+    assert tt.layout == "v" and tt.num_chunks == 2
+    assert [tt.stage_of(r, c) for c in (0, 1) for r in range(p)] == (
+        list(range(p)) + list(range(2 * p - 1, p - 1, -1))
+    )
+    assert all(tt.place_of(tt.stage_of(r, c)) == (r, c) for r in range(p) for c in (0, 1))
+    # Rank p-1 turns the V: its chunk 0 forward feeds its own chunk 1 in the next tick.
+    last = [a for _, a in tt.actions_of(p - 1)]
+    assert last[:2] == [Action("F", 0, 0), Action("F", 0, 1)]
+    # Rank 0 holds the last model stage, so it runs the first backward of chunk 1.
+    rank0 = [a for _, a in tt.actions_of(0)]
+    assert rank0[: 2 * p - 1] == [Action("F", i, 0) for i in range(2 * p - 1)]
+    assert rank0[2 * p - 1 : 2 * p + 2] == [Action("F", 0, 1), Action("B", 0, 1), Action("W", 0, 1)]
+    # Each rank idles p - 1 half-stage ticks, against ZB-H1's p - 1 full-stage ticks.
+    assert [tt.idle_ticks(r) for r in range(p)] == [p - 1] * p
+    assert max(peak_in_flight(tt)) == 2 * p  # chunk activations: 1F1B's p stages
 
 
 def test_interleaving_shrinks_the_bubble():
@@ -217,6 +240,8 @@ def test_checker_rejects_too_many_activations_in_flight():
         (lambda: interleaved_1f1b(4, 2, 2), r"m=2 to be a multiple of .* p=4; use m=4\."),
         (lambda: get_schedule("pipedream", 4, 8), "Unknown schedule name='pipedream'"),
         (lambda: get_schedule("1f1b", 4, 8, v=2), "one model chunk per rank, got v=2"),
+        (lambda: get_schedule("zb_v", 4, 8, v=3), "exactly two chunks per rank, got v=3"),
+        (lambda: zero_bubble_v(4, 0), "got m=0"),
         (lambda: peak_in_flight(gpipe(2, 2), until="W"), "until='W' must be 'B'"),
     ],
 )
@@ -225,8 +250,8 @@ def test_bad_configs_raise(call, match):
         call()
 
 
-def test_registry_knows_the_four_schedules():
-    assert available_schedules() == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+def test_registry_knows_the_five_schedules():
+    assert available_schedules() == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v")
     assert get_schedule("zb_h1", 2, 2) == zero_bubble_h1(2, 2)
 
 
@@ -248,6 +273,13 @@ def test_timetable_validates_its_grid(grid, error, match):
         )
 
 
+def test_timetable_validates_its_layout():
+    with pytest.raises(ValueError, match="layout='w' must be one of"):
+        Timetable("t", 2, 2, 2, False, (), layout="w")
+    with pytest.raises(ValueError, match="layout='v' needs num_chunks=2, got num_chunks=1"):
+        Timetable("t", 2, 2, 1, False, (), layout="v")
+
+
 def test_timetable_validates_its_sizes():
     with pytest.raises(ValueError, match="num_stages=0 must be a positive integer"):
         Timetable("t", 0, 2, 1, False, ())
@@ -257,7 +289,33 @@ def test_timetable_validates_its_sizes():
         gpipe(2, 2).actions_of(5)
 
 
-@pytest.mark.parametrize("module", ["timetable", "schedules", "checker", "render"])
+def test_no_import_cycles_in_the_pipeline_package():
+    import ast
+    import pathlib
+
+    import jaxpg.pipeline as pkg
+
+    root = pathlib.Path(pkg.__file__).parent
+    imports = {}
+    for path in root.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxpg.pipe"):
+                module = node.module.removeprefix("jaxpg.pipeline").lstrip(".")
+                names.update([module] if module else [a.name for a in node.names])
+        imports[path.stem] = {n for n in names if (root / f"{n}.py").exists()}
+    imports.pop("__init__")
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n)))
+                   for n in imports.get(start, ()))
+
+    cycles = [name for name in imports if reaches(name, name)]
+    assert not cycles, f"modules on an import cycle: {cycles}"
+    assert "render" not in imports["timetable"]
+
+
+@pytest.mark.parametrize("module", ["timetable", "schedules", "checker", "render", "costs"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib

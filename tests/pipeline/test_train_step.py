@@ -42,16 +42,19 @@ def reference_loss(block, embed, loss_fn, params, x, t, num_stages):
     return loss_fn(params.last, h, t)
 
 
-def test_nnx_blocks_match_reference():
-    block, embed, loss_fn, params = nnx_model(4)
+@pytest.mark.parametrize(
+    "name,p,v,remat", [("zb_h1", 4, 1, False), ("zb_h1", 4, 1, True), ("zb_v", 2, 2, False)]
+)
+def test_nnx_blocks_match_reference(name, p, v, remat):
+    block, embed, loss_fn, params = nnx_model(p * v)
     x = jax.random.randint(jax.random.key(0), (8, 5), 0, 11)
     t = jax.random.randint(jax.random.key(1), (8, 5), 0, 11)
     loss, grads = pipeline_value_and_grad(
-        block, loss_fn, params, x, t, mesh=pipeline_mesh(4, 2), schedule="zb_h1",
-        num_microbatches=4, first_fn=embed,
+        block, loss_fn, params, x, t, mesh=pipeline_mesh(p, 2), schedule=name,
+        num_microbatches=4, first_fn=embed, remat=remat,
     )  # fmt: skip
     want_loss, want_grads = jax.value_and_grad(
-        lambda q: reference_loss(block, embed, loss_fn, q, x, t, 4)
+        lambda q: reference_loss(block, embed, loss_fn, q, x, t, p * v)
     )(params)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-5)
     jax.tree.map(
@@ -59,7 +62,8 @@ def test_nnx_blocks_match_reference():
     )
 
 
-def test_train_step_equals_optax_on_reference_grads():
+@pytest.mark.parametrize("remat", [False, True])
+def test_train_step_equals_optax_on_reference_grads(remat):
     block, embed, loss_fn, params = nnx_model(2)
     mesh = pipeline_mesh(2, 2)
     x = jax.random.randint(jax.random.key(0), (8, 5), 0, 11)
@@ -69,7 +73,7 @@ def test_train_step_equals_optax_on_reference_grads():
     params, opt_state = init_train_state(params, optimizer, mesh)
     step = make_train_step(
         block, loss_fn, optimizer, mesh=mesh, schedule="1f1b", num_microbatches=2,
-        first_fn=embed,
+        first_fn=embed, remat=remat,
     )  # fmt: skip
     losses = []
     for _ in range(3):
@@ -88,6 +92,10 @@ def test_train_step_equals_optax_on_reference_grads():
 
 
 def test_bad_optimizer_and_module():
+    with pytest.raises(TypeError, match="remat=None must be True or False"):
+        make_train_step(
+            lambda w, x: x, lambda h, y, t: 0.0, optax.sgd(1.0), mesh=pipeline_mesh(2), remat=None
+        )
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
         make_train_step(lambda w, x: x, lambda h, y, t: 0.0, "adam", mesh=pipeline_mesh(2))
     with pytest.raises(TypeError, match="nnx.Module"):

@@ -1,0 +1,187 @@
+"""Timetables weighted by what their actions cost: bubbles in time, and the tick's price.
+
+A :class:`Timetable` counts every action as one tick. Real actions differ: a whole
+backward costs about twice a forward, and a zero-bubble split gives ``B`` and ``W``
+about one forward each. :class:`ActionCosts` holds the three weights, and:
+
+* :func:`timed` replays a timetable *event-driven*: each rank runs its actions in the
+  timetable's order, each as soon as the rank is free and its inputs are finished. This
+  is what an asynchronous executor (torch's, one process per rank) achieves; its
+  makespan and bubble are in cost units.
+* :func:`lockstep_time` is what jaxpg's SPMD executor pays: all ranks step through the
+  ticks together (one ``lax.scan`` step with ``ppermute`` at its end), so a tick lasts
+  as long as its slowest action. Next to a ``B`` of cost 2, an ``F`` of cost 1 waits 1.
+* :func:`measure_costs` times one stage's ``F``, ``B`` and ``W`` pieces on this machine.
+
+Example:
+    >>> from jaxpg.pipeline.schedules import get_schedule
+    >>> tt = get_schedule("1f1b", 4, 8)
+    >>> costs = default_costs(tt)
+    >>> costs
+    ActionCosts(F=1.0, B=2.0, W=0.0)
+    >>> timed(tt, costs).makespan, lockstep_time(tt, costs)
+    (33.0, 40.0)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from jaxpg.pipeline._simulate import dependencies
+from jaxpg.pipeline.timetable import Action, Timetable
+
+__all__ = [
+    "ActionCosts", "TimedTimetable", "default_costs", "lockstep_time", "measure_costs",
+    "timed",
+]  # fmt: skip
+
+
+class ActionCosts(NamedTuple):
+    """The cost of one ``F``, ``B`` and ``W`` (any unit; ``F = 1`` by convention).
+
+    Without a split backward ``B`` is the whole backward and ``W`` is unused.
+    """
+
+    F: float = 1.0
+    B: float = 2.0
+    W: float = 0.0
+
+    def of(self, kind: str) -> float:
+        """The cost of an action of kind ``kind``."""
+        return float(getattr(self, kind))
+
+
+def default_costs(tt: Timetable) -> ActionCosts:
+    """1:1:1 for a split backward (``T_F = T_B = T_W``), else 1:2 for F:B."""
+    return ActionCosts(1.0, 1.0, 1.0) if tt.split_backward else ActionCosts(1.0, 2.0, 0.0)
+
+
+def _check(costs: ActionCosts, tt: Timetable) -> ActionCosts:
+    if not isinstance(costs, ActionCosts):
+        costs = ActionCosts(*costs)
+    kinds = ("F", "B", "W") if tt.split_backward else ("F", "B")
+    for kind in kinds:
+        value = costs.of(kind)
+        if not value > 0:
+            raise ValueError(f"ActionCosts {kind}={value!r} must be positive for {tt.name!r}.")
+    return costs
+
+
+class TimedTimetable(NamedTuple):
+    """A timetable replayed with action costs (see :func:`timed`).
+
+    Attributes:
+      timetable: The timetable.
+      costs: The costs used.
+      start: ``start[(rank, tick)]``, when the action in that cell starts.
+      makespan: When the last action finishes.
+    """
+
+    timetable: Timetable
+    costs: ActionCosts
+    start: dict[tuple[int, int], float]
+    makespan: float
+
+    @property
+    def busy(self) -> float:
+        """Total work, summed over ranks."""
+        tt = self.timetable
+        return sum(self.costs.of(a.kind) for row in tt.grid for a in row if a is not None)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle time over ``p * makespan``, in cost units."""
+        total = self.timetable.num_stages * self.makespan
+        return (total - self.busy) / total if total else 0.0
+
+
+def timed(tt: Timetable, costs: ActionCosts | None = None) -> TimedTimetable:
+    """Replays ``tt`` event-driven with ``costs`` (default :func:`default_costs`).
+
+    Each rank keeps the timetable's order of its actions; an action starts when the
+    rank has finished its previous action and every input is finished (the same
+    dependencies the checker uses). Messages take no time.
+    """
+    costs = _check(costs or default_costs(tt), tt)
+    p, n = tt.num_stages, tt.num_model_stages
+    finish: dict[tuple[str, int, int], float] = {}
+    start: dict[tuple[int, int], float] = {}
+    free = [0.0] * p
+    for tick, row in enumerate(tt.grid):  # tick order is a valid topological order
+        for rank, action in enumerate(row):
+            if action is None:
+                continue
+            stage = tt.stage_of(rank, action.chunk)
+            deps = dependencies(action.kind, action.microbatch, stage, n)
+            begin = max([free[rank]] + [finish[d] for d in deps])
+            start[(rank, tick)] = begin
+            free[rank] = begin + costs.of(action.kind)
+            finish[(action.kind, action.microbatch, stage)] = free[rank]
+    return TimedTimetable(tt, costs, start, max(free, default=0.0))
+
+
+def lockstep_time(tt: Timetable, costs: ActionCosts | None = None) -> float:
+    """The time of ``tt`` when every tick lasts as long as its slowest action.
+
+    This is jaxpg's executor on truly parallel devices: one ``lax.scan`` step per tick
+    for all ranks, and a ``ppermute`` at the end of each that waits for everyone.
+    """
+    costs = _check(costs or default_costs(tt), tt)
+    return sum(max((costs.of(a.kind) for a in row if a is not None), default=0.0)
+               for row in tt.grid)  # fmt: skip
+
+
+def measure_costs(
+    stage_fn: Callable[[Any, Any], Any],
+    params: Any,
+    x: Any,
+    *,
+    split_backward: bool,
+    repeats: int = 20,
+) -> ActionCosts:
+    """Times one stage's ``F``, ``B`` (and ``W``) as the executor runs them, ``F = 1``.
+
+    Uses the no-remat pieces (:func:`jaxpg.pipeline.stage_split.split_stage`): ``F``
+    saves residuals, ``B`` is the input gradient when ``split_backward`` (else the whole
+    backward), ``W`` the weight gradient. Each is jitted and timed on the default device.
+
+    Args:
+      stage_fn: ``stage_fn(params, x) -> y``.
+      params: one stage's parameters (arrays).
+      x: one microbatch's activation (arrays).
+      split_backward: whether ``B`` and ``W`` are split.
+      repeats: timed runs per piece; the median is used.
+    """
+    import jax
+
+    from jaxpg.pipeline.stage_split import split_stage
+
+    pieces = split_stage(stage_fn, params, x, split_backward)
+    forward = jax.jit(pieces.forward)
+    backward = jax.jit(pieces.backward)
+    y, res = forward(params, x)
+    dy = jax.tree.map(lambda a: a * 0 + 1, y)
+    _, _, wres = backward(params, x, dy, res)
+    calls = {"F": lambda: forward(params, x), "B": lambda: backward(params, x, dy, res)}
+    if split_backward:
+        weight = jax.jit(pieces.weight)
+        calls["W"] = lambda: weight(params, x, dy, res, wres)
+    seconds = {}
+    for kind, call in calls.items():
+        jax.block_until_ready(call())
+        samples = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            jax.block_until_ready(call())
+            samples.append(time.perf_counter() - begin)
+        seconds[kind] = statistics.median(samples)
+    unit = seconds["F"]
+    return ActionCosts(1.0, seconds["B"] / unit, seconds.get("W", 0.0) / unit)
+
+
+def cell_cost(action: Action | None, costs: ActionCosts) -> float:
+    """The cost of one timetable cell (0 for idle)."""
+    return 0.0 if action is None else costs.of(action.kind)
