@@ -25,14 +25,14 @@ and returns the world's store. Example, in a script started by ``jaxpg-run``::
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import socket
 import uuid
 from urllib.parse import parse_qs, urlparse
 
-from jaxpg.errors import DistBackendError, DistError
+from jaxpg.errors import DistError
 from jaxpg.stores import DEFAULT_TIMEOUT, FileStore, HashStore, PrefixStore, Store, TCPStore
+from jaxpg.stores.coordination import start_jax_distributed
 from jaxpg.stores.store import Timeout, to_seconds
 
 __all__ = [
@@ -322,69 +322,19 @@ def initialize_jax_distributed(
         ValueError: if a running ``jax.distributed`` disagrees with ``info``, or
             ``GLOO_SOCKET_IFNAME`` names an interface this machine does not have.
     """
-    import jax
-    from jax._src import config as jax_config
-    from jax._src import distributed, xla_bridge
+    from jax._src import distributed
 
     seconds = to_seconds(timeout)
-    state = distributed.global_state
-    if state.client is None and info.world_size == 1:
+    if distributed.global_state.client is None and info.world_size == 1:
         return info.store if info.store is not None else HashStore(timeout=seconds)
-    if state.client is not None:
-        if (state.process_id, state.num_processes) != (info.rank, info.world_size):
-            raise ValueError(
-                f"jax.distributed is already running as process {state.process_id} of "
-                f"{state.num_processes}, but the rendezvous says rank={info.rank}, "
-                f"world_size={info.world_size}; pass matching values."
-            )
-    else:
-        if xla_bridge.backends_are_initialized():
-            raise DistBackendError(
-                "JAX's backends are already initialized, so jax.distributed cannot start; call "
-                "init_process_group before jax.devices() or any JAX computation."
-            )
-        if jax_config.cpu_collectives_implementation.value is None:
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        address = info.coordinator_address
-        assert address is not None
-        bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", address)
-        if jax_config.cpu_collectives_implementation.value == "gloo":
-            from jaxpg import gloo_device  # where gloo listens: reachable from other hosts
-
-            host = address.rpartition(":")[0].strip("[]")
-            gloo_device.install(gloo_device.choose_gloo_device(host))
-        try:
-            from jaxpg import hosted_coordinator  # jaxpg-run's launcher hosts the service
-
-            if hosted_coordinator.hosted_address() == address:
-                hosted_coordinator.connect(
-                    address,
-                    info.rank,
-                    info.world_size,
-                    init_timeout=max(1, math.ceil(seconds)),
-                    heartbeat_timeout=max(1, math.ceil(to_seconds(heartbeat_timeout))),
-                    local_device_ids=local_device_ids,
-                )
-            else:
-                jax.distributed.initialize(
-                    coordinator_address=address,
-                    num_processes=info.world_size,
-                    process_id=info.rank,
-                    local_device_ids=local_device_ids,
-                    cluster_detection_method="deactivate",
-                    initialization_timeout=max(1, math.ceil(seconds)),
-                    heartbeat_timeout_seconds=max(1, math.ceil(to_seconds(heartbeat_timeout))),
-                    coordinator_bind_address=bind,
-                )
-        except Exception as err:
-            raise DistBackendError(
-                f"jax.distributed.initialize(coordinator_address={address!r}, "
-                f"num_processes={info.world_size}, process_id={info.rank}) failed: {err}. "
-                f"Check that all {info.world_size} processes started and can reach {address}."
-            ) from err
+    address = info.coordinator_address
+    assert address is not None or distributed.global_state.client is not None
+    client = start_jax_distributed(
+        address or "", info.world_size, info.rank, timeout=seconds,
+        heartbeat_timeout=to_seconds(heartbeat_timeout), local_device_ids=local_device_ids)
     if info.store is not None:
         return info.store
-    return TCPStore._from_client(state.client, timeout=seconds)
+    return TCPStore._from_client(client, timeout=seconds)
 
 
 def shutdown_jax_distributed() -> None:

@@ -34,10 +34,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("surface", ("jaxpg",)),
 ]
 
-# Edges left out of the cycle check, each with the reason. The pipeline's timetable still
-# imports its renderer here (for ``Timetable.render``); the pipeline branch (issue 11, the
-# timetable/render cycle) removes that import. Delete this entry once it is merged.
-KNOWN_EDGES: set[tuple[str, str]] = {("jaxpg.pipeline.timetable", "jaxpg.pipeline.render")}
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
@@ -157,8 +153,7 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_cycles():
-    graph = {m: {t for t, _ in targets if (m, t) not in KNOWN_EDGES}
-             for m, targets in GRAPH.items()}
+    graph = {m: {t for t, _ in targets} for m, targets in GRAPH.items()}
     assert _cycles(graph) == []
 
 
@@ -171,9 +166,3 @@ def test_no_module_imports_from_a_higher_layer():
         if _layer(target) > _layer(name)
     ]
     assert upward == []
-
-
-def test_known_edges_stay_inside_the_pipeline():
-    # The only exemption is the pipeline's internal edge, never one between layers.
-    assert all(a.startswith("jaxpg.pipeline.") and b.startswith("jaxpg.pipeline.")
-               for a, b in KNOWN_EDGES)

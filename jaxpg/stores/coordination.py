@@ -37,7 +37,10 @@ def start_jax_distributed(
     """Starts ``jax.distributed`` (or checks the running one) and returns its client.
 
     On CPU, cross-process collectives use gloo (``jax_cpu_collectives_implementation``)
-    unless something chose otherwise first. Call this before anything that initializes
+    unless something chose otherwise first, listening on an address the other hosts can
+    reach (:mod:`jaxpg.gloo_device`). Under ``jaxpg-run`` the launcher hosts the
+    coordination service and every process, rank 0 included, joins it as a client
+    (:mod:`jaxpg.hosted_coordinator`). Call this before anything that initializes
     JAX's backends (``jax.devices()``, any computation).
 
     Args:
@@ -49,8 +52,9 @@ def start_jax_distributed(
         local_device_ids: the devices this process uses; None for all visible.
 
     Raises:
-        ValueError: if the arguments are out of range, or a running ``jax.distributed``
-            disagrees with them.
+        ValueError: if the arguments are out of range, a running ``jax.distributed``
+            disagrees with them, or ``GLOO_SOCKET_IFNAME`` names an interface this machine
+            does not have.
         DistBackendError: if JAX's backends already started, or
             ``jax.distributed.initialize`` raised.
     """
@@ -80,17 +84,36 @@ def start_jax_distributed(
     if jax_config.cpu_collectives_implementation.value is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", coordinator_address)
+    if jax_config.cpu_collectives_implementation.value == "gloo":
+        from jaxpg import gloo_device  # where gloo listens: reachable from other hosts
+
+        host = coordinator_address.rpartition(":")[0].strip("[]")
+        gloo_device.install(gloo_device.choose_gloo_device(host))
+    init_timeout = max(1, math.ceil(timeout))
+    heartbeat = max(1, math.ceil(heartbeat_timeout))
     try:
-        jax.distributed.initialize(
-            coordinator_address=coordinator_address,
-            num_processes=num_processes,
-            process_id=process_id,
-            local_device_ids=local_device_ids,
-            cluster_detection_method="deactivate",
-            initialization_timeout=max(1, math.ceil(timeout)),
-            heartbeat_timeout_seconds=max(1, math.ceil(heartbeat_timeout)),
-            coordinator_bind_address=bind,
-        )
+        from jaxpg import hosted_coordinator  # jaxpg-run's launcher hosts the service
+
+        if hosted_coordinator.hosted_address() == coordinator_address:
+            hosted_coordinator.connect(
+                coordinator_address,
+                process_id,
+                num_processes,
+                init_timeout=init_timeout,
+                heartbeat_timeout=heartbeat,
+                local_device_ids=local_device_ids,
+            )
+        else:
+            jax.distributed.initialize(
+                coordinator_address=coordinator_address,
+                num_processes=num_processes,
+                process_id=process_id,
+                local_device_ids=local_device_ids,
+                cluster_detection_method="deactivate",
+                initialization_timeout=init_timeout,
+                heartbeat_timeout_seconds=heartbeat,
+                coordinator_bind_address=bind,
+            )
     except Exception as err:
         raise DistBackendError(
             f"jax.distributed.initialize(coordinator_address={coordinator_address!r}, "
