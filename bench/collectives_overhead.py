@@ -21,6 +21,8 @@ the smallest size: the time until the call returns (``dispatch``).
 
     python bench/collectives_overhead.py              # about 5 minutes
     python bench/collectives_overhead.py --quick      # 1K and 1M, fewer rounds
+    JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=1 \
+        python bench/collectives_overhead.py --spin-probe 64K   # see spin_probe()
 
 Writes ``bench/results/collectives_overhead.json`` and prints a markdown table.
 """
@@ -134,6 +136,50 @@ def worker(args: argparse.Namespace) -> None:
     jaxpg.destroy_process_group()
 
 
+def spin_probe(size: int, rounds: int = 30) -> dict:
+    """One device, one process: the hand-written psum, the same after ~6 µs of Python busy
+    work per call (what the eager path adds), the eager path's own compiled kernel called
+    directly, and the eager call, interleaved; median µs per blocking call
+    (``--spin-probe``)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxpg
+    from jaxpg.collectives import eager
+
+    jaxpg.init_process_group()
+    dev = jax.devices()[0]
+    mesh = Mesh(np.array([dev]), ("i",))
+    hand = jax.jit(jax.shard_map(lambda v: lax.psum(v, "i"), mesh=mesh, in_specs=P("i"),
+                                 out_specs=P("i")))
+    x = jax.device_put(jnp.ones(size // 4, jnp.float32), dev)
+    glob = jax.device_put(x, NamedSharding(mesh, P("i")))
+    jaxpg.all_reduce(x).block_until_ready()
+    kernel = next(iter(eager._flat.values()))[0]
+    def busy(us: float) -> None:  # host work between calls, as the eager path's Python
+        end = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < end:
+            pass
+
+    fns = {"hand-written, global input": lambda: hand(glob),
+           "hand-written after 6 us of Python": lambda: (busy(6), hand(glob))[1],
+           "eager kernel called directly": lambda: kernel(x),
+           "eager": lambda: jaxpg.all_reduce(x)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(100):
+                f().block_until_ready()
+            times[k].append((time.perf_counter() - t0) / 100 * 1e6)
+    jaxpg.destroy_process_group()
+    return {"size_bytes": size, **{k: statistics.median(v) for k, v in times.items()}}
+
+
 def runner_hop(reps: int = 3000) -> dict:
     """The blocking path's thread hop alone: a no-op queued on the runner and waited for,
     against the same no-op called directly, interleaved; medians in µs."""
@@ -186,9 +232,19 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=str(RESULTS / "collectives_overhead.json"))
+    p.add_argument("--spin-probe", default=None, metavar="SIZE",
+                   help="only the one-device probe at SIZE (e.g. 64K); adds it to --out")
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.spin_probe:
+        probe = spin_probe(parse_size(args.spin_probe))
+        print(probe)
+        out = Path(args.out)
+        data = json.loads(out.read_text()) if out.exists() else {}
+        data["spin_probe"] = probe
+        out.write_text(json.dumps(data, indent=1))
         return
     if args.quick:
         args.sizes, args.rounds = "1K,1M", 5

@@ -6,6 +6,9 @@ leading axis in rank order when it holds several (a notebook with 8 devices). Th
 becomes a global array over the family's mesh, a jitted ``shard_map`` kernel runs the same
 code the SPMD lowering runs, and the process gets back its ranks' results in the same form.
 Kernels are compiled once per (group, op, static arguments, shapes, dtypes) and cached.
+
+With one rank here (the *flat* path) the kernel takes and returns per-rank arrays: the call
+costs one device dispatch, the kernel, and no copy in or out.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ except ImportError:  # pragma: no cover (JAX moved it: the public function is us
 __all__ = ["run_eager", "local_count", "holds_every_member", "clear_kernel_cache"]
 
 _kernels: dict[tuple, Callable[..., Any]] = {}
-# flat kernel key -> (kernel, per-output "is 0-d", fingerprint, group size)
-_flat: dict[tuple, tuple[Callable[..., Any], list[bool], tuple, int]] = {}
-# group.id -> (ranks of the family held here, whether that is all of them, input sharding):
-# fixed for a group's lifetime, and computed once so a small eager call costs little.
+# flat (one rank here) kernel key -> (kernel, fingerprint, family size, input shardings)
+_flat: dict[tuple, tuple[Callable[..., Any], tuple, int, list[NamedSharding]]] = {}
+# group.id -> (ranks of the family held here, whether that is all of them, input sharding,
+# this process's first device): fixed for a group's lifetime, and computed once so a small
+# eager call costs little.
 _plans: dict[int, tuple[int, bool, NamedSharding, Any]] = {}
 
 
@@ -154,15 +158,12 @@ def _compile_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any
              for shape, dtype in sig]
     shapes = jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=in_specs,
                                           out_specs=P(axis), check_vma=False), *avals)
-    leaves, tree = jax.tree.flatten(shapes)
-    scalar_out = [a.ndim == 1 for a in leaves]
-    out_specs = jax.tree.unflatten(tree, [P() if s else P(axis) for s in scalar_out])
+    out_specs = jax.tree.map(lambda a: P() if a.ndim == 1 else P(axis), shapes)
     kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs,
                                    out_specs=out_specs, check_vma=False))
     fingerprint = (api, static_key,
                    tuple((n, tuple(shape), str(dtype)) for n, (shape, dtype) in zip(names, sig)))
-    in_shardings = [NamedSharding(mesh, spec) for spec in in_specs]
-    return kernel, scalar_out, fingerprint, k, in_shardings
+    return kernel, fingerprint, k, [NamedSharding(mesh, spec) for spec in in_specs]
 
 
 def _run_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
@@ -192,7 +193,7 @@ def _run_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
     entry = _flat.get(key)
     if entry is None:
         entry = _flat[key] = _compile_flat(group, api, static_key, body, names, sig)
-    kernel, scalar_out, fingerprint, k, in_shardings = entry
+    kernel, fingerprint, k, in_shardings = entry
     if k > 1:
         blocks = [_global_from_block((k * b.shape[0], *b.shape[1:]) if b.shape else (), sh, b)
                   for b, sh in zip(blocks, in_shardings)]

@@ -247,9 +247,13 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -
         if entry is not None:
             entry.failed = True
         ranks = _missing_ranks(group, seq, grace=1.0)
+        hint = "" if ranks else (
+            " (all arrived: a peer died during the collective; if every rank is alive, or a "
+            "peer aborted in gloo with 'Received data size doesn't match', the ranks may have "
+            "called different collectives or shapes: rerun with JAXPG_DEBUG=DETAIL)")
         raise DistNetworkError(
             f"{api} on group {group.group_name!r} (sequence number {seq}) failed: {err}; "
-            f"ranks that did not arrive: {ranks}."
+            f"ranks that did not arrive: {ranks}{hint}."
         ) from err
     leaves = jax.tree.leaves(out)
     if leaves and isinstance(leaves[0], jax.Array):

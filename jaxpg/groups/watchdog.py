@@ -91,7 +91,8 @@ class _Watchdog:
 
     _PERIOD = 0.02
 
-    def __init__(self) -> None:
+    def __init__(self, autostart: bool = True) -> None:
+        self._autostart = autostart  # False: no thread; ``_check`` is called by hand (tests)
         self._pending: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -100,7 +101,7 @@ class _Watchdog:
     def watch(self, deadline: float, describe: Callable[[], str]) -> Outstanding:
         entry = Outstanding(deadline, describe)
         self._pending.append(entry)
-        if self._thread is None:
+        if self._thread is None and self._autostart:
             with self._lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="jaxpg-watchdog",
@@ -140,7 +141,6 @@ class _Watchdog:
             text = describe()
         except Exception as err:  # noqa: BLE001 (say what we know, then still tear down)
             text = f"a collective timed out (its description failed: {err!r})"
-        self.fired = text
         tear_down = _tears_down()
         print(f"[jaxpg watchdog] DistTimeoutError: {text}"
               + (" Ending the process (JAXPG_ASYNC_ERROR_HANDLING=0 keeps it running; "
@@ -148,6 +148,7 @@ class _Watchdog:
               file=sys.stderr, flush=True)
         if tear_down:
             os._exit(WATCHDOG_EXIT_CODE)
+        self.fired = text  # last: a test that waits for it has seen the whole firing
 
 
 _watchdog = _Watchdog()

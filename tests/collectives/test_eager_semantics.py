@@ -39,7 +39,7 @@ class _NeverReady:
 
 def test_watchdog_fires_once_the_deadline_passes_and_skips_finished_work(monkeypatch):
     monkeypatch.setenv("JAXPG_ASYNC_ERROR_HANDLING", "0")  # print, do not end pytest
-    dog = watchdog._Watchdog()
+    dog = watchdog._Watchdog(autostart=False)
     done = dog.watch(time.monotonic() - 1.0, lambda: "finished one")
     done.array = jnp.ones(2)
     late = dog.watch(time.monotonic() - 1.0, lambda: "all_reduce on group 'WORLD' (seq 7)")
@@ -53,7 +53,7 @@ def test_watchdog_fires_once_the_deadline_passes_and_skips_finished_work(monkeyp
 
 def test_watchdog_watches_a_dispatch_that_never_returns(monkeypatch):
     monkeypatch.setenv("JAXPG_ASYNC_ERROR_HANDLING", "0")
-    dog = watchdog._Watchdog()
+    dog = watchdog._Watchdog(autostart=False)
     dog.watch(time.monotonic() - 1.0, lambda: "stuck in dispatch")  # no array yet
     dog._check()
     assert dog.fired == "stuck in dispatch"
