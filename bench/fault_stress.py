@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--coordinator", default="launcher", choices=("launcher", "rank0"),
                    help="rank0: the baseline, rank 0's worker hosts the service")
     p.add_argument("--loads", default="0,1", help="0 without load, 1 with two busy loops")
+    p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         _, reference, _ = run(Path(d), "none", 0)
@@ -97,7 +98,7 @@ def main() -> None:
             for s in spinners:
                 s.kill()
                 s.wait()
-    suffix = "" if args.coordinator == "launcher" else f"_{args.coordinator}"
+    suffix = ("" if args.coordinator == "launcher" else f"_{args.coordinator}") + args.tag
     out = ROOT / "bench" / "results" / f"fault_stress{suffix}.json"
     out.write_text(json.dumps({"machine": "2 shared CPU cores (other benchmarks running)",
                                "steps": STEPS, "rows": rows}, indent=1))
