@@ -14,13 +14,15 @@ together) and the barriers between attempts.
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
 import uuid
 from typing import Any
 
-__all__ = ["LocalNodes", "NodeChannel", "WorkerCoordinator"]
+__all__ = ["LocalNodes", "NodeChannel", "PortInUseError", "WorkerCoordinator"]
 
-# Heartbeats of the launchers among themselves (several nodes): a launcher silent this long
-# counts as lost.
+# Heartbeat timeout of the launchers among themselves (several nodes).
 AGENT_HEARTBEAT_S = 30
 
 
@@ -34,18 +36,24 @@ def _jaxlib() -> Any:
     return jaxlib_jax
 
 
+def _probe(port: int) -> None:
+    """Binds ``port`` on all interfaces for a moment; raises OSError if it is taken."""
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        where: tuple = ("::", port)
+    except OSError:  # no IPv6 on this machine
+        probe, where = socket.socket(socket.AF_INET), ("0.0.0.0", port)
+    with probe:
+        probe.bind(where)
+
+
 def _start_service(address: str, num_nodes: int, heartbeat_timeout: int) -> Any:
     """A recoverable coordination service at ``address``, started without its log line
     ("Using experimental recoverable task feature ...") on the launcher's stderr; a failure
     still raises, with its message."""
-    import os
-    import socket
-    import sys
-
     port = int(address.rpartition(":")[2])
     try:  # jaxlib's service crashes the process (SIGSEGV) on a port in use: check first
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::", port))
+        _probe(port)
     except OSError as err:
         raise PortInUseError(
             f"port {port} is in use on this machine ({err.strerror}), so the coordination "
