@@ -87,9 +87,12 @@ def _watch(group: WorkerGroup, nodes, attempt: int) -> tuple[str | None, int]:
     next_remote = 0.0
     while True:
         failed = group.failed()
-        if failed is not None:
-            rank, rc = failed
+        if failed:
+            rank, rc = failed[0]
             message = _describe(rank, rc)
+            if len(failed) > 1:
+                message += " (also failed: " + ", ".join(
+                    f"rank {r} with code {c}" for r, c in failed[1:]) + ")"
             nodes.report_failure(attempt, message)
             return message, _exit_code(rc)
         if not reported and group.all_succeeded():
