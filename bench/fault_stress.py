@@ -31,7 +31,7 @@ CASES = {  # fault -> the launcher's words for the lost rank
     "killbefore:0:2": "rank 0 exited with code -9",
     "killduring:0:2": "rank 0 exited with code -9",
     "ckpt:0:3": "rank 0 exited with code -9",
-    "raise:1:2": "rank 1 exited with code 1",
+    "raise:1:2": "rank 1 ",  # "rank 1 exited with code 1", or listed as "rank 1 with code 1"
     "stop:0:3": "ranks that did not arrive: [0]",
 }
 CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called")
