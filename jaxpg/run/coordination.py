@@ -14,9 +14,11 @@ together) and the barriers between attempts.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -102,6 +104,9 @@ class LocalNodes:
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self._failure: dict[int, str] = {}
 
+    def agree(self, settings: dict[str, int]) -> None:
+        pass
+
     def publish_port(self, attempt: int, port: int) -> None:
         pass
 
@@ -156,6 +161,31 @@ class NodeChannel:
             self._client.key_value_set("run_id", run_id or uuid.uuid4().hex[:12])
         self.run_id = self._client.blocking_key_value_get("run_id", self._timeout_ms)
 
+    def agree(self, settings: dict[str, int]) -> None:
+        """Checks that this node's ``settings`` equal node 0's (``--nproc-per-node``,
+        ``--max-restarts``: ranks and restarts must be the same on every node).
+
+        Raises:
+            ValueError: naming the setting that differs.
+        """
+        if self.node_rank == 0:
+            self._client.key_value_set("settings", json.dumps(settings, sort_keys=True))
+        else:
+            theirs = json.loads(self._client.blocking_key_value_get("settings",
+                                                                    self._timeout_ms))
+            for name, value in settings.items():
+                if theirs.get(name) != value:
+                    self._client.key_value_set(
+                        f"disagreement/{self.node_rank}",
+                        f"{name} is {value} on node {self.node_rank} but {theirs.get(name)} on "
+                        "node 0; start every node with the same value",
+                    )
+                    break
+        self.barrier("settings")  # every node learns of a disagreement, node 0 included
+        found = self._client.key_value_dir_get("disagreement/")
+        if found:
+            raise ValueError(found[0][1])
+
     def publish_port(self, attempt: int, port: int) -> None:
         self._client.key_value_set(f"attempt/{attempt}/port", str(port))
 
@@ -191,9 +221,13 @@ class NodeChannel:
         self._client.wait_at_barrier(name, self._timeout_ms)
 
     def close(self) -> None:
+        """Leaves together: a barrier, then each launcher's client, then node 0's service
+        (a client whose service vanishes is ended by JAX with a C++ fatal error)."""
         try:
-            self.barrier("close")
-        finally:
-            self._client.shutdown()
-            if self._service is not None:
-                self._service.shutdown()
+            self._client.wait_at_barrier("close", 30_000)
+        except Exception:
+            pass
+        self._client.shutdown()
+        if self._service is not None:
+            time.sleep(1.0)  # the others' shutdown calls are in flight
+            self._service.shutdown()
