@@ -87,9 +87,12 @@ def _watch(group: WorkerGroup, nodes, attempt: int) -> tuple[str | None, int]:
     next_remote = 0.0
     while True:
         failed = group.failed()
-        if failed is not None:
-            rank, rc = failed
+        if failed:
+            rank, rc = failed[0]
             message = _describe(rank, rc)
+            if len(failed) > 1:
+                message += " (also failed: " + ", ".join(
+                    f"rank {r} with code {c}" for r, c in failed[1:]) + ")"
             nodes.report_failure(attempt, message)
             return message, _exit_code(rc)
         if not reported and group.all_succeeded():
@@ -115,12 +118,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     group: WorkerGroup | None = None
     coordinator: WorkerCoordinator | None = None
+    nodes: LocalNodes | NodeChannel | None = None
     try:
         if args.nnodes > 1:
             nodes = NodeChannel(args.master_addr, args.master_port, args.nnodes, args.node_rank,
                                 args.rdzv_id)
         else:
             nodes = LocalNodes(args.rdzv_id)
+        nodes.agree({"--nproc-per-node": args.nproc_per_node,
+                     "--max-restarts": args.max_restarts})
         for attempt in range(args.max_restarts + 1):
             if args.node_rank == 0:
                 fixed = attempt == 0 and args.nnodes == 1 and args.master_port is not None
@@ -165,6 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:
         _say(f"could not start {_command(args)[0]!r}: {err}")
         code = 1
+    except ValueError as err:  # the nodes disagree on a setting
+        _say(str(err))
+        if nodes is not None:
+            nodes.close()
+        code = 2
     except RuntimeError as err:  # jaxlib's errors from the launchers' coordination service
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         _say(f"lost the coordination between the launchers: {text}; stopping all workers")

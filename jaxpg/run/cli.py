@@ -27,7 +27,8 @@ def _positive_int(name: str, minimum: int = 1):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxpg-run",
-        description="Start several JAX processes on this machine, like torchrun.",
+        description="Start several JAX processes on this node (one launcher per node), like "
+                    "torchrun; restart them together on failure.",
     )
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive_int("--nproc-per-node"),
                    default=1, help="worker processes on this node (default 1)")

@@ -14,13 +14,17 @@ together) and the barriers between attempts.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import sys
+import time
 import uuid
 from typing import Any
 
-__all__ = ["LocalNodes", "NodeChannel", "WorkerCoordinator"]
+__all__ = ["LocalNodes", "NodeChannel", "PortInUseError", "WorkerCoordinator"]
 
-# Heartbeats of the launchers among themselves (several nodes): a launcher silent this long
-# counts as lost.
+# Heartbeat timeout of the launchers among themselves (several nodes).
 AGENT_HEARTBEAT_S = 30
 
 
@@ -34,18 +38,24 @@ def _jaxlib() -> Any:
     return jaxlib_jax
 
 
+def _probe(port: int) -> None:
+    """Binds ``port`` on all interfaces for a moment; raises OSError if it is taken."""
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        where: tuple = ("::", port)
+    except OSError:  # no IPv6 on this machine
+        probe, where = socket.socket(socket.AF_INET), ("0.0.0.0", port)
+    with probe:
+        probe.bind(where)
+
+
 def _start_service(address: str, num_nodes: int, heartbeat_timeout: int) -> Any:
     """A recoverable coordination service at ``address``, started without its log line
     ("Using experimental recoverable task feature ...") on the launcher's stderr; a failure
     still raises, with its message."""
-    import os
-    import socket
-    import sys
-
     port = int(address.rpartition(":")[2])
     try:  # jaxlib's service crashes the process (SIGSEGV) on a port in use: check first
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::", port))
+        _probe(port)
     except OSError as err:
         raise PortInUseError(
             f"port {port} is in use on this machine ({err.strerror}), so the coordination "
@@ -93,6 +103,9 @@ class LocalNodes:
     def __init__(self, run_id: str | None):
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self._failure: dict[int, str] = {}
+
+    def agree(self, settings: dict[str, int]) -> None:
+        pass
 
     def publish_port(self, attempt: int, port: int) -> None:
         pass
@@ -148,6 +161,31 @@ class NodeChannel:
             self._client.key_value_set("run_id", run_id or uuid.uuid4().hex[:12])
         self.run_id = self._client.blocking_key_value_get("run_id", self._timeout_ms)
 
+    def agree(self, settings: dict[str, int]) -> None:
+        """Checks that this node's ``settings`` equal node 0's (``--nproc-per-node``,
+        ``--max-restarts``: ranks and restarts must be the same on every node).
+
+        Raises:
+            ValueError: naming the setting that differs.
+        """
+        if self.node_rank == 0:
+            self._client.key_value_set("settings", json.dumps(settings, sort_keys=True))
+        else:
+            theirs = json.loads(self._client.blocking_key_value_get("settings",
+                                                                    self._timeout_ms))
+            for name, value in settings.items():
+                if theirs.get(name) != value:
+                    self._client.key_value_set(
+                        f"disagreement/{self.node_rank}",
+                        f"{name} is {value} on node {self.node_rank} but {theirs.get(name)} on "
+                        "node 0; start every node with the same value",
+                    )
+                    break
+        self.barrier("settings")  # every node learns of a disagreement, node 0 included
+        found = self._client.key_value_dir_get("disagreement/")
+        if found:
+            raise ValueError(found[0][1])
+
     def publish_port(self, attempt: int, port: int) -> None:
         self._client.key_value_set(f"attempt/{attempt}/port", str(port))
 
@@ -183,9 +221,13 @@ class NodeChannel:
         self._client.wait_at_barrier(name, self._timeout_ms)
 
     def close(self) -> None:
+        """Leaves together: a barrier, then each launcher's client, then node 0's service
+        (a client whose service vanishes is ended by JAX with a C++ fatal error)."""
         try:
-            self.barrier("close")
-        finally:
-            self._client.shutdown()
-            if self._service is not None:
-                self._service.shutdown()
+            self._client.wait_at_barrier("close", 30_000)
+        except Exception:
+            pass
+        self._client.shutdown()
+        if self._service is not None:
+            time.sleep(1.0)  # the others' shutdown calls are in flight
+            self._service.shutdown()

@@ -92,13 +92,15 @@ class WorkerGroup:
                 t.start()
                 self.threads.append(t)
 
-    def failed(self) -> tuple[int, int] | None:
-        """The first ``(global rank, exit code)`` of a worker that failed, if any."""
+    def failed(self) -> list[tuple[int, int]]:
+        """``(global rank, exit code)`` of every worker that has failed, signal deaths first
+        (when a rank is killed its peers often fail right after it, in the same poll)."""
+        out = []
         for local_rank, p in enumerate(self.procs):
             rc = p.poll()
             if rc is not None and rc != 0:
-                return self.first_rank + local_rank, rc
-        return None
+                out.append((self.first_rank + local_rank, rc))
+        return sorted(out, key=lambda item: item[1] >= 0)
 
     def all_succeeded(self) -> bool:
         return all(p.poll() == 0 for p in self.procs)

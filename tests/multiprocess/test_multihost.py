@@ -87,14 +87,14 @@ def test_two_hosts_run_every_collective_through_gloo():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_hosts_restart_together_after_a_failure_on_one():
+def test_two_hosts_restart_together_after_a_failure_on_one(tmp_path):
     reason = why_no_namespaces()
     if reason is not None:
         print(f"skipping the two-host restart test: {reason}")
         pytest.skip(f"cannot make network namespaces: {reason}")
     with two_hosts() as hosts:
         procs = [_launch(ns, i, 29612, ["--max-restarts", "1", "--grace-period", "1"],
-                         WORKERS / "fail_first_attempt.py", "1", SLEEP_S="4")
+                         WORKERS / "fail_first_attempt.py", str(tmp_path), "1", SLEEP_S="4")
                  for i, ns in enumerate(hosts)]
         outputs = []
         try:
@@ -121,3 +121,21 @@ def test_two_hosts_restart_together_after_a_failure_on_one():
     assert {e["MASTER_PORT"] for e in envs if e["TORCHELASTIC_RESTART_COUNT"] == "0"} != {
         e["MASTER_PORT"] for e in envs if e["TORCHELASTIC_RESTART_COUNT"] == "1"}
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_hosts_must_agree_on_their_settings(tmp_path):
+    reason = why_no_namespaces()
+    if reason is not None:
+        print(f"skipping: {reason}")
+        pytest.skip(f"cannot make network namespaces: {reason}")
+    with two_hosts() as hosts:
+        procs = [_launch(ns, i, 29614, ["--max-restarts", str(i)],
+                         WORKERS / "fail_first_attempt.py", str(tmp_path))
+                 for i, ns in enumerate(hosts)]
+        outputs = [p.communicate(timeout=90) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 2, err
+        assert "--max-restarts is 1 on node 1 but 0 on node 0" in err
+        assert "ENV" not in out  # no worker started
