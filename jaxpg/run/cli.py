@@ -27,6 +27,8 @@ def _positive_int(name: str, minimum: int = 1):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxpg-run",
+        # A script's own option that is a prefix of a launcher flag (``--n``) is the script's.
+        allow_abbrev=False,
         description="Start several JAX processes on this node (one launcher per node), like "
                     "torchrun; restart them together on failure.",
     )

@@ -67,6 +67,15 @@ def test_worker_env_replaces_the_device_count_and_shares_gpus():
     assert "GLIBC_TUNABLES" not in env  # GPU workers keep the allocator as it is
 
 
+def test_script_options_that_prefix_launcher_flags_stay_the_scripts():
+    from jaxpg.run.cli import parse_args
+
+    args = parse_args(["--nproc-per-node", "2", "train.py", "--n", "2", "--nproc", "3"])
+    assert args.nproc_per_node == 2
+    assert args.training_script == "train.py"
+    assert args.training_script_args == ["--n", "2", "--nproc", "3"]
+
+
 def test_prefix_goes_before_every_line_and_redraw():
     p = Prefixer(b"[rank 0] ")
     chunks = [b"\r 10%|#", b"#  |\r 20%", b"|\nhello\nwor", b"ld\n", b"\r\n"]
