@@ -120,6 +120,8 @@ def child(args: argparse.Namespace) -> None:
         if hasattr(r, "block_until_ready"):
             r.block_until_ready()
 
+    if args.only:
+        fns = {k: fns[k] for k in args.only.split(",")}
     for f in fns.values():
         dist.barrier()
         block(f())
@@ -173,11 +175,14 @@ def launch(name: str, over: dict[str, str], args: argparse.Namespace, tmp: str) 
     for k in ("LD_PRELOAD", "GLIBC_TUNABLES"):
         env.pop(k, None)
     env.update(over)
+    perf = (["perf", "record", "-q", "-e", "cpu-clock", "-F", "2000", "-g", "-o"]
+            if args.perf_dir else [])
     procs = [subprocess.Popen(
-        [sys.executable, __file__, "--child", "--rank", str(r), "--nprocs", str(args.nprocs),
+        (perf + [os.path.join(args.perf_dir, f"{name}.rank{r}.perf.data")] if perf else [])
+        + [sys.executable, __file__, "--child", "--rank", str(r), "--nprocs", str(args.nprocs),
          "--size", str(args.size), "--iters", str(args.iters), "--inner-rounds",
          str(args.inner_rounds), "--jax-port", str(jax_port), "--torch-port",
-         str(torch_port), "--child-out", out], env=env) for r in range(args.nprocs)]
+         str(torch_port), "--child-out", out, "--only", args.only], env=env) for r in range(args.nprocs)]
     codes = [p.wait(timeout=args.timeout) for p in procs]
     if any(codes) or not os.path.exists(out):
         raise SystemExit(f"variant {name}: children failed ({codes})")
@@ -203,6 +208,9 @@ def main() -> None:
     p.add_argument("--variants", default="", help="comma-separated subset of env variants")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default="")
+    p.add_argument("--only", default="", help="comma-separated subset of in-process variants")
+    p.add_argument("--perf-dir", default="",
+                   help="profile every child with `perf record -e cpu-clock -g` into this dir")
     p.add_argument("--child", action="store_true")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--jax-port", type=int, default=0)
@@ -240,11 +248,12 @@ def main() -> None:
     summary = {}
     for name in names:
         vs = runs[name][0]["variants"].keys()
+        has_torch = "torch" in vs
         row = {}
         for v in vs:
             times = [x["variants"][v]["time_us"] for x in runs[name]]
             ratios = [x["variants"]["torch"]["time_us"] / x["variants"][v]["time_us"]
-                      for x in runs[name]]
+                      if has_torch else float("nan") for x in runs[name]]
             row[v] = {
                 "time_us": statistics.median(times),
                 "busbw_GBps": busbw(statistics.median(times)),
