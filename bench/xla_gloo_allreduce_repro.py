@@ -182,7 +182,8 @@ def launch(name: str, over: dict[str, str], args: argparse.Namespace, tmp: str) 
         + [sys.executable, __file__, "--child", "--rank", str(r), "--nprocs", str(args.nprocs),
          "--size", str(args.size), "--iters", str(args.iters), "--inner-rounds",
          str(args.inner_rounds), "--jax-port", str(jax_port), "--torch-port",
-         str(torch_port), "--child-out", out, "--only", args.only], env=env) for r in range(args.nprocs)]
+         str(torch_port), "--child-out", out, "--only", args.only], env=env)
+        for r in range(args.nprocs)]
     codes = [p.wait(timeout=args.timeout) for p in procs]
     if any(codes) or not os.path.exists(out):
         raise SystemExit(f"variant {name}: children failed ({codes})")

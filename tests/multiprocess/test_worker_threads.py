@@ -49,7 +49,8 @@ def test_the_users_thread_settings_win_and_gpu_or_single_workers_are_not_pinned(
 def test_a_started_worker_runs_on_its_slice(tmp_path, capfd):
     cpus = sorted(os.sched_getaffinity(0))
     got = envs(dict(os.environ), 2)
-    probe = "import os; print('CPUS', sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])"
+    probe = ("import os; "
+             "print('CPUS', sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])")
     group = WorkerGroup([sys.executable, "-c", probe], got, first_rank=0, console_ranks={0, 1},
                         tee_masks=[0, 0], redirect_masks=[0, 0], log_dir=None)
     try:
