@@ -193,6 +193,31 @@ def launch(name: str, over: dict[str, str], args: argparse.Namespace, tmp: str) 
     return res
 
 
+KEY_SYMBOLS = {
+    "__memmove_avx512_unaligned_erms": "memcpy (user space)",
+    "gloo::sum<float>": "gloo's reduction (gloo::sum)",
+    "_copy_to_iter": "socket receive copies (kernel)",
+    "_copy_from_iter": "socket send copies (kernel)",
+    "exc_page_fault": "page faults (kernel entry)",
+    "clear_page_erms": "zeroing new pages (kernel)",
+}
+
+
+def perf_per_call(data: str, calls: int, hz: int = 2000) -> dict[str, float]:
+    """CPU ms per call in the key symbols of one ``perf record`` file (all threads)."""
+    rep = subprocess.run(["perf", "report", "-i", data, "-n", "--no-children", "--sort",
+                          "sym", "--stdio", "-g", "none"], capture_output=True, text=True)
+    out = {}
+    for line in rep.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and not line.startswith("#") and parts[1].isdigit():
+            sym = " ".join(parts[3:])
+            for key, label in KEY_SYMBOLS.items():
+                if sym.startswith(key):
+                    out[label] = out.get(label, 0.0) + int(parts[1]) * 1e3 / hz / calls
+    return out
+
+
 def parse_size(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -287,6 +312,14 @@ def main() -> None:
                    "processes (busbw ratio), median over launches"),
         "summary": summary, "runs": runs, "wall_s": time.perf_counter() - t0,
     }
+    if args.perf_dir:  # the profiles of the last round, rank 0; all samples / timed calls
+        calls = args.inner_rounds * args.iters + 2
+        result["perf_cpu_ms_per_call_rank0"] = {
+            name: perf_per_call(os.path.join(args.perf_dir, f"{name}.rank0.perf.data"), calls)
+            for name in names}
+        result["perf_note"] = ("perf record -e cpu-clock -F 2000 -g on each child (no hardware "
+                               "counters in this VM); CPU ms per call = samples x 0.5 ms / "
+                               "calls, all threads; start-up samples are in other symbols")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
