@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
 
 from jaxpg.run import worker_env
 from jaxpg.run.env import AFFINITY_VAR, cpu_slice
-from jaxpg.run.workers import WorkerGroup
 
 COMMON = dict(world_size=4, node_rank=0, master_addr="127.0.0.1", master_port=1)
 
@@ -45,21 +45,21 @@ def test_the_users_thread_settings_win_and_gpu_or_single_workers_are_not_pinned(
         envs({AFFINITY_VAR: "x"}, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="CPU affinity is Linux-only")
-def test_a_started_worker_runs_on_its_slice(tmp_path, capfd):
+def test_a_started_worker_runs_on_its_slice(tmp_path):
+    # through the launcher in a subprocess: forking this (JAX-threaded) pytest process for
+    # the pre-exec hook would warn
     cpus = sorted(os.sched_getaffinity(0))
-    got = envs(dict(os.environ), 2)
-    probe = ("import os; "
-             "print('CPUS', sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])")
-    group = WorkerGroup([sys.executable, "-c", probe], got, first_rank=0, console_ranks={0, 1},
-                        tee_masks=[0, 0], redirect_masks=[0, 0], log_dir=None)
-    try:
-        for p in group.procs:
-            assert p.wait(timeout=60) == 0
-        group.join_output()
-    finally:
-        group.stop(0.0)
-    out = capfd.readouterr().out
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os\n"
+        "print('CPUS', sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (AFFINITY_VAR, "OMP_NUM_THREADS")}
+    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", str(probe)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
     for r in range(2):
         mine = cpu_slice(r, 2, cpus)
-        assert f"[rank {r}] CPUS {mine} {len(mine)}" in out, out
+        assert f"[rank {r}] CPUS {mine} {len(mine)}" in out.stdout, out.stdout + out.stderr
