@@ -6,7 +6,10 @@ import os
 import re
 from collections.abc import Sequence
 
-__all__ = ["visible_gpus", "worker_env"]
+__all__ = ["AFFINITY_VAR", "cpu_slice", "visible_gpus", "worker_env"]
+
+AFFINITY_VAR = "JAXPG_CPU_AFFINITY"
+"""The CPUs (``"0,1"``) the launcher pins a CPU worker to, or ``none`` to leave it unpinned."""
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 _GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
@@ -21,6 +24,55 @@ def visible_gpus() -> list[str]:
         return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
     except OSError:
         return []
+
+
+def cpu_slice(local_rank: int, local_world_size: int, cpus: Sequence[int]) -> list[int]:
+    """This local rank's share of ``cpus``: contiguous equal slices, or one CPU, shared
+    round-robin, when there are fewer CPUs than workers."""
+    cpus = sorted(cpus)
+    if len(cpus) < local_world_size:
+        return [cpus[local_rank % len(cpus)]]
+    per = len(cpus) // local_world_size
+    return cpus[local_rank * per : (local_rank + 1) * per]
+
+
+def _cpu_threads(env: dict[str, str], local_rank: int, local_world_size: int) -> None:
+    """Per-worker thread settings of a CPU worker; the user's settings win.
+
+    XLA:CPU sizes its intra-op thread pool from the CPUs the process may run on; in jax
+    0.10.2 neither ``OMP_NUM_THREADS`` nor ``--xla_cpu_multi_thread_eigen=false`` changes
+    it (docs/design.md, "CPU all_reduce: where the time goes"). So the launcher pins each
+    worker to its slice of the CPUs (applied in the child before exec) and sets
+    ``OMP_NUM_THREADS`` to the slice's size for torch/numpy/BLAS code in the worker, as
+    torchrun sets it for its workers.
+    """
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    mine = cpu_slice(local_rank, local_world_size, cpus)
+    env.setdefault("OMP_NUM_THREADS", str(len(mine)))
+    if env.get(AFFINITY_VAR) is None and local_world_size > 1:
+        env[AFFINITY_VAR] = ",".join(map(str, mine))
+    affinity_of(env)  # a bad user value fails here, before any worker starts
+
+
+def affinity_of(env: dict[str, str]) -> list[int] | None:
+    """The CPUs ``env`` asks the worker to be pinned to (None: leave it unpinned).
+
+    Raises:
+        ValueError: ``JAXPG_CPU_AFFINITY`` is neither ``none`` nor a list of CPU numbers.
+    """
+    value = env.get(AFFINITY_VAR, "").strip()
+    if not value or value.lower() == "none":
+        return None
+    try:
+        return [int(c) for c in value.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(
+            f"{AFFINITY_VAR}={value!r}: expected CPU numbers like '0,1' or 'none' "
+            "(to leave the workers unpinned)"
+        ) from None
 
 
 def worker_env(
@@ -98,4 +150,5 @@ def worker_env(
         # ~35 ms). Keeping big blocks in the heap made 16 MB reduce_scatter 2-3x faster
         # (bench/results/collectives_mp.json, allocator_experiment). The user's setting wins.
         env.setdefault("GLIBC_TUNABLES", _GLIBC_TUNABLES)
+        _cpu_threads(env, local_rank, local_world_size)
     return env

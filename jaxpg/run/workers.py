@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from jaxpg.run.env import affinity_of
 from jaxpg.run.output import consoles, pump
 
 __all__ = ["WorkerGroup"]
@@ -24,6 +25,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+def _pinned_preexec(cpus: list[int] | None):
+    """The child's pre-exec hook: die with the parent, and pin to ``cpus`` when given."""
+
+    def hook() -> None:
+        _die_with_parent()
+        if cpus:
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError:
+                pass  # CPUs outside this machine's set: leave the worker unpinned
+
+    return hook
 
 
 class WorkerGroup:
@@ -64,7 +79,8 @@ class WorkerGroup:
                     stdout=outs[0][1],
                     stderr=outs[1][1],
                     process_group=0,
-                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                    preexec_fn=(_pinned_preexec(affinity_of(env))
+                                if sys.platform == "linux" else None),
                 )
             except OSError:
                 for r, _ in outs:

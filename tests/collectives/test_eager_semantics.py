@@ -49,6 +49,7 @@ def test_watchdog_fires_once_the_deadline_passes_and_skips_finished_work(monkeyp
     dog._check()
     assert dog.fired == "all_reduce on group 'WORLD' (seq 7)"
     assert list(dog._pending) == [future]  # the finished and the fired ones are gone
+    dog.forget()  # else its thread fires "not yet" 60 s later, unpatched, and ends pytest
 
 
 def test_watchdog_watches_a_dispatch_that_never_returns(monkeypatch):

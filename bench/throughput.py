@@ -1,0 +1,167 @@
+"""CPU multi-process throughput: jaxpg against torch gloo, each in the same processes.
+
+For each N (``--nprocs``) and each worker placement (``slice``: jaxpg-run's default, every
+CPU worker pinned to its slice of the CPUs; ``none``: ``JAXPG_CPU_AFFINITY=none``,
+``OMP_NUM_THREADS`` = cores / N, unpinned), round by round in a rotating order:
+
+* ``bench/collectives_mp.py`` at 16 MB, all_reduce only: jaxpg's eager all_reduce, torch
+  gloo's and XLA's jitted psum in the same processes (busbw, median over its rounds);
+* ``bench/_throughput_ddp_worker.py``: torch DDP and jaxpg DDP on the 25M-parameter MLP in
+  the same processes, plus the local compute alone and a 100 MB all-reduce alone (the
+  overlap figure).
+
+Ratios are taken inside one launch (same processes, interleaved), then the median over
+rounds is reported. The machine is 2 cores shared with other jobs: read ratios, not
+absolute figures.
+
+    python bench/throughput.py                         # N = 2, 3 rounds, ~10 min
+    python bench/throughput.py --nprocs 2,4 --rounds 2
+
+Writes ``bench/results/throughput.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PLACEMENTS = ("slice", "none")
+
+
+def env_for(placement: str, n: int) -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAXPG_CPU_AFFINITY", None)
+    env.pop("OMP_NUM_THREADS", None)
+    if placement == "none":
+        env["JAXPG_CPU_AFFINITY"] = "none"
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    return env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_allreduce(n: int, placement: str, rounds: int, tmp: str) -> dict:
+    out = os.path.join(tmp, f"ar_{n}_{placement}.json")
+    cmd = [sys.executable, str(ROOT / "bench" / "collectives_mp.py"), "--nprocs", str(n),
+           "--min-size", "16M", "--max-size", "16M", "--ops", "all_reduce",
+           "--no-breakdown", "--rounds", str(rounds), "--out", out]
+    subprocess.run(cmd, env=env_for(placement, n), cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    row = json.loads(Path(out).read_text())["rows"][0]
+    b = row["busbw_GBps"]
+    return {"busbw_GBps": b, "jaxpg_over_torch": b["jaxpg"] / b["torch"],
+            "xla_over_torch": b["xla"] / b["torch"]}
+
+
+def run_ddp(n: int, placement: str, steps: int, tmp: str) -> dict:
+    out = os.path.join(tmp, f"ddp_{n}_{placement}.json")
+    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(n),
+           str(ROOT / "bench" / "_throughput_ddp_worker.py"), "--torch-port",
+           str(free_port()), "--steps", str(steps), "--warmup", "2", "--out", out]
+    proc = subprocess.run(cmd, env=env_for(placement, n), cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise SystemExit(f"DDP N={n} {placement} failed:\n{proc.stdout[-3000:]}"
+                         f"{proc.stderr[-3000:]}")
+    return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nprocs", default="2")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ar-rounds", type=int, default=5, help="rounds inside collectives_mp")
+    p.add_argument("--ddp-steps", type=int, default=6)
+    p.add_argument("--placements", default=",".join(PLACEMENTS))
+    p.add_argument("--skip-ddp", action="store_true")
+    p.add_argument("--out", default=str(RESULTS / "throughput.json"))
+    args = p.parse_args()
+    placements = args.placements.split(",")
+    ns = [int(x) for x in args.nprocs.split(",")]
+    runs: dict[str, dict[str, list]] = {}
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for n in ns:
+                order = placements[r % len(placements):] + placements[: r % len(placements)]
+                for pl in order:
+                    key = f"{n}/{pl}"
+                    runs.setdefault(key, {"allreduce": [], "ddp": []})
+                    ar = run_allreduce(n, pl, args.ar_rounds, tmp)
+                    runs[key]["allreduce"].append(ar)
+                    msg = (f"round {r} N={n} {pl:5s} all_reduce 16MB jaxpg/torch "
+                           f"{ar['jaxpg_over_torch']:.2f}x xla/torch {ar['xla_over_torch']:.2f}x")
+                    if not args.skip_ddp:
+                        d = run_ddp(n, pl, args.ddp_steps, tmp)
+                        runs[key]["ddp"].append(d)
+                        msg += (f" | DDP jaxpg/torch {d['jaxpg_over_torch_samples']:.2f}x "
+                                + " ".join(f"{k}={v:.0f}ms" for k, v in d["step_ms"].items()))
+                    print(msg, flush=True)
+    summary = {}
+    for key, rs in runs.items():
+        ar = rs["allreduce"]
+        s = {
+            "allreduce_16MB_busbw_jaxpg_over_torch": statistics.median(
+                x["jaxpg_over_torch"] for x in ar),
+            "allreduce_16MB_busbw_xla_over_torch": statistics.median(
+                x["xla_over_torch"] for x in ar),
+            "allreduce_16MB_busbw_GBps": {v: statistics.median(x["busbw_GBps"][v] for x in ar)
+                                          for v in ("jaxpg", "torch", "xla")},
+        }
+        if rs["ddp"]:
+            d = rs["ddp"]
+            s["ddp_samples_jaxpg_over_torch"] = statistics.median(
+                x["jaxpg_over_torch_samples"] for x in d)
+            s["ddp_step_ms"] = {v: statistics.median(x["step_ms"][v] for x in d)
+                                for v in d[0]["step_ms"]}
+            s["ddp_samples_per_s"] = {v: statistics.median(x["samples_per_s"][v] for x in d)
+                                      for v in d[0]["samples_per_s"]}
+            s["overlap_bucketed"] = statistics.median(x["overlap_bucketed"] for x in d)
+            s["overlap_one_bucket"] = statistics.median(x["overlap_one_bucket"] for x in d)
+            s["fused_pmean_over_torch"] = statistics.median(
+                x["step_ms"]["torch"] / x["step_ms"]["jaxpg_fused_pmean"] for x in d)
+        summary[key] = s
+    result = {
+        "benchmark": "bench/throughput.py",
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
+                    "loadavg_after": os.getloadavg(),
+                    "shared": "2 cores shared with other helpers' tests and benchmarks",
+                    "device_machine": "not lent to this task: 16-core figures not measured"},
+        "rounds": args.rounds, "summary": summary, "runs": runs,
+        "wall_s": time.perf_counter() - t0,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print("\n| N | workers | all_reduce 16 MB busbw, jaxpg / torch | XLA psum / torch "
+          "| DDP samples/s, jaxpg / torch | fused_pmean / torch | overlap (bucketed) |")
+    print("|---|---|---|---|---|---|---|")
+    for key, s in summary.items():
+        n, pl = key.split("/")
+        print(f"| {n} | {pl} | {s['allreduce_16MB_busbw_jaxpg_over_torch']:.2f}x "
+              f"| {s['allreduce_16MB_busbw_xla_over_torch']:.2f}x "
+              f"| {s.get('ddp_samples_jaxpg_over_torch', float('nan')):.2f}x "
+              f"| {s.get('fused_pmean_over_torch', float('nan')):.2f}x "
+              f"| {s.get('overlap_bucketed', float('nan')):.2f} |")
+    print(f"\nwrote {args.out} in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
