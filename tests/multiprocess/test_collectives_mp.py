@@ -8,10 +8,10 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _procs import finish
 
 WORKERS = Path(__file__).parent / "workers"
 pytestmark = pytest.mark.slow
@@ -79,20 +79,6 @@ def _spawn(script: Path, args: list[str], n: int, extra_env: dict[str, str] | No
     return procs
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    out = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            text, _ = p.communicate()
-            text += "\n<killed: hung>"
-        out.append((p.returncode, text))
-    return out
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["env", "tcp", "file"])
 def test_init_methods_and_reinit_after_destroy(method, tmp_path):
@@ -104,7 +90,7 @@ def test_init_methods_and_reinit_after_destroy(method, tmp_path):
     else:
         args = [f"file://{tmp_path / 'rdzv1'}", f"file://{tmp_path / 'rdzv2'}"]
     procs = _spawn(WORKERS / "init_worker.py", args, 2, launcher_env=method == "env", port=port)
-    results = _finish(procs, 90)
+    results = finish(procs, 90)
     for code, text in results:
         assert code == 0, text[-3000:]
         assert "RESULT 0 [1.0, 1.0]" in text and "RESULT 1 [3.0, 3.0]" in text, text[-2000:]
@@ -115,7 +101,7 @@ def test_init_methods_and_reinit_after_destroy(method, tmp_path):
 def test_missing_worker_raises_within_timeout(mode):
     port = _free_port()
     procs = _spawn(WORKERS / "absent_worker.py", [mode], 2, launcher_env=True, port=port)
-    results = _finish(procs, 90)
+    results = finish(procs, 90)
     code0, text0 = results[0]
     assert code0 == 17, text0[-3000:]
     m = re.search(r"raised after ([\d.]+) s: (.*)", text0)

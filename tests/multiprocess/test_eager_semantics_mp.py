@@ -8,10 +8,10 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _procs import finish
 
 WORKER = Path(__file__).parent / "workers" / "eager_semantics_worker.py"
 pytestmark = pytest.mark.slow
@@ -38,17 +38,7 @@ def _run(mode: str, n: int, timeout: float, **extra: str) -> list[tuple[int, str
         procs.append(subprocess.Popen([sys.executable, str(WORKER), mode], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
-    out = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            text, _ = p.communicate()
-            text += "\n<killed: hung>"
-        out.append((p.returncode, text))
-    return out
+    return finish(procs, timeout)
 
 
 @pytest.mark.timeout(150)

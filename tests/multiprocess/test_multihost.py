@@ -52,26 +52,33 @@ def _launch(ns: str, node_rank: int, port: int, flags: list[str] = (),
                             text=True)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_hosts_run_every_collective_through_gloo():
+def _require_namespaces() -> None:
     reason = why_no_namespaces()
     if reason is not None:
         print(f"skipping the two-host test: {reason}")
         # Issue 10 allows this skip only where namespaces cannot be made (no root, no
         # iproute2); the reason is printed. CI runs as root, where the test runs.
         pytest.skip(f"cannot make network namespaces: {reason}")
+
+
+def _communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Each launcher's (stdout, stderr); any still running afterwards is killed."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_hosts_run_every_collective_through_gloo():
+    _require_namespaces()
     with two_hosts() as hosts:
         procs = [_launch(ns, i, 29611) for i, ns in enumerate(hosts)]
-        outputs = []
-        try:
-            for p in procs:
-                outputs.append(p.communicate(timeout=240))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        outputs = _communicate_all(procs, 240)
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, out[-3000:] + err[-3000:]
     stdout = "".join(out for out, _ in outputs)
@@ -90,25 +97,12 @@ def test_two_hosts_run_every_collective_through_gloo():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_hosts_restart_together_after_a_failure_on_one(tmp_path):
-    reason = why_no_namespaces()
-    if reason is not None:
-        print(f"skipping the two-host restart test: {reason}")
-        # Issue 10 allows this skip only where namespaces cannot be made (no root, no
-        # iproute2); the reason is printed. CI runs as root, where the test runs.
-        pytest.skip(f"cannot make network namespaces: {reason}")
+    _require_namespaces()
     with two_hosts() as hosts:
         procs = [_launch(ns, i, 29612, ["--max-restarts", "1", "--grace-period", "1"],
                          WORKERS / "fail_first_attempt.py", str(tmp_path), "1", SLEEP_S="4")
                  for i, ns in enumerate(hosts)]
-        outputs = []
-        try:
-            for p in procs:
-                outputs.append(p.communicate(timeout=180))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        outputs = _communicate_all(procs, 180)
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, out[-3000:] + err[-3000:]
     assert "rank 3 exited with code 3" in outputs[1][1]
@@ -130,17 +124,12 @@ def test_two_hosts_restart_together_after_a_failure_on_one(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_hosts_must_agree_on_their_settings(tmp_path):
-    reason = why_no_namespaces()
-    if reason is not None:
-        print(f"skipping: {reason}")
-        # Issue 10 allows this skip only where namespaces cannot be made (no root, no
-        # iproute2); the reason is printed. CI runs as root, where the test runs.
-        pytest.skip(f"cannot make network namespaces: {reason}")
+    _require_namespaces()
     with two_hosts() as hosts:
         procs = [_launch(ns, i, 29614, ["--max-restarts", str(i)],
                          WORKERS / "fail_first_attempt.py", str(tmp_path))
                  for i, ns in enumerate(hosts)]
-        outputs = [p.communicate(timeout=90) for p in procs]
+        outputs = _communicate_all(procs, 90)
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 2, err
         assert "--max-restarts is 1 on node 1 but 0 on node 0" in err
