@@ -79,7 +79,7 @@ from jaxpg.pipeline.tick_program import (
     TickIn,
     read_slot,
     slot_buffers,
-    tick_branches,
+    tick_program,
     write_slot,
     writes,
 )
@@ -150,15 +150,16 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     inputs = split_microbatches(inputs, m)
     targets = split_microbatches(targets, m)
     pieces = None
-    if not cfg.remat:
+    if not cfg.remat:  # always split: a whole B runs as B then W in the same tick
         one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
-        pieces = split_stage(cfg.stage_fn, one_stage, act_struct, cfg.timetable.split_backward)
-    branches = tick_branches(
+        pieces = split_stage(cfg.stage_fn, one_stage, act_struct, True)
+    prog = tick_program(
         cfg.stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches, act_struct,
         (stages, first_p, last_p), inputs, targets, pieces,
     )  # fmt: skip
 
     remat = pieces is None
+    names = plan.branches
     bufs = {
         "act": slot_buffers(act_struct, plan.num_act_slots),
         "grad": slot_buffers(act_struct, plan.num_grad_slots),
@@ -168,11 +169,22 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     acc = {
         "g_stages": jax.tree.map(jnp.zeros_like, stages),
         "g_first": jax.tree.map(jnp.zeros_like, first_p),
-        "g_last": jax.tree.map(jnp.zeros_like, last_p),
-        "loss": jnp.zeros((), jnp.float32),
+        "last": (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, last_p)),
     }
+
+    def per_branch(pred):
+        return jnp.asarray([pred(n) for n in names], dtype=bool)
+
     # Per branch: does it write (act, grad, res, wres)? Indexed by the branch number.
-    flags = jnp.asarray([writes(name, remat) for name in plan.branches], dtype=bool)
+    flags = jnp.asarray([writes(n, remat) for n in names], dtype=bool)
+    written = [any(writes(n, remat)[i] for n in names) for i in range(4)]
+    is_weight = per_branch(lambda n: n in ("B", "B_first", "W"))
+    is_head = per_branch(lambda n: n in ("F_last", "F_first_last"))
+    is_embed = per_branch(lambda n: n.startswith("B") and n.endswith("_first"))
+    has_embed = cfg.first_fn is not None and any(n.endswith("_first") and n[0] == "B"
+                                                  for n in names)  # fmt: skip
+    has_head = any(n in ("F_last", "F_first_last") for n in names)
+    remat_whole_b = remat and any(n in ("B", "B_first") for n in names)
     up_perm = [(i, (i + 1) % p) for i in range(p)]
     down_perm = [(i, (i - 1) % p) for i in range(p)]
 
@@ -180,13 +192,33 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
         bufs, acc = carry
         op = lax.dynamic_index_in_dim(row, rank, 0, keepdims=False)
         branch, a, g = op[cols.BRANCH], op[cols.ACT], op[cols.GRAD]
+        mb, c = op[cols.MB], op[cols.CHUNK]
         io = TickIn(*(read_slot(bufs[k], s) for k, s in (("act", a), ("grad", g),
                                                            ("res", a), ("wres", g))))  # fmt: skip
-        acc, out = lax.switch(branch, branches, acc, op[cols.MB], op[cols.CHUNK], io)
+        out = lax.switch(branch, prog.branches, mb, c, io)
+        acc = dict(acc)
+        # Each accumulator is updated in its own two-way cond (see tick_program).
+        acc["g_stages"], dx = lax.cond(
+            is_weight[branch], prog.weight_step, prog.skip_weight, acc["g_stages"], c, io, out
+        )
+        message = out.message
+        if remat_whole_b:
+            message = jax.tree.map(lambda u, w: jnp.where(is_weight[branch], u, w), dx, message)
+        dy = out.message
+        if has_head:
+            acc["last"], dy = lax.cond(
+                is_head[branch], prog.head_step, prog.skip_head, acc["last"], mb, message
+            )
+        if has_embed:
+            acc["g_first"] = lax.cond(
+                is_embed[branch], prog.embed_step, prog.skip_embed, acc["g_first"], mb, message
+            )
         bufs = dict(bufs)
-        for i, (key, slot) in enumerate((("act", a), ("grad", g), ("res", a), ("wres", g))):
-            if any(w[i] for w in (writes(n, remat) for n in plan.branches)):
-                bufs[key] = write_slot(bufs[key], jnp.where(flags[branch, i], slot, -1), out[i + 1])
+        for i, (key, slot, value) in enumerate(
+            (("act", a, out.act), ("grad", g, dy), ("res", a, out.res), ("wres", g, out.wres))
+        ):
+            if written[i]:
+                bufs[key] = write_slot(bufs[key], jnp.where(flags[branch, i], slot, -1), value)
         for perm, act_col, grad_col in (
             (up_perm, cols.UP_ACT, cols.UP_GRAD),
             (down_perm, cols.DOWN_ACT, cols.DOWN_GRAD),
@@ -194,7 +226,7 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
         ):
             if not (plan.uses(act_col) or plan.uses(grad_col)):
                 continue  # no message ever travels this way: skip its ppermute
-            got = out.message if perm is None else lax.ppermute(out.message, cfg.pp_axis, perm)
+            got = message if perm is None else lax.ppermute(message, cfg.pp_axis, perm)
             if plan.uses(act_col):
                 bufs["act"] = write_slot(bufs["act"], op[act_col], got)
             if plan.uses(grad_col):
@@ -202,11 +234,12 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
         return (bufs, acc), None
 
     (_, acc), _ = lax.scan(tick, (bufs, acc), jnp.asarray(plan.table))
-    loss = lax.psum(acc["loss"], cfg.pp_axis)
+    loss_acc, g_last = acc["last"]
+    loss = lax.psum(loss_acc, cfg.pp_axis)
     grads = StagedParams(
         acc["g_stages"],
         lax.psum(acc["g_first"], cfg.pp_axis),
-        lax.psum(acc["g_last"], cfg.pp_axis),
+        lax.psum(g_last, cfg.pp_axis),
     )
     if cfg.dp_axis is not None:
         loss = lax.pmean(loss, cfg.dp_axis)

@@ -1,26 +1,42 @@
-"""One pipeline tick's work on one rank: the branches the executor switches between.
+"""One pipeline tick's work on one rank: the branches and the accumulator steps.
 
 The executor keeps the rank's slot buffers (stage inputs ``act``, output gradients
 ``grad`` and, without remat, the residuals ``res`` of ``F`` and ``wres`` of ``B``)
 *outside* the ``lax.switch``: it reads the tick's slots, hands the slot values to the
 branch, and writes what the branch returns back into one slot (``write_slot``). A
-branch therefore only ever sees one microbatch's arrays, and XLA does not copy whole
-buffers through the conditional each tick. Only the accumulators (``g_stages``
-``[v, ...]``, ``g_first``, ``g_last`` and the ``loss``) go through the switch.
+branch therefore only ever sees one microbatch's arrays.
+
+No accumulator goes through the ``lax.switch`` either. XLA copies every output of a
+conditional with more than two branches in every branch (its copy insertion treats
+them as phis and cannot elide the copies), so a weight-gradient accumulator carried
+through the switch was copied whole on every tick. Each accumulator instead lives in
+its own two-way ``lax.cond`` that either updates it in place or passes it through
+(XLA elides both copies there), run after the switch:
+
+* ``weight_step``: the stage weight gradient ``g_stages [v, ...]``, on ticks that run a
+  whole backward ``B`` or a ``W``. Without remat it runs the weight piece of the split
+  stage (``jaxpg.pipeline.stage_split``) from the residuals of ``F`` and ``B``; with
+  remat it recomputes the stage (``jax.vjp``; for a whole ``B`` it also returns the
+  input gradient, so the forward is recomputed once).
+* ``head_step``: head + loss on the last stage's forward output: ``loss``, ``g_last``
+  and the output gradient ``d(loss / m) / dy`` to save.
+* ``embed_step``: the embedding's gradient on the first stage's backward: ``g_first``.
+
+Branches of the switch (each maps ``(microbatch, chunk, TickIn)`` to a ``TickOut``):
 
 * ``F*``: the forward of one stage on one microbatch; ``F_first`` embeds the
-  microbatch (returned as the stage input to save), ``F_last`` applies head + loss
-  and returns ``d(loss / m) / dy`` as the stage's output gradient to save. Without
-  remat the forward also returns its residuals (``jaxpg.pipeline.stage_split``).
-* ``B*``: the backward: the input and weight gradient (``B``) or the input gradient
-  only (``B_input``, split schedules, which returns what ``W`` needs); ``*_first``
-  also pulls the input gradient through the embedding. Without remat it runs from the
-  saved residuals; with remat it recomputes the stage from its input (``jax.vjp``).
-* ``W``: the weight gradient of a split backward: from the residuals of ``F`` and of
-  ``B`` without remat (no recomputation), else by recomputing the stage again.
+  microbatch (returned as the stage input to save). The output is the message (the
+  last stage's goes to ``head_step`` and is stored nowhere). Without remat the forward
+  also returns its residuals.
+* ``B*`` and ``B_input*``: the input gradient (the message), and without remat what the
+  weight piece needs (``wres``: saved for ``W`` by ``B_input``, handed straight to
+  ``weight_step`` by a whole ``B``). With remat a whole ``B`` leaves all its work to
+  ``weight_step``; ``B_input`` recomputes the stage for the input gradient.
+* ``W``: hands the saved ``wres`` to ``weight_step``.
 
-Every branch returns ``(acc, TickOut)``; ``TickOut.message`` is the one activation or
-gradient the action sends (zeros when it sends nothing), routed by the buffer plan.
+With ``v > 1`` chunks per rank, a branch picks its chunk's parameters with an inner
+switch over per-chunk parameter trees (sliced once, before the loop) instead of
+slicing the stacked parameters on every tick, which XLA:CPU would copy.
 """
 
 from __future__ import annotations
@@ -34,8 +50,8 @@ from jax import lax
 
 from jaxpg.pipeline.stage_split import StagePieces
 
-__all__ = ["TickIn", "TickOut", "read_slot", "slot_buffers", "tick_branches", "write_slot",
-           "writes"]  # fmt: skip
+__all__ = ["TickIn", "TickOut", "TickProgram", "read_slot", "slot_buffers", "tick_program",
+           "write_slot", "writes"]  # fmt: skip
 
 
 class TickIn(NamedTuple):
@@ -48,13 +64,12 @@ class TickIn(NamedTuple):
 
 
 class TickOut(NamedTuple):
-    """What a branch returns besides the accumulators; unused fields hold zeros."""
+    """What a branch returns; unused fields hold zeros."""
 
     message: Any  # sent to the neighbour (activation or input gradient)
     act: Any  # F_first: the embedded stage input, saved in the act slot
-    grad: Any  # F_last: d(loss / m) / dy, saved in the grad slot
     res: Any  # F without remat: residuals, saved in the res slot (= act slot)
-    wres: Any  # B_input without remat: W's residuals, saved in the wres slot (= grad slot)
+    wres: Any  # B without remat: W's residuals (saved in the wres slot by B_input)
 
 
 def writes(name: str, remat: bool) -> tuple[bool, bool, bool, bool]:
@@ -75,6 +90,7 @@ def read_slot(buf, slot):
 
 def write_slot(buf, slot, value):
     """Writes ``value`` into ``slot``; slot ``-1`` means the buffer's last, spare slot."""
+
     def one(b, x):
         return lax.dynamic_update_index_in_dim(b, x, jnp.where(slot >= 0, slot, b.shape[0] - 1), 0)
 
@@ -87,8 +103,7 @@ def slot_buffers(structs: Any, num_slots: int) -> Any:
 
 
 def _add_at(grads, index, delta):
-    # A traced index on purpose: with constant ones (one branch per chunk) XLA's CPU
-    # backend copied the accumulator in every other branch of the switch.
+    """``grads[index] += delta`` as one in-place dynamic update per leaf."""
     return jax.tree.map(
         lambda g, d: lax.dynamic_update_index_in_dim(
             g, lax.dynamic_index_in_dim(g, index, 0, keepdims=False) + d, index, 0
@@ -102,7 +117,28 @@ def _zeros(structs):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), structs)
 
 
-def tick_branches(
+class TickProgram(NamedTuple):
+    """The pieces of a tick; see the module docstring.
+
+    Attributes:
+        branches: one ``(mb, chunk, TickIn) -> TickOut`` function per branch name.
+        weight_step: ``(g_stages, chunk, TickIn, TickOut) -> (g_stages, dx)``, the
+            weight gradient (``dx``: a remat whole backward's input gradient, else zeros).
+        head_step: ``((loss, g_last), mb, y) -> ((loss, g_last), dy)``.
+        embed_step: ``(g_first, mb, dx) -> g_first``.
+        skip_weight, skip_head, skip_embed: the pass-through branches of the same.
+    """
+
+    branches: list[Callable]
+    weight_step: Callable
+    skip_weight: Callable
+    head_step: Callable
+    skip_head: Callable
+    embed_step: Callable
+    skip_embed: Callable
+
+
+def tick_program(
     stage_fn: Callable,
     loss_fn: Callable,
     first_fn: Callable | None,
@@ -113,10 +149,8 @@ def tick_branches(
     inputs: Any,
     targets: Any,
     pieces: StagePieces | None = None,
-) -> list[Callable]:
-    """Builds one ``lax.switch`` branch per name in ``names`` (see ``BRANCHES``).
-
-    Each branch maps ``(acc, microbatch, chunk, TickIn)`` to ``(acc, TickOut)``.
+) -> TickProgram:
+    """Builds the branches and accumulator steps for the branch ``names`` of a plan.
 
     Args:
         stage_fn: the repeated block.
@@ -128,86 +162,97 @@ def tick_branches(
         params: this rank's ``(stages [v, ...], first, last)`` parameters.
         inputs: this rank's inputs split into microbatches ``[m, b, ...]``.
         targets: this rank's targets split into microbatches.
-        pieces: the stage cut into F/B/W pieces (``split_stage``) to keep residuals
-            instead of recomputing; ``None`` for stage-input remat.
+        pieces: the stage cut into F/B/W pieces (``split_stage(..., split_backward=True)``)
+            to keep residuals instead of recomputing; ``None`` for stage-input remat.
     """
     m = num_microbatches
     stages, first_p, last_p = params
+    v = jax.tree.leaves(stages)[0].shape[0]
+    chunks = [jax.tree.map(lambda a, i=i: a[i], stages) for i in range(v)]
     zeros = _zeros(act_struct)
     no_res = _zeros(pieces.res_structs) if pieces is not None else ()
     no_wres = _zeros(pieces.wres_structs) if pieces is not None else ()
-    nothing = TickOut(zeros, zeros, zeros, no_res, no_wres)
+    nothing = TickOut(zeros, zeros, no_res, no_wres)
+    remat = pieces is None
+    split = any(n.startswith("B_input") or n == "W" for n in names)
 
-    def chunk_params(c):
-        return read_slot(stages, c)
+    def on_chunk(c, fn, *args):
+        """``fn(chunk_params, *args)`` for chunk ``c``, without slicing the stack."""
+        if v == 1:
+            return fn(chunks[0], *args)
+        return lax.switch(c, [lambda *a, pc=pc: fn(pc, *a) for pc in chunks], *args)
 
     def embed(mb):
         x = read_slot(inputs, mb)
         return x if first_fn is None else first_fn(first_p, x)
 
-    def forward(first: bool, last: bool):
-        def run(acc, mb, c, io: TickIn):
+    def forward(first: bool):
+        def run(mb, c, io: TickIn):
             x = embed(mb) if first else io.x
             out = nothing._replace(act=x) if first else nothing
-            if pieces is None:
-                y = stage_fn(chunk_params(c), x)
-            else:
-                y, res = pieces.forward(chunk_params(c), x)
-                out = out._replace(res=res)
-            if not last:
-                return acc, out._replace(message=y)
-
-            def scaled_loss(lp, y):
-                return loss_fn(lp, y, read_slot(targets, mb)).astype(jnp.float32) / m
-
-            loss, (g_last, dy) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(last_p, y)
-            acc = dict(acc, loss=acc["loss"] + loss)
-            acc["g_last"] = jax.tree.map(jnp.add, acc["g_last"], g_last)
-            return acc, out._replace(grad=dy)
+            if remat:
+                return out._replace(message=on_chunk(c, stage_fn, x))
+            y, res = on_chunk(c, pieces.forward, x)
+            return out._replace(message=y, res=res)
 
         return run
 
-    def backward(first: bool, mode: str):
-        def run(acc, mb, c, io: TickIn):
-            acc, out = dict(acc), nothing
-            x, dy, pc = io.x, io.dy, chunk_params(c)
-            if pieces is not None:
-                if mode == "weight":
-                    dp = pieces.weight(pc, x, dy, io.res, io.wres)
-                else:
-                    dp, dx, wres = pieces.backward(pc, x, dy, io.res)
-                    if mode == "input":
-                        out = out._replace(wres=wres)
-            elif mode == "full":
-                dp, dx = jax.vjp(stage_fn, pc, x)[1](dy)
-            elif mode == "input":
-                (dx,) = jax.vjp(lambda x: stage_fn(pc, x), x)[1](dy)
-            else:
-                (dp,) = jax.vjp(lambda q: stage_fn(q, x), pc)[1](dy)
-            if mode != "input":
-                acc["g_stages"] = _add_at(acc["g_stages"], c, dp)
-            if mode == "weight":
-                return acc, out
-            if first:
-                if first_fn is not None:
-                    inp = read_slot(inputs, mb)
-                    (de,) = jax.vjp(lambda fp: first_fn(fp, inp), first_p)[1](dx)
-                    acc["g_first"] = jax.tree.map(jnp.add, acc["g_first"], de)
-                return acc, out
-            return acc, out._replace(message=dx)
-
-        return run
+    def backward(mb, c, io: TickIn):
+        """The input gradient (and, without remat, W's residuals)."""
+        if remat:
+            if not split:  # a whole backward: weight_step does all of it
+                return nothing
+            dx = on_chunk(c, lambda pc, x, dy: jax.vjp(lambda x: stage_fn(pc, x), x)[1](dy)[0],
+                          io.x, io.dy)  # fmt: skip
+            return nothing._replace(message=dx)
+        _, dx, wres = on_chunk(c, pieces.backward, io.x, io.dy, io.res)
+        return nothing._replace(message=dx, wres=wres)
 
     table = {
-        "idle": lambda acc, *_: (acc, nothing),
-        "F": forward(False, False),
-        "F_first": forward(True, False),
-        "F_last": forward(False, True),
-        "F_first_last": forward(True, True),
-        "B": backward(False, "full"),
-        "B_first": backward(True, "full"),
-        "B_input": backward(False, "input"),
-        "B_input_first": backward(True, "input"),
-        "W": backward(False, "weight"),
+        "idle": lambda *_: nothing,
+        "F": forward(False),
+        "F_first": forward(True),
+        "F_last": forward(False),
+        "F_first_last": forward(True),
+        "B": backward,
+        "B_first": backward,
+        "B_input": backward,
+        "B_input_first": backward,
+        "W": lambda mb, c, io: nothing._replace(wres=io.wres),
     }
-    return [table[name] for name in names]
+
+    def weight_step(g_stages, c, io: TickIn, out: TickOut):
+        if not remat:
+            pc = read_slot(stages, c)  # XLA keeps only the leaves W reads (biases, here)
+            dp = pieces.weight(pc, io.x, io.dy, io.res, out.wres)
+            return _add_at(g_stages, c, dp), zeros
+        if split:
+            dp = on_chunk(c, lambda pc, x, dy: jax.vjp(lambda q: stage_fn(q, x), pc)[1](dy)[0],
+                          io.x, io.dy)  # fmt: skip
+            return _add_at(g_stages, c, dp), zeros
+        dp, dx = on_chunk(c, lambda pc, x, dy: jax.vjp(stage_fn, pc, x)[1](dy), io.x, io.dy)
+        return _add_at(g_stages, c, dp), dx
+
+    def head_step(acc, mb, y):
+        loss_acc, g_last_acc = acc
+
+        def scaled_loss(lp, y):
+            return loss_fn(lp, y, read_slot(targets, mb)).astype(jnp.float32) / m
+
+        loss, (g_last, dy) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(last_p, y)
+        return (loss_acc + loss, jax.tree.map(jnp.add, g_last_acc, g_last)), dy
+
+    def embed_step(g_first, mb, dx):
+        inp = read_slot(inputs, mb)
+        (de,) = jax.vjp(lambda fp: first_fn(fp, inp), first_p)[1](dx)
+        return jax.tree.map(jnp.add, g_first, de)
+
+    return TickProgram(
+        branches=[table[name] for name in names],
+        weight_step=weight_step,
+        skip_weight=lambda g, *_: (g, zeros),
+        head_step=head_step,
+        skip_head=lambda acc, *_: (acc, zeros),
+        embed_step=embed_step,
+        skip_embed=lambda g, *_: g,
+    )
