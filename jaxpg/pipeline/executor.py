@@ -167,7 +167,10 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
         "wres": () if remat else slot_buffers(pieces.wres_structs, plan.num_grad_slots),
     }
     acc = {
-        "g_stages": jax.tree.map(jnp.zeros_like, stages),
+        # One accumulator per chunk, each without a chunk dimension: XLA:CPU updates a
+        # plain ``g + dp`` in place, not a slice of a stack or a bitcast of one.
+        "g_stages": [jax.tree.map(lambda a, i=i: jnp.zeros_like(a[i]), stages)
+                     for i in range(cfg.timetable.num_chunks)],
         "g_first": jax.tree.map(jnp.zeros_like, first_p),
         "last": (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, last_p)),
     }
@@ -198,12 +201,15 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
         out = lax.switch(branch, prog.branches, mb, c, io)
         acc = dict(acc)
         # Each accumulator is updated in its own two-way cond (see tick_program).
-        acc["g_stages"], dx = lax.cond(
-            is_weight[branch], prog.weight_step, prog.skip_weight, acc["g_stages"], c, io, out
-        )
         message = out.message
-        if remat_whole_b:
-            message = jax.tree.map(lambda u, w: jnp.where(is_weight[branch], u, w), dx, message)
+        g_stages = []
+        for i, (g_i, step) in enumerate(zip(acc["g_stages"], prog.weight_steps, strict=True)):
+            now = is_weight[branch] & (c == i)
+            g_i, dx = lax.cond(now, step, prog.skip_weight, g_i, io, out)
+            g_stages.append(g_i)
+            if remat_whole_b:
+                message = jax.tree.map(lambda u, w, now=now: jnp.where(now, u, w), dx, message)
+        acc["g_stages"] = g_stages
         dy = out.message
         if has_head:
             acc["last"], dy = lax.cond(
@@ -237,7 +243,7 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     loss_acc, g_last = acc["last"]
     loss = lax.psum(loss_acc, cfg.pp_axis)
     grads = StagedParams(
-        acc["g_stages"],
+        jax.tree.map(lambda *g: jnp.stack(g), *acc["g_stages"]),
         lax.psum(acc["g_first"], cfg.pp_axis),
         lax.psum(g_last, cfg.pp_axis),
     )

@@ -102,17 +102,6 @@ def slot_buffers(structs: Any, num_slots: int) -> Any:
     return jax.tree.map(lambda s: jnp.zeros((num_slots + 1, *s.shape), s.dtype), structs)
 
 
-def _add_at(grads, index, delta):
-    """``grads[index] += delta`` as one in-place dynamic update per leaf."""
-    return jax.tree.map(
-        lambda g, d: lax.dynamic_update_index_in_dim(
-            g, lax.dynamic_index_in_dim(g, index, 0, keepdims=False) + d, index, 0
-        ),
-        grads,
-        delta,
-    )
-
-
 def _zeros(structs):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), structs)
 
@@ -122,15 +111,16 @@ class TickProgram(NamedTuple):
 
     Attributes:
         branches: one ``(mb, chunk, TickIn) -> TickOut`` function per branch name.
-        weight_step: ``(g_stages, chunk, TickIn, TickOut) -> (g_stages, dx)``, the
-            weight gradient (``dx``: a remat whole backward's input gradient, else zeros).
+        weight_steps: per chunk ``i``, ``(g_i, TickIn, TickOut) -> (g_i, dx)``: adds
+            the chunk's weight gradient to its accumulator ``g_i`` (``dx``: a remat whole
+            backward's input gradient, else zeros).
         head_step: ``((loss, g_last), mb, y) -> ((loss, g_last), dy)``.
         embed_step: ``(g_first, mb, dx) -> g_first``.
         skip_weight, skip_head, skip_embed: the pass-through branches of the same.
     """
 
     branches: list[Callable]
-    weight_step: Callable
+    weight_steps: list[Callable]
     skip_weight: Callable
     head_step: Callable
     skip_head: Callable
@@ -221,17 +211,21 @@ def tick_program(
         "W": lambda mb, c, io: nothing._replace(wres=io.wres),
     }
 
-    def weight_step(g_stages, c, io: TickIn, out: TickOut):
-        if not remat:
-            pc = read_slot(stages, c)  # XLA keeps only the leaves W reads (biases, here)
-            dp = pieces.weight(pc, io.x, io.dy, io.res, out.wres)
-            return _add_at(g_stages, c, dp), zeros
-        if split:
-            dp = on_chunk(c, lambda pc, x, dy: jax.vjp(lambda q: stage_fn(q, x), pc)[1](dy)[0],
-                          io.x, io.dy)  # fmt: skip
-            return _add_at(g_stages, c, dp), zeros
-        dp, dx = on_chunk(c, lambda pc, x, dy: jax.vjp(stage_fn, pc, x)[1](dy), io.x, io.dy)
-        return _add_at(g_stages, c, dp), dx
+    def weight_step(chunk: int):
+        """The weight gradient of chunk ``chunk`` added to its accumulator."""
+        pc = chunks[chunk]
+
+        def run(g, io: TickIn, out: TickOut):
+            if not remat:
+                dp = pieces.weight(pc, io.x, io.dy, io.res, out.wres)
+                return jax.tree.map(jnp.add, g, dp), zeros
+            if split:
+                (dp,) = jax.vjp(lambda q: stage_fn(q, io.x), pc)[1](io.dy)
+                return jax.tree.map(jnp.add, g, dp), zeros
+            dp, dx = jax.vjp(stage_fn, pc, io.x)[1](io.dy)
+            return jax.tree.map(jnp.add, g, dp), dx
+
+        return run
 
     def head_step(acc, mb, y):
         loss_acc, g_last_acc = acc
@@ -249,7 +243,7 @@ def tick_program(
 
     return TickProgram(
         branches=[table[name] for name in names],
-        weight_step=weight_step,
+        weight_steps=[weight_step(i) for i in range(v)],
         skip_weight=lambda g, *_: (g, zeros),
         head_step=head_step,
         skip_head=lambda acc, *_: (acc, zeros),
