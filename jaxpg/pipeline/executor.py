@@ -75,14 +75,7 @@ from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
 from jaxpg.pipeline.stage_meta import infer_stage_metadata
 from jaxpg.pipeline.stage_split import split_stage
-from jaxpg.pipeline.tick_program import (
-    TickIn,
-    read_slot,
-    slot_buffers,
-    tick_program,
-    write_slot,
-    writes,
-)
+from jaxpg.pipeline.tick_program import KIND_OF, slot_buffers, tick_steps, write_slot
 
 __all__ = ["StagedParams", "pipeline_value_and_grad", "resolve_schedule"]
 
@@ -153,8 +146,8 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     if not cfg.remat:  # always split: a whole B runs as B then W in the same tick
         one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
         pieces = split_stage(cfg.stage_fn, one_stage, act_struct, True)
-    prog = tick_program(
-        cfg.stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches, act_struct,
+    steps = tick_steps(
+        cfg.stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches,
         (stages, first_p, last_p), inputs, targets, pieces,
     )  # fmt: skip
 
@@ -164,67 +157,37 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
         "act": slot_buffers(act_struct, plan.num_act_slots),
         "grad": slot_buffers(act_struct, plan.num_grad_slots),
         "res": () if remat else slot_buffers(pieces.res_structs, plan.num_act_slots),
-        "wres": () if remat else slot_buffers(pieces.wres_structs, plan.num_grad_slots),
+        "wres": slot_buffers(pieces.wres_structs, plan.num_grad_slots)
+        if not remat and "W" in names else (),
     }
     acc = {
-        # One accumulator per chunk, each without a chunk dimension: XLA:CPU updates a
-        # plain ``g + dp`` in place, not a slice of a stack or a bitcast of one.
+        # One accumulator per chunk, each without a chunk dimension (see tick_program).
         "g_stages": [jax.tree.map(lambda a, i=i: jnp.zeros_like(a[i]), stages)
                      for i in range(cfg.timetable.num_chunks)],
         "g_first": jax.tree.map(jnp.zeros_like, first_p),
         "last": (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, last_p)),
     }
-
-    def per_branch(pred):
-        return jnp.asarray([pred(n) for n in names], dtype=bool)
-
-    # Per branch: does it write (act, grad, res, wres)? Indexed by the branch number.
-    flags = jnp.asarray([writes(n, remat) for n in names], dtype=bool)
-    written = [any(writes(n, remat)[i] for n in names) for i in range(4)]
-    is_weight = per_branch(lambda n: n in ("B", "B_first", "W"))
-    is_head = per_branch(lambda n: n in ("F_last", "F_first_last"))
-    is_embed = per_branch(lambda n: n.startswith("B") and n.endswith("_first"))
-    has_embed = cfg.first_fn is not None and any(n.endswith("_first") and n[0] == "B"
-                                                  for n in names)  # fmt: skip
-    has_head = any(n in ("F_last", "F_first_last") for n in names)
-    remat_whole_b = remat and any(n in ("B", "B_first") for n in names)
+    message = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), act_struct)
+    # Per branch number: the action kind, and whether it runs the first / last stage.
+    kind_of = jnp.asarray([KIND_OF[n] for n in names], dtype=jnp.int32)
+    first_of = jnp.asarray([n.endswith("_first") or "_first_" in n for n in names])
+    last_of = jnp.asarray([n.endswith("_last") for n in names])
+    kinds = [(1, steps.forward), (2, steps.backward)] + (
+        [(3, steps.weight)] if "W" in names else []
+    )
     up_perm = [(i, (i + 1) % p) for i in range(p)]
     down_perm = [(i, (i - 1) % p) for i in range(p)]
 
-    def tick(carry, row):
-        bufs, acc = carry
+    def tick(state, row):
         op = lax.dynamic_index_in_dim(row, rank, 0, keepdims=False)
-        branch, a, g = op[cols.BRANCH], op[cols.ACT], op[cols.GRAD]
-        mb, c = op[cols.MB], op[cols.CHUNK]
-        io = TickIn(*(read_slot(bufs[k], s) for k, s in (("act", a), ("grad", g),
-                                                           ("res", a), ("wres", g))))  # fmt: skip
-        out = lax.switch(branch, prog.branches, mb, c, io)
-        acc = dict(acc)
-        # Each accumulator is updated in its own two-way cond (see tick_program).
-        message = out.message
-        g_stages = []
-        for i, (g_i, step) in enumerate(zip(acc["g_stages"], prog.weight_steps, strict=True)):
-            now = is_weight[branch] & (c == i)
-            g_i, dx = lax.cond(now, step, prog.skip_weight, g_i, io, out)
-            g_stages.append(g_i)
-            if remat_whole_b:
-                message = jax.tree.map(lambda u, w, now=now: jnp.where(now, u, w), dx, message)
-        acc["g_stages"] = g_stages
-        dy = out.message
-        if has_head:
-            acc["last"], dy = lax.cond(
-                is_head[branch], prog.head_step, prog.skip_head, acc["last"], mb, message
+        branch = op[cols.BRANCH]
+        flags = (first_of[branch], last_of[branch])
+        for kind, step in kinds:  # two-way conds only: see tick_program
+            state = lax.cond(
+                kind_of[branch] == kind, step, lambda s, *_: s, state, op, flags
             )
-        if has_embed:
-            acc["g_first"] = lax.cond(
-                is_embed[branch], prog.embed_step, prog.skip_embed, acc["g_first"], mb, message
-            )
+        bufs, acc, message = state
         bufs = dict(bufs)
-        for i, (key, slot, value) in enumerate(
-            (("act", a, out.act), ("grad", g, dy), ("res", a, out.res), ("wres", g, out.wres))
-        ):
-            if written[i]:
-                bufs[key] = write_slot(bufs[key], jnp.where(flags[branch, i], slot, -1), value)
         for perm, act_col, grad_col in (
             (up_perm, cols.UP_ACT, cols.UP_GRAD),
             (down_perm, cols.DOWN_ACT, cols.DOWN_GRAD),
@@ -237,9 +200,9 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
                 bufs["act"] = write_slot(bufs["act"], op[act_col], got)
             if plan.uses(grad_col):
                 bufs["grad"] = write_slot(bufs["grad"], op[grad_col], got)
-        return (bufs, acc), None
+        return (bufs, acc, message), None
 
-    (_, acc), _ = lax.scan(tick, (bufs, acc), jnp.asarray(plan.table))
+    (_, acc, _), _ = lax.scan(tick, (bufs, acc, message), jnp.asarray(plan.table))
     loss_acc, g_last = acc["last"]
     loss = lax.psum(loss_acc, cfg.pp_axis)
     grads = StagedParams(

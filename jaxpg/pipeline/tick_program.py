@@ -1,42 +1,36 @@
-"""One pipeline tick's work on one rank: the branches and the accumulator steps.
+"""One pipeline tick's work on one rank, as a chain of two-way conditionals.
 
-The executor keeps the rank's slot buffers (stage inputs ``act``, output gradients
-``grad`` and, without remat, the residuals ``res`` of ``F`` and ``wres`` of ``B``)
-*outside* the ``lax.switch``: it reads the tick's slots, hands the slot values to the
-branch, and writes what the branch returns back into one slot (``write_slot``). A
-branch therefore only ever sees one microbatch's arrays.
+A tick runs at most one action per rank. The executor runs the three steps made here
+in turn, each under its own two-way ``lax.cond`` on the tick's action kind (the other
+two pass the state through):
 
-No accumulator goes through the ``lax.switch`` either. XLA copies every output of a
-conditional with more than two branches in every branch (its copy insertion treats
-them as phis and cannot elide the copies), so a weight-gradient accumulator carried
-through the switch was copied whole on every tick. Each accumulator instead lives in
-its own two-way ``lax.cond`` that either updates it in place or passes it through
-(XLA elides both copies there), run after the switch:
+* ``forward``: the stage's forward on one microbatch. The first model stage embeds the
+  microbatch and saves it as the stage input; without remat the residuals of the
+  stage (``jaxpg.pipeline.stage_split``) are saved in the ``res`` slot; the last model
+  stage applies head + loss, adds to ``loss`` and ``g_last`` and saves
+  ``d(loss / m) / dy`` in its output-gradient slot. The message is the stage output.
+* ``backward``: the input gradient (the message). A whole backward also adds the
+  weight gradient to the chunk's accumulator; a split one (``B`` of ZB-H1, ZB-V)
+  saves what ``W`` needs in the ``wres`` slot. The first model stage pulls the input
+  gradient through the embedding into ``g_first``. Without remat it runs from the
+  saved residuals; with remat it recomputes the stage from its input (``jax.vjp``).
+* ``weight`` (split schedules): the weight gradient, from the residuals of ``F`` and
+  ``B`` (or, with remat, by recomputing the stage), added to the chunk's accumulator.
 
-* ``weight_step``: the stage weight gradient ``g_stages [v, ...]``, on ticks that run a
-  whole backward ``B`` or a ``W``. Without remat it runs the weight piece of the split
-  stage (``jaxpg.pipeline.stage_split``) from the residuals of ``F`` and ``B``; with
-  remat it recomputes the stage (``jax.vjp``; for a whole ``B`` it also returns the
-  input gradient, so the forward is recomputed once).
-* ``head_step``: head + loss on the last stage's forward output: ``loss``, ``g_last``
-  and the output gradient ``d(loss / m) / dy`` to save.
-* ``embed_step``: the embedding's gradient on the first stage's backward: ``g_first``.
+The state (slot buffers, accumulators, the message) is the operand and the result of
+every cond, and each step updates it in place (``dynamic_update_slice``, ``+``). Why
+not one ``lax.switch`` over the action kinds: XLA copies every output of a conditional
+with more than two branches in every branch (its copy insertion makes them phis and
+cannot elide the copies), so state carried through a switch, a weight-gradient
+accumulator above all, is copied whole on every tick; a two-way cond that updates its
+operand or passes it through has both copies elided. The steps also read only the
+slots they need and write nothing they do not make (no zero-filled outputs).
 
-Branches of the switch (each maps ``(microbatch, chunk, TickIn)`` to a ``TickOut``):
-
-* ``F*``: the forward of one stage on one microbatch; ``F_first`` embeds the
-  microbatch (returned as the stage input to save). The output is the message (the
-  last stage's goes to ``head_step`` and is stored nowhere). Without remat the forward
-  also returns its residuals.
-* ``B*`` and ``B_input*``: the input gradient (the message), and without remat what the
-  weight piece needs (``wres``: saved for ``W`` by ``B_input``, handed straight to
-  ``weight_step`` by a whole ``B``). With remat a whole ``B`` leaves all its work to
-  ``weight_step``; ``B_input`` recomputes the stage for the input gradient.
-* ``W``: hands the saved ``wres`` to ``weight_step``.
-
-With ``v > 1`` chunks per rank, a branch picks its chunk's parameters with an inner
-switch over per-chunk parameter trees (sliced once, before the loop) instead of
-slicing the stacked parameters on every tick, which XLA:CPU would copy.
+Accumulators per chunk are separate (one pytree per chunk, no chunk dimension), each
+updated under its own two-way cond; a stage's parameters for chunk ``c`` are picked by
+a ``lax.switch`` over per-chunk trees sliced once before the loop, whose branches return
+only activation-sized values. Slicing the ``[v, ...]`` stacks per tick instead would
+make XLA:CPU copy the chunk's weights and accumulator on every use.
 """
 
 from __future__ import annotations
@@ -48,39 +42,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.stage_split import StagePieces
 
-__all__ = ["TickIn", "TickOut", "TickProgram", "read_slot", "slot_buffers", "tick_program",
-           "write_slot", "writes"]  # fmt: skip
+__all__ = ["KIND_OF", "TickSteps", "read_slot", "slot_buffers", "tick_steps", "write_slot"]
 
-
-class TickIn(NamedTuple):
-    """The slot values a branch reads: stage input, output gradient, residuals."""
-
-    x: Any
-    dy: Any
-    res: Any
-    wres: Any
-
-
-class TickOut(NamedTuple):
-    """What a branch returns; unused fields hold zeros."""
-
-    message: Any  # sent to the neighbour (activation or input gradient)
-    act: Any  # F_first: the embedded stage input, saved in the act slot
-    res: Any  # F without remat: residuals, saved in the res slot (= act slot)
-    wres: Any  # B without remat: W's residuals (saved in the wres slot by B_input)
-
-
-def writes(name: str, remat: bool) -> tuple[bool, bool, bool, bool]:
-    """Whether branch ``name`` writes ``(act, grad, res, wres)``."""
-    forward = name.startswith("F")
-    return (
-        name.startswith("F_first"),
-        name in ("F_last", "F_first_last"),
-        forward and not remat,
-        name.startswith("B_input") and not remat,
-    )
+#: Action kind of each branch name: 0 idle, 1 forward, 2 backward, 3 weight gradient.
+KIND_OF = {"idle": 0, "F": 1, "F_first": 1, "F_last": 1, "F_first_last": 1, "B": 2,
+           "B_first": 2, "B_input": 2, "B_input_first": 2, "W": 3}  # fmt: skip
 
 
 def read_slot(buf, slot):
@@ -102,53 +71,37 @@ def slot_buffers(structs: Any, num_slots: int) -> Any:
     return jax.tree.map(lambda s: jnp.zeros((num_slots + 1, *s.shape), s.dtype), structs)
 
 
-def _zeros(structs):
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), structs)
+class TickSteps(NamedTuple):
+    """``forward``, ``backward`` and ``weight``: each ``(state, op, flags) -> state``.
 
-
-class TickProgram(NamedTuple):
-    """The pieces of a tick; see the module docstring.
-
-    Attributes:
-        branches: one ``(mb, chunk, TickIn) -> TickOut`` function per branch name.
-        weight_steps: per chunk ``i``, ``(g_i, TickIn, TickOut) -> (g_i, dx)``: adds
-            the chunk's weight gradient to its accumulator ``g_i`` (``dx``: a remat whole
-            backward's input gradient, else zeros).
-        head_step: ``((loss, g_last), mb, y) -> ((loss, g_last), dy)``.
-        embed_step: ``(g_first, mb, dx) -> g_first``.
-        skip_weight, skip_head, skip_embed: the pass-through branches of the same.
+    ``state`` is ``(bufs, acc, message)``; ``op`` the rank's row of the buffer plan;
+    ``flags`` ``(first, last)``: whether the action runs the first or last model stage.
     """
 
-    branches: list[Callable]
-    weight_steps: list[Callable]
-    skip_weight: Callable
-    head_step: Callable
-    skip_head: Callable
-    embed_step: Callable
-    skip_embed: Callable
+    forward: Callable
+    backward: Callable
+    weight: Callable
 
 
-def tick_program(
+def tick_steps(
     stage_fn: Callable,
     loss_fn: Callable,
     first_fn: Callable | None,
     num_microbatches: int,
     names: tuple[str, ...],
-    act_struct: Any,
     params: tuple[Any, Any, Any],
     inputs: Any,
     targets: Any,
     pieces: StagePieces | None = None,
-) -> TickProgram:
-    """Builds the branches and accumulator steps for the branch ``names`` of a plan.
+) -> TickSteps:
+    """Builds the steps of a tick for the branch ``names`` of a buffer plan.
 
     Args:
         stage_fn: the repeated block.
         loss_fn: head + mean loss of a microbatch.
         first_fn: the embedding, or ``None``.
         num_microbatches: ``m``; the loss and its gradient are scaled by ``1 / m``.
-        names: the branch names the buffer plan uses.
-        act_struct: one activation, a pytree of ``jax.ShapeDtypeStruct``.
+        names: the branch names the buffer plan uses (which variants can occur).
         params: this rank's ``(stages [v, ...], first, last)`` parameters.
         inputs: this rank's inputs split into microbatches ``[m, b, ...]``.
         targets: this rank's targets split into microbatches.
@@ -159,94 +112,135 @@ def tick_program(
     stages, first_p, last_p = params
     v = jax.tree.leaves(stages)[0].shape[0]
     chunks = [jax.tree.map(lambda a, i=i: a[i], stages) for i in range(v)]
-    zeros = _zeros(act_struct)
-    no_res = _zeros(pieces.res_structs) if pieces is not None else ()
-    no_wres = _zeros(pieces.wres_structs) if pieces is not None else ()
-    nothing = TickOut(zeros, zeros, no_res, no_wres)
     remat = pieces is None
-    split = any(n.startswith("B_input") or n == "W" for n in names)
+    split = "W" in names
+    first_forward = any(n in ("F_first", "F_first_last") for n in names)
+    last_forward = any(n in ("F_last", "F_first_last") for n in names)
+    first_backward = first_fn is not None and any(
+        n in ("B_first", "B_input_first") for n in names
+    )
 
     def on_chunk(c, fn, *args):
-        """``fn(chunk_params, *args)`` for chunk ``c``, without slicing the stack."""
+        """``fn(chunk_params, *args)`` for chunk ``c``; ``fn`` returns activation-sized values."""
         if v == 1:
             return fn(chunks[0], *args)
         return lax.switch(c, [lambda *a, pc=pc: fn(pc, *a) for pc in chunks], *args)
+
+    def add_to_chunk(g_stages, c, grad_fn, *args):
+        """``g_stages[c] += dp`` for ``(dp, extra) = grad_fn(chunk_params, *args)``.
+
+        Returns ``(g_stages, extra)``; each chunk's accumulator is updated under its own
+        two-way cond, so no weight-sized value is ever a switch output.
+        """
+        out, extra = list(g_stages), None
+        for i, pc in enumerate(chunks):
+
+            def update(g, *a, pc=pc):
+                dp, more = grad_fn(pc, *a)
+                return jax.tree.map(jnp.add, g, dp), more
+
+            if v == 1:
+                out[i], extra = update(out[i], *args)
+                continue
+            skip_extra = jax.eval_shape(lambda *a, pc=pc: grad_fn(pc, *a)[1], *args)
+
+            def skip(g, *a, skip_extra=skip_extra):
+                return g, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), skip_extra)
+
+            out[i], more = lax.cond(c == i, update, skip, out[i], *args)
+            extra = more if extra is None else jax.tree.map(
+                lambda u, w, i=i: jnp.where(c == i, u, w), more, extra
+            )
+        return out, extra
 
     def embed(mb):
         x = read_slot(inputs, mb)
         return x if first_fn is None else first_fn(first_p, x)
 
-    def forward(first: bool):
-        def run(mb, c, io: TickIn):
-            x = embed(mb) if first else io.x
-            out = nothing._replace(act=x) if first else nothing
-            if remat:
-                return out._replace(message=on_chunk(c, stage_fn, x))
-            y, res = on_chunk(c, pieces.forward, x)
-            return out._replace(message=y, res=res)
-
-        return run
-
-    def backward(mb, c, io: TickIn):
-        """The input gradient (and, without remat, W's residuals)."""
+    def forward(state, op, flags):
+        bufs, acc, _ = state
+        bufs, acc = dict(bufs), dict(acc)
+        first, last = flags
+        mb, c, a, g = op[cols.MB], op[cols.CHUNK], op[cols.ACT], op[cols.GRAD]
+        if first_forward:
+            x = lax.cond(first, lambda: embed(mb), lambda: read_slot(bufs["act"], a))
+            bufs["act"] = write_slot(bufs["act"], jnp.where(first, a, -1), x)
+        else:
+            x = read_slot(bufs["act"], a)
         if remat:
-            if not split:  # a whole backward: weight_step does all of it
-                return nothing
-            dx = on_chunk(c, lambda pc, x, dy: jax.vjp(lambda x: stage_fn(pc, x), x)[1](dy)[0],
-                          io.x, io.dy)  # fmt: skip
-            return nothing._replace(message=dx)
-        _, dx, wres = on_chunk(c, pieces.backward, io.x, io.dy, io.res)
-        return nothing._replace(message=dx, wres=wres)
+            y = on_chunk(c, stage_fn, x)
+        else:
+            y, res = on_chunk(c, pieces.forward, x)
+            bufs["res"] = write_slot(bufs["res"], a, res)
+        if last_forward:
 
-    table = {
-        "idle": lambda *_: nothing,
-        "F": forward(False),
-        "F_first": forward(True),
-        "F_last": forward(False),
-        "F_first_last": forward(True),
-        "B": backward,
-        "B_first": backward,
-        "B_input": backward,
-        "B_input_first": backward,
-        "W": lambda mb, c, io: nothing._replace(wres=io.wres),
-    }
+            def head(acc_last, y):
+                loss_acc, g_last_acc = acc_last
 
-    def weight_step(chunk: int):
-        """The weight gradient of chunk ``chunk`` added to its accumulator."""
-        pc = chunks[chunk]
+                def scaled_loss(lp, y):
+                    return loss_fn(lp, y, read_slot(targets, mb)).astype(jnp.float32) / m
 
-        def run(g, io: TickIn, out: TickOut):
-            if not remat:
-                dp = pieces.weight(pc, io.x, io.dy, io.res, out.wres)
-                return jax.tree.map(jnp.add, g, dp), zeros
+                loss, (g_last, dy) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(last_p, y)
+                return (loss_acc + loss, jax.tree.map(jnp.add, g_last_acc, g_last)), dy
+
+            def no_head(acc_last, y):
+                return acc_last, jax.tree.map(jnp.zeros_like, y)
+
+            acc["last"], dy = lax.cond(last, head, no_head, acc["last"], y)
+            bufs["grad"] = write_slot(bufs["grad"], jnp.where(last, g, -1), dy)
+        return bufs, acc, y
+
+    def backward(state, op, flags):
+        bufs, acc, _ = state
+        bufs, acc = dict(bufs), dict(acc)
+        first, _ = flags
+        mb, c, a, g = op[cols.MB], op[cols.CHUNK], op[cols.ACT], op[cols.GRAD]
+        x, dy = read_slot(bufs["act"], a), read_slot(bufs["grad"], g)
+        if remat:
             if split:
-                (dp,) = jax.vjp(lambda q: stage_fn(q, io.x), pc)[1](io.dy)
-                return jax.tree.map(jnp.add, g, dp), zeros
-            dp, dx = jax.vjp(stage_fn, pc, io.x)[1](io.dy)
-            return jax.tree.map(jnp.add, g, dp), dx
+                dx = on_chunk(
+                    c, lambda pc, x, dy: jax.vjp(lambda x: stage_fn(pc, x), x)[1](dy)[0], x, dy
+                )
+            else:
+                acc["g_stages"], dx = add_to_chunk(
+                    acc["g_stages"], c, lambda pc, x, dy: jax.vjp(stage_fn, pc, x)[1](dy), x, dy
+                )
+        else:
+            res = read_slot(bufs["res"], a)
+            dx, wres = on_chunk(c, lambda pc, *a: pieces.backward(pc, *a)[1:], x, dy, res)
+            if split:
+                bufs["wres"] = write_slot(bufs["wres"], g, wres)
+            else:
+                acc["g_stages"], _ = add_to_chunk(
+                    acc["g_stages"], c,
+                    lambda pc, *a: (pieces.weight(pc, *a), None), x, dy, res, wres,
+                )  # fmt: skip
+        if first_backward:
 
-        return run
+            def embed_grad(g_first, dx):
+                inp = read_slot(inputs, mb)
+                (de,) = jax.vjp(lambda fp: first_fn(fp, inp), first_p)[1](dx)
+                return jax.tree.map(jnp.add, g_first, de)
 
-    def head_step(acc, mb, y):
-        loss_acc, g_last_acc = acc
+            acc["g_first"] = lax.cond(first, embed_grad, lambda g, _: g, acc["g_first"], dx)
+        return bufs, acc, dx
 
-        def scaled_loss(lp, y):
-            return loss_fn(lp, y, read_slot(targets, mb)).astype(jnp.float32) / m
+    def weight(state, op, flags):
+        bufs, acc, message = state
+        acc = dict(acc)
+        c, a, g = op[cols.CHUNK], op[cols.ACT], op[cols.GRAD]
+        x, dy = read_slot(bufs["act"], a), read_slot(bufs["grad"], g)
+        if remat:
+            acc["g_stages"], _ = add_to_chunk(
+                acc["g_stages"], c,
+                lambda pc, x, dy: (jax.vjp(lambda q: stage_fn(q, x), pc)[1](dy)[0], None), x, dy,
+            )  # fmt: skip
+        else:
+            res, wres = read_slot(bufs["res"], a), read_slot(bufs["wres"], g)
+            acc["g_stages"], _ = add_to_chunk(
+                acc["g_stages"], c,
+                lambda pc, *a: (pieces.weight(pc, *a), None), x, dy, res, wres,
+            )  # fmt: skip
+        return bufs, acc, message
 
-        loss, (g_last, dy) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(last_p, y)
-        return (loss_acc + loss, jax.tree.map(jnp.add, g_last_acc, g_last)), dy
-
-    def embed_step(g_first, mb, dx):
-        inp = read_slot(inputs, mb)
-        (de,) = jax.vjp(lambda fp: first_fn(fp, inp), first_p)[1](dx)
-        return jax.tree.map(jnp.add, g_first, de)
-
-    return TickProgram(
-        branches=[table[name] for name in names],
-        weight_steps=[weight_step(i) for i in range(v)],
-        skip_weight=lambda g, *_: (g, zeros),
-        head_step=head_step,
-        skip_head=lambda acc, *_: (acc, zeros),
-        embed_step=embed_step,
-        skip_embed=lambda g, *_: g,
-    )
+    return TickSteps(forward, backward, weight)
