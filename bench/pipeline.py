@@ -111,6 +111,13 @@ def staged(params, stages):
     return tuple(jax.tree.map(lambda a, i=i: a[:, i], grouped) for i in range(layers))
 
 
+def unstaged(params):
+    """The inverse of ``staged``: ``[blocks, ...]`` arrays in model order."""
+    return jax.tree.map(
+        lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]), *params
+    )
+
+
 def label(name, remat):
     return f"{name} remat" if remat else name
 
@@ -207,7 +214,7 @@ def measure_steps(args, m=8):
     samples = side_by_side(fns, args.rounds, cpu)
     for key, fn in fns.items():
         loss, g = fn()
-        grads[key] = (float(loss), jax.tree.map(lambda a: np.asarray(a).reshape(-1), g))
+        grads[key] = (float(loss), jax.tree.map(lambda a: np.asarray(a).reshape(-1), unstaged(g)))
 
     def max_diff(a, b):
         la, lb = jax.tree.leaves(grads[a][1]), jax.tree.leaves(grads[b][1])
