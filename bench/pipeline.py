@@ -43,6 +43,7 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -253,6 +254,67 @@ def measure_steps(args, m=8):
     return rows, ratios, check
 
 
+def loop_matmuls(hlo):
+    """Matmuls in the compiled pipeline loop: the ``dot``s of the while body and of every
+    computation it calls (each branch once, so for ``v = 1`` the count is the matmuls
+    of one microbatch's F, B and W on one stage)."""
+    bodies, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?(%[\w.\-]+) ", line)
+        if head and line.rstrip().endswith("{"):
+            name = head.group(1)
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+    called = re.compile(r"(?:body|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
+    todo = [b for text in bodies.values() for ln in text
+            for b in re.findall(r"body=(%[\w.\-]+)", ln)]  # fmt: skip
+    seen = set()
+    while todo:
+        comp = todo.pop()
+        if comp in seen or comp not in bodies:
+            continue
+        seen.add(comp)
+        for ln in bodies[comp]:
+            for group in called.findall(ln):
+                todo += [c.strip() for c in group.split(",")]
+    return sum(ln.count(" dot(") for comp in seen for ln in bodies[comp])
+
+
+def measure_remat(args, m=8):
+    """1F1B with and without remat, stages of 1 and of 2 blocks, side by side."""
+    x, t = batch(m, args.microbatch, args.dim)
+    fns, matmuls = {}, {}
+    for layers in (1, 2):
+        for remat in (True, False):
+            key = f"{layers} block{'s' if layers > 1 else ''}/stage, {label('1f1b', remat)}"
+            params = staged(make_params(layers * args.stages, args.dim), args.stages)
+            fn = jax_fn("1f1b", args.stages, m, layers, remat)
+            matmuls[key] = loop_matmuls(fn.lower(params, x, t).compile().as_text())
+            fns[key] = functools.partial(fn, params, x, t)
+    cpu = {}
+    samples = side_by_side(fns, args.rounds, cpu)
+    grads = {k: jax.tree.leaves(fn()[1]) for k, fn in fns.items()}
+    rows = []
+    for layers in (1, 2):
+        blocks = f"{layers} block{'s' if layers > 1 else ''}/stage"
+        a, b = f"{blocks}, 1f1b", f"{blocks}, 1f1b remat"
+        rows.append({
+            "stage": blocks, "matmuls": matmuls[a], "matmuls_remat": matmuls[b],
+            "theory": matmuls[a] / matmuls[b],
+            "wall_ratio": statistics.median(u / w for u, w in zip(samples[a], samples[b])),
+            "cpu_ratio": statistics.median(u / w for u, w in zip(cpu[a], cpu[b])),
+            "step_ms": 1e3 * statistics.median(samples[a]),
+            "step_ms_remat": 1e3 * statistics.median(samples[b]),
+            "max_grad_diff": max(float(jnp.max(jnp.abs(u - w)))
+                                 for u, w in zip(grads[a], grads[b], strict=True)),
+        })  # fmt: skip
+        r = rows[-1]
+        print(f"remat {blocks}: matmuls {matmuls[a]} vs {matmuls[b]}, wall "
+              f"{r['wall_ratio']:.3f}, CPU {r['cpu_ratio']:.3f}", flush=True)  # fmt: skip
+    return rows
+
+
 def efficiency_worker(args, m=8, p=2):
     """Runs in a subprocess with 2 single-threaded simulated devices; prints JSON."""
     x, t = batch(m, args.microbatch, args.dim)
@@ -404,6 +466,7 @@ def main():
     parser.add_argument("--torch", action="store_true", help="add torch.distributed.pipelining")
     parser.add_argument("--efficiency", action="store_true", help="p=2 against the bound")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-remat", action="store_true", help="skip the 1 vs 2 block study")
     parser.add_argument("--efficiency-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.json"))
     args = parser.parse_args()
@@ -426,6 +489,8 @@ def main():
         result["memory"] = measure_memory(args)
         result["compile"] = measure_compile(args)
     result["steps"], result["ratios"], result["grad_check"] = measure_steps(args)
+    if not args.skip_remat:
+        result["remat"] = measure_remat(args)
     if args.efficiency:
         result["efficiency"] = measure_efficiency(args)
     if args.torch:

@@ -21,7 +21,9 @@ Model and parameters:
       ``psum``-ed over ``'pp'`` so every rank holds the same gradient.
 
 Per tick, each rank reads one row of the ``BufferPlan`` (branch, microbatch, chunk,
-slots) by ``lax.axis_index('pp')`` and runs it with ``lax.switch``:
+slots) by ``lax.axis_index('pp')`` and runs its action as one of three two-way
+``lax.cond``s in a row (``jaxpg.pipeline.tick_program``; the other two pass the state
+through):
 
     * ``F``: reads the stage input from the activation buffer (stage 0 embeds the
       microbatch and stores the result there), applies the stage and sends the output
@@ -29,14 +31,18 @@ slots) by ``lax.axis_index('pp')`` and runs it with ``lax.switch``:
       ``c + 1``). The last stage applies head + loss at once and stores ``d(loss / m)``
       in the gradient buffer.
     * ``B``: by default (``remat=False``) runs the backward from the residuals the
-      forward saved (``jaxpg.pipeline.stage_split``), accumulates the weight gradient
-      and sends the input gradient on. With ``split_backward`` (ZB-H1, ZB-V) ``B``
-      computes only the input gradient and saves what ``W`` needs, and ``W`` only the
-      weight gradient: no recomputation. With ``remat=True`` (stage-input remat) only
-      the stage input is kept and ``B`` recomputes the stage with ``jax.vjp`` (``W``
-      once more).
+      forward saved (``jaxpg.pipeline.stage_split``), adds the weight gradient to the
+      chunk's accumulator and sends the input gradient on. With ``split_backward``
+      (ZB-H1, ZB-V) ``B`` computes only the input gradient and saves what ``W`` needs,
+      and ``W`` only the weight gradient: no recomputation. With ``remat=True``
+      (stage-input remat) only the stage input is kept and ``B`` recomputes the stage
+      with ``jax.vjp`` (``W`` once more).
 
-After the switch, the one message of the tick (an activation or a gradient) goes to
+Slot buffers and accumulators are the conds' state and are updated in place; no
+``lax.switch`` carries them (XLA copies every output of a conditional with more than two
+branches on every tick; see ``tick_program``).
+
+After the conds, the one message of the tick (an activation or a gradient) goes to
 rank ``r + 1`` and ``r - 1`` by two ring ``ppermute``s (one when no message ever travels
 one of the ways) and each rank stores what it received into the slot the plan names;
 the turn of a V layout stays on the rank. The ``ppermute``s run on every tick (a rank
