@@ -255,9 +255,9 @@ def measure_steps(args, m=8):
 
 
 def loop_matmuls(hlo):
-    """Matmuls in the compiled pipeline loop: the ``dot``s of the while body and of every
-    computation it calls (each branch once, so for ``v = 1`` the count is the matmuls
-    of one microbatch's F, B and W on one stage)."""
+    """Matmuls in the compiled pipeline loop, counted per call site: the ``dot``s of the
+    while body and of what it calls (every branch of a conditional once, so for
+    ``v = 1`` the count is the matmuls of one microbatch's F, B and W on one stage)."""
     bodies, name = {}, None
     for line in hlo.splitlines():
         head = re.match(r"^(?:ENTRY )?(%[\w.\-]+) ", line)
@@ -267,18 +267,19 @@ def loop_matmuls(hlo):
         elif name is not None:
             bodies[name].append(line)
     called = re.compile(r"(?:body|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
-    todo = [b for text in bodies.values() for ln in text
-            for b in re.findall(r"body=(%[\w.\-]+)", ln)]  # fmt: skip
-    seen = set()
-    while todo:
-        comp = todo.pop()
-        if comp in seen or comp not in bodies:
-            continue
-        seen.add(comp)
-        for ln in bodies[comp]:
+
+    @functools.cache
+    def dots(comp):
+        count = 0
+        for ln in bodies.get(comp, ()):
+            count += ln.count(" dot(")
             for group in called.findall(ln):
-                todo += [c.strip() for c in group.split(",")]
-    return sum(ln.count(" dot(") for comp in seen for ln in bodies[comp])
+                count += sum(dots(c.strip()) for c in group.split(","))
+        return count
+
+    loops = {b for text in bodies.values() for ln in text
+             for b in re.findall(r"body=(%[\w.\-]+)", ln)}  # fmt: skip
+    return sum(dots(b) for b in loops)
 
 
 def measure_remat(args, m=8):
