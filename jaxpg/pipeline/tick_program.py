@@ -112,6 +112,8 @@ def tick_steps(
     stages, first_p, last_p = params
     v = jax.tree.leaves(stages)[0].shape[0]
     chunks = [jax.tree.map(lambda a, i=i: a[i], stages) for i in range(v)]
+    if v > 1:  # slice once, here: else XLA sinks the slices into the branches (a copy a tick)
+        chunks = lax.optimization_barrier(chunks)
     remat = pieces is None
     split = "W" in names
     first_forward = any(n in ("F_first", "F_first_last") for n in names)
