@@ -12,6 +12,9 @@ pipeline stages of ``blocks / (p v)`` blocks each, so every schedule runs the sa
   variant run side by side: each round runs every variant once, in turn, and the
   ratios are taken within a round; the tables give medians over ``--rounds`` rounds.
   ``grad_check`` records that the variants' gradients agree.
+* ``remat``: 1F1B with ``remat`` off against on, for stages of one and of two blocks,
+  side by side, with the matmuls of one microbatch's F + B counted in the compiled loop
+  (their ratio is the best the step-time ratio can be).
 * ``--efficiency``: in a subprocess with 2 simulated devices and single-threaded XLA
   CPU kernels (one device per core on a 2-core machine), step time of every schedule
   at ``p = 2`` against the bound ``T1 (m + p - 1) / m / p``, ``T1`` the un-pipelined
@@ -450,6 +453,12 @@ def table(result):
         lines.append(f"| {r['framework']} | {r['schedule']} | {r['m']} | {r['step_ms']:.1f} |")
     lines += ["", "| ratio (median over rounds) | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in result["ratios"].items()]
+    if "remat" in result:
+        lines += ["", "| 1F1B, stage of | matmuls (no remat / remat) | theory | wall | CPU |",
+                  "|---|---|---:|---:|---:|"]  # fmt: skip
+        for r in result["remat"]:
+            lines.append(f"| {r['stage']} | {r['matmuls']} / {r['matmuls_remat']} | "
+                         f"{r['theory']:.3f} | {r['wall_ratio']:.3f} | {r['cpu_ratio']:.3f} |")
     if "efficiency" in result:
         lines += ["", "| schedule (p=2, m=8) | step (ms) | efficiency |", "|---|---|---|"]
         lines += [f"| {r['schedule']} | {r['step_ms']:.1f} | {r['efficiency']:.2f} |"
