@@ -6,7 +6,8 @@ thread), one CPU device per process, the pipeline's ``ppermute`` over gloo betwe
 processes. In the same processes, every round runs, in a rotating order:
 
 * ``baseline``: the un-pipelined step (``jax.value_and_grad`` of the whole model, the
-  whole batch) on rank 0's one device, one core, while the other ranks wait;
+  whole batch) on rank 0's one device, one core, while the other ranks wait (with
+  ``--torch``, also ``torch baseline``: the same in torch, one thread);
 * ``jaxpg <schedule> m=<m>``: ``pipeline_value_and_grad`` over the ``p`` processes;
 * with ``--torch``: ``torch <Schedule class> m=<m>`` (``torch.distributed.pipelining``
   over a gloo group of the same processes, ``torch.set_num_threads(1)``), the same model,
@@ -120,14 +121,14 @@ def max_rel_diff(a, b):
 
 
 def torch_variant(cls_name, rank, p, m, params, x, t):
-    """A torch pipeline schedule on this rank's stages; returns (step, check)."""
+    """A torch pipeline schedule on this rank's stages; returns (step, check).
+
+    ``cls_name="baseline"``: the whole model un-pipelined on this process (check None).
+    """
     import torch
     import torch.distributed.pipelining as pipelining
 
-    chunks, indices_of = TORCH[cls_name]
-    num_stages, indices = chunks * p, indices_of(rank, p)
     blocks = params["w1"].shape[0]
-    layers = blocks // num_stages
 
     class Block(torch.nn.Module):
         def __init__(self, w):
@@ -144,6 +145,20 @@ def torch_variant(cls_name, rank, p, m, params, x, t):
             gelu = torch.nn.functional.gelu(self.up(x), approximate="tanh")
             return x + self.down(gelu)
 
+    if cls_name == "baseline":  # the whole model, un-pipelined, on this process
+        model = torch.nn.Sequential(*[Block({k: a[i] for k, a in params.items()})
+                                      for i in range(blocks)])  # fmt: skip
+        tx, tt = torch.from_numpy(x.copy()), torch.from_numpy(t.copy())
+
+        def whole():
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(tx), tt).backward()
+
+        return whole, None
+
+    chunks, indices_of = TORCH[cls_name]
+    num_stages, indices = chunks * p, indices_of(rank, p)
+    layers = blocks // num_stages
     modules, stages = {}, []
     for s in indices:
         ws = [{k: a[s * layers + i] for k, a in params.items()} for i in range(layers)]
@@ -224,6 +239,9 @@ def main() -> None:
             fns[f"baseline m={m}"] = functools.partial(ref_step, local_params, lx, lt)
         elif args.baseline:
             fns[f"baseline m={m}"] = lambda: None
+        if args.baseline and torch_names:
+            whole = torch_variant("baseline", rank, p, m, params, x, t)[0]
+            fns[f"torch baseline m={m}"] = whole if rank == 0 else lambda: None
         ref_loss, ref_grads = jax.tree.map(np.asarray, ref_step(local_params, lx, lt))
         gx, gt = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, t))
         for name in schedules:
@@ -282,7 +300,9 @@ def main() -> None:
         if rank == 0:
             print(f"round {r + 1}/{args.rounds} done, load {loads[-1]:.1f}", flush=True)
     everyone = [None] * p
-    dist.all_gather_object(everyone, samples)
+    dist.all_gather_object(everyone, (samples, sorted(os.sched_getaffinity(0))))
+    affinity = [a for _, a in everyone]
+    everyone = [s for s, _ in everyone]
     if rank == 0:
         rows = {}
         for key in keys:
@@ -291,7 +311,7 @@ def main() -> None:
             cpu = [[c for _, c in rnd] for rnd in zip(*per_rank, strict=True)]
             rows[key] = {"wall_s": wall, "cpu_s_per_rank": cpu,
                          "median_ms": 1e3 * statistics.median(wall)}  # fmt: skip
-        result = {"p": p, "affinity": sorted(os.sched_getaffinity(0)), "load_1min": loads,
+        result = {"p": p, "affinity_per_rank": affinity, "load_1min": loads,
                   "checks": checks, "times": rows}  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(result, f)
