@@ -27,17 +27,16 @@ Writes ``bench/results/pipeline_efficiency.json`` and prints a markdown table.
 
 from __future__ import annotations
 
-import _pipeline_mp  # noqa: F401  (before JAX: device flags)
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+from pathlib import Path
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from _pipeline_mp_worker import CHUNKS  # noqa: E402
+import _pipeline_mp  # before JAX (through _pipeline_mp_worker): sets the device flags
+from _pipeline_mp_worker import CHUNKS
 
 
 def efficiency_rows(raw: dict, schedules: list[str], ms: list[int]) -> list[dict]:
@@ -99,7 +98,8 @@ def main() -> None:
         raw_path = os.path.join(tmp, "raw.json")
         _pipeline_mp.launch(args.nproc, [
             "--baseline", "--schedules", ",".join(schedules), "--ms", args.ms,
-            "--rounds", str(args.rounds), "--reference", ref, "--out", raw_path, *model])  # fmt: skip
+            "--rounds", str(args.rounds), "--reference", ref, "--out", raw_path, *model,
+        ])  # fmt: skip
         raw = json.loads(Path(raw_path).read_text())
     oversubscribed = args.nproc > (os.cpu_count() or 1)
     result = {
