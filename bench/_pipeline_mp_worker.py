@@ -269,7 +269,7 @@ def main() -> None:
             for _, g in everyone:
                 for s, gs in g.items():
                     for k, a in gs.items():
-                        full[k][s * layers:(s + 1) * layers] = a
+                        full[k][s * layers : (s + 1) * layers] = a
             tloss = next(v for v, _ in everyone if v is not None)
             checks[key] = {"loss": tloss, "vs_un_pipelined": max_rel_diff(full, ref_grads),
                            "loss_vs_un_pipelined": abs(tloss - float(ref_loss))}  # fmt: skip
@@ -294,7 +294,7 @@ def main() -> None:
     samples = {key: [] for key in keys}
     loads = []
     for r in range(args.rounds):
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             samples[key].append(timed(fns[key]))
         loads.append(os.getloadavg()[0])
         if rank == 0:
