@@ -7,7 +7,8 @@ processes. In the same processes, every round runs, in a rotating order:
 
 * ``baseline``: the un-pipelined step (``jax.value_and_grad`` of the whole model, the
   whole batch) on rank 0's one device, one core, while the other ranks wait (with
-  ``--torch``, also ``torch baseline``: the same in torch, one thread);
+  ``--torch``, also ``torch baseline``: the same in torch, one thread), and
+  ``baseline_microbatched``: the same, run microbatch by microbatch (``lax.scan``);
 * ``jaxpg <schedule> m=<m>``: ``pipeline_value_and_grad`` over the ``p`` processes;
 * with ``--torch``: ``torch <Schedule class> m=<m>`` (``torch.distributed.pipelining``
   over a gloo group of the same processes, ``torch.set_num_threads(1)``), the same model,
@@ -93,6 +94,24 @@ def un_pipelined(blocks):
     """The reference step: loss and gradient of the whole model on the whole batch
     (the mean of the microbatch losses equals the whole-batch mean: equal microbatches)."""
     return jax.jit(jax.value_and_grad(lambda w, x, t: mse(None, stage_fn(blocks)(w, x), t)))
+
+
+def microbatched(blocks, m):
+    """The un-pipelined model run microbatch by microbatch (a ``lax.scan`` over the
+    ``m`` microbatches, gradients summed): the same matmul sizes as the pipeline's."""
+
+    def run(w, x, t):
+        xs, ts = (a.reshape(m, -1, a.shape[-1]) for a in (x, t))
+        vg = jax.value_and_grad(lambda w, x, t: mse(None, stage_fn(blocks)(w, x), t))
+
+        def body(acc, xt):
+            return jax.tree.map(jnp.add, acc, vg(w, *xt)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, w))
+        total, _ = jax.lax.scan(body, zero, (xs, ts))
+        return jax.tree.map(lambda a: a / m, total)
+
+    return jax.jit(run)
 
 
 def jaxpg_step(name, mesh, m, layers):
@@ -235,14 +254,22 @@ def main() -> None:
     for m in ms:
         x, t = make_batch(m * args.microbatch, args.dim)
         lx, lt = jax.device_put(x, local), jax.device_put(t, local)
+        ref_loss, ref_grads = jax.tree.map(np.asarray, ref_step(local_params, lx, lt))
         if args.baseline and rank == 0:
             fns[f"baseline m={m}"] = functools.partial(ref_step, local_params, lx, lt)
         elif args.baseline:
             fns[f"baseline m={m}"] = lambda: None
+        if args.baseline:
+            mb_step = microbatched(args.blocks, m)
+            key = f"baseline_microbatched m={m}"
+            fns[key] = functools.partial(mb_step, local_params, lx, lt) if rank == 0 else (
+                lambda: None)  # fmt: skip
+            loss, grads = jax.tree.map(np.asarray, mb_step(local_params, lx, lt))
+            checks[key] = {"loss": float(loss), "vs_un_pipelined": max_rel_diff(grads, ref_grads),
+                           "loss_vs_un_pipelined": abs(float(loss) - float(ref_loss))}  # fmt: skip
         if args.baseline and torch_names:
             whole = torch_variant("baseline", rank, p, m, params, x, t)[0]
             fns[f"torch baseline m={m}"] = whole if rank == 0 else lambda: None
-        ref_loss, ref_grads = jax.tree.map(np.asarray, ref_step(local_params, lx, lt))
         gx, gt = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, t))
         for name in schedules:
             v = CHUNKS[name]
