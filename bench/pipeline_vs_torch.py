@@ -6,7 +6,10 @@ process both run: jaxpg's ``pipeline_value_and_grad`` (``ppermute`` over XLA's g
 collectives) and torch's ``PipelineStage`` + schedule (a gloo process group of the same
 processes). Per round, every jaxpg and torch variant runs once, in a rotating order, so
 both see the same load; the ratio is the median over rounds of the per-round ratio
-``jaxpg / torch`` (below 1: jaxpg faster).
+``jaxpg / torch`` (below 1: jaxpg faster) of the wall time, and of the CPU time (the
+ranks' summed process CPU time: the work done, which the machine's other jobs change
+less than the wall time). ``efficiency`` is each framework's step against the bound from
+its own un-pipelined step on one core, ``T1 (m + p - 1) / m / p``, per round.
 
 The model is identical: ``--blocks`` residual MLP blocks ``x + W2 gelu(W1 x + b1) + b2``
 (tanh gelu in both), width ``--dim``, hidden ``4 dim``, mean squared error per
@@ -50,9 +53,11 @@ PAIRS = [
 
 
 def compare_rows(raw: dict, ms: list[int]) -> list[dict]:
-    times = raw["times"]
+    times, p = raw["times"], raw["p"]
     rows = []
     for m in ms:
+        own_t1 = {"jaxpg": times[f"baseline m={m}"]["wall_s"],
+                  "torch": times[f"torch baseline m={m}"]["wall_s"]}  # fmt: skip
         pairs = [("baseline", "baseline", "torch baseline")] + [
             (j or t, j and f"jaxpg {j}", t and f"torch {t}") for j, t in PAIRS
         ]
@@ -65,7 +70,21 @@ def compare_rows(raw: dict, ms: list[int]) -> list[dict]:
                 "jaxpg_ms": jrec and jrec["median_ms"],
                 "torch_ms": trec and trec["median_ms"],
             }  # fmt: skip
+            for rec, fw in ((jrec, "jaxpg"), (trec, "torch")):
+                if rec:
+                    row[f"{fw}_cpu_ms"] = 1e3 * statistics.median(
+                        sum(c) for c in rec["cpu_s_per_rank"]
+                    )
+                if rec and name != "baseline":  # against its own un-pipelined step
+                    row[f"{fw}_efficiency"] = statistics.median(
+                        a * (m + p - 1) / m / p / b
+                        for a, b in zip(own_t1[fw], rec["wall_s"], strict=True)
+                    )
             if jrec and trec:
+                row["jaxpg_over_torch_cpu"] = statistics.median(
+                    sum(a) / sum(b)
+                    for a, b in zip(jrec["cpu_s_per_rank"], trec["cpu_s_per_rank"], strict=True)
+                )
                 row["jaxpg_over_torch"] = statistics.median(
                     a / b for a, b in zip(jrec["wall_s"], trec["wall_s"], strict=True)
                 )
@@ -74,8 +93,9 @@ def compare_rows(raw: dict, ms: list[int]) -> list[dict]:
 
 
 def table(rows: list[dict], p: int) -> str:
-    lines = [f"| schedule (p = {p}) | torch class | m | jaxpg ms | torch ms | jaxpg / torch |",
-             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [f"| schedule (p = {p}) | torch class | m | jaxpg ms | torch ms | jaxpg / torch "
+             "| jaxpg / torch, CPU time | efficiency jaxpg | efficiency torch |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
@@ -84,7 +104,9 @@ def table(rows: list[dict], p: int) -> str:
         lines.append(
             f"| {r['schedule']} | {r['torch_class'] or '-'} | {r['m']} | "
             f"{fmt(r['jaxpg_ms'], '.0f')} | {fmt(r['torch_ms'], '.0f')} | "
-            f"{fmt(r.get('jaxpg_over_torch'), '.2f')} |"
+            f"{fmt(r.get('jaxpg_over_torch'), '.2f')} | "
+            f"{fmt(r.get('jaxpg_over_torch_cpu'), '.2f')} | "
+            f"{fmt(r.get('jaxpg_efficiency'), '.2f')} | {fmt(r.get('torch_efficiency'), '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -99,7 +121,15 @@ def main() -> None:
     ap.add_argument("--microbatch", type=int, default=64)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                          "pipeline_vs_torch.json"))  # fmt: skip
+    ap.add_argument("--retabulate", action="store_true",
+                    help="only rebuild the rows and table of --out from its raw times")  # fmt: skip
     args = ap.parse_args()
+    if args.retabulate:
+        result = json.loads(Path(args.out).read_text())
+        result["rows"] = compare_rows(result["raw"], result["config"]["ms"])
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(table(result["rows"], result["config"]["p"]))
+        return
     import torch
 
     ms = [int(v) for v in args.ms.split(",")]
