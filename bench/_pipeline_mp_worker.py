@@ -344,6 +344,7 @@ def main() -> None:
             json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
+    jaxpg.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCHEDULES = {"1f1b": 1, "zb_h1": 1, "zb_v": 2}  # name -> chunks per rank
+SCHEDULES = {"1f1b": 1, "zb_v": 2}  # name -> chunks per rank (V: stages r, 2p - 1 - r)
 BLOCKS, DIM, M, ROWS = 4, 16, 4, 8  # blocks, width, microbatches, rows per microbatch
 
 
@@ -74,6 +74,7 @@ def main() -> None:
     if jaxpg.get_rank() == 0:
         np.savez(sys.argv[1], **out)
     jaxpg.barrier()
+    jaxpg.destroy_process_group()
     print("DONE", flush=True)
 
 
