@@ -1,0 +1,351 @@
+"""One pipeline rank of ``bench/pipeline_efficiency.py`` / ``bench/pipeline_vs_torch.py``.
+
+Started by ``jaxpg-run --nproc-per-node p`` (not run by hand): one process per pipeline
+rank, each pinned by the launcher to its own CPU core (so XLA:CPU runs one intra-op
+thread), one CPU device per process, the pipeline's ``ppermute`` over gloo between the
+processes. In the same processes, every round runs, in a rotating order:
+
+* ``baseline``: the un-pipelined step (``jax.value_and_grad`` of the whole model, the
+  whole batch) on rank 0's one device, one core, while the other ranks wait (with
+  ``--torch``, also ``torch baseline``: the same in torch, one thread), and
+  ``baseline_microbatched``: the same, run microbatch by microbatch (``lax.scan``);
+* ``jaxpg <schedule> m=<m>``: ``pipeline_value_and_grad`` over the ``p`` processes;
+* with ``--torch``: ``torch <Schedule class> m=<m>`` (``torch.distributed.pipelining``
+  over a gloo group of the same processes, ``torch.set_num_threads(1)``), the same model,
+  weights, stage split, microbatches and batch.
+
+Before timing, every jaxpg variant's gradients are checked against the un-pipelined
+reference (and, given ``--reference``, against the single-process pipeline's gradients
+on ``p`` simulated devices), and every torch schedule's loss and gradients against
+jaxpg's on the same weights. Rank 0 writes the per-round times (each the slowest rank's,
+between two barriers) as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Chunks (model stages per rank) of each jaxpg schedule.
+CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zb_v": 2}
+# torch class -> (chunks, stage indices of rank r for p ranks).
+TORCH = {
+    "ScheduleGPipe": (1, lambda r, p: [r]),
+    "Schedule1F1B": (1, lambda r, p: [r]),
+    "ScheduleInterleaved1F1B": (2, lambda r, p: [r, r + p]),
+    "ScheduleInterleavedZeroBubble": (2, lambda r, p: [r, r + p]),
+    "ScheduleZBVZeroBubble": (2, lambda r, p: [r, 2 * p - 1 - r]),
+}
+
+
+def block(w, x):
+    """One residual MLP block, ``x + W2 gelu(W1 x + b1) + b2`` (tanh gelu, as jax's)."""
+    return x + jax.nn.gelu(x @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
+
+
+@functools.cache
+def stage_fn(layers):
+    def stage(w, x):
+        for i in range(layers):
+            x = block(jax.tree.map(lambda a, i=i: a[i], w), x)
+        return x
+
+    return stage
+
+
+def mse(_, y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def make_params(blocks, d, seed=0):
+    """Host (numpy) parameters of ``blocks`` blocks, stacked ``[blocks, ...]``."""
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+    params = {
+        "w1": jax.random.normal(k1, (blocks, d, 4 * d)) / np.sqrt(d),
+        "b1": 0.1 * jax.random.normal(k3, (blocks, 4 * d)),
+        "w2": jax.random.normal(k2, (blocks, 4 * d, d)) / np.sqrt(4 * d),
+        "b2": 0.1 * jax.random.normal(k4, (blocks, d)),
+    }
+    return {k: np.asarray(v, np.float32) for k, v in params.items()}
+
+
+def make_batch(rows, d, seed=1):
+    kx, kt = jax.random.split(jax.random.key(seed))
+    return (np.asarray(jax.random.normal(kx, (rows, d)), np.float32),
+            np.asarray(jax.random.normal(kt, (rows, d)), np.float32))  # fmt: skip
+
+
+def staged(params, stages):
+    """``[blocks, ...]`` -> ``[stages, blocks / stages, ...]``, in model order."""
+    return {k: a.reshape(stages, -1, *a.shape[1:]) for k, a in params.items()}
+
+
+def un_pipelined(blocks):
+    """The reference step: loss and gradient of the whole model on the whole batch
+    (the mean of the microbatch losses equals the whole-batch mean: equal microbatches)."""
+    return jax.jit(jax.value_and_grad(lambda w, x, t: mse(None, stage_fn(blocks)(w, x), t)))
+
+
+def microbatched(blocks, m):
+    """The un-pipelined model run microbatch by microbatch (a ``lax.scan`` over the
+    ``m`` microbatches, gradients summed): the same matmul sizes as the pipeline's."""
+
+    def run(w, x, t):
+        xs, ts = (a.reshape(m, -1, a.shape[-1]) for a in (x, t))
+        vg = jax.value_and_grad(lambda w, x, t: mse(None, stage_fn(blocks)(w, x), t))
+
+        def body(acc, xt):
+            return jax.tree.map(jnp.add, acc, vg(w, *xt)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, w))
+        total, _ = jax.lax.scan(body, zero, (xs, ts))
+        return jax.tree.map(lambda a: a / m, total)
+
+    return jax.jit(run)
+
+
+def jaxpg_step(name, mesh, m, layers):
+    from jaxpg.pipeline import pipeline_value_and_grad
+
+    def run(params, x, t):
+        return pipeline_value_and_grad(
+            stage_fn(layers), mse, params, x, t, mesh=mesh, schedule=name, num_microbatches=m,
+        )  # fmt: skip
+
+    return jax.jit(run)
+
+
+def gather(tree):
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+def max_rel_diff(a, b):
+    """max |a - b| over all leaves, relative to the largest |b| entry."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    scale = max(float(np.max(np.abs(x))) for x in lb)
+    return max(float(np.max(np.abs(np.reshape(x, -1) - np.reshape(y, -1))))
+               for x, y in zip(la, lb, strict=True)) / scale  # fmt: skip
+
+
+def torch_variant(cls_name, rank, p, m, params, x, t):
+    """A torch pipeline schedule on this rank's stages; returns (step, check).
+
+    ``cls_name="baseline"``: the whole model un-pipelined on this process (check None).
+    """
+    import torch
+    import torch.distributed.pipelining as pipelining
+
+    blocks = params["w1"].shape[0]
+
+    class Block(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            d, h = w["w1"].shape
+            self.up, self.down = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
+            with torch.no_grad():
+                self.up.weight.copy_(torch.from_numpy(w["w1"].T.copy()))
+                self.up.bias.copy_(torch.from_numpy(w["b1"].copy()))
+                self.down.weight.copy_(torch.from_numpy(w["w2"].T.copy()))
+                self.down.bias.copy_(torch.from_numpy(w["b2"].copy()))
+
+        def forward(self, x):
+            gelu = torch.nn.functional.gelu(self.up(x), approximate="tanh")
+            return x + self.down(gelu)
+
+    if cls_name == "baseline":  # the whole model, un-pipelined, on this process
+        model = torch.nn.Sequential(*[Block({k: a[i] for k, a in params.items()})
+                                      for i in range(blocks)])  # fmt: skip
+        tx, tt = torch.from_numpy(x.copy()), torch.from_numpy(t.copy())
+
+        def whole():
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(tx), tt).backward()
+
+        return whole, None
+
+    chunks, indices_of = TORCH[cls_name]
+    num_stages, indices = chunks * p, indices_of(rank, p)
+    layers = blocks // num_stages
+    modules, stages = {}, []
+    for s in indices:
+        ws = [{k: a[s * layers + i] for k, a in params.items()} for i in range(layers)]
+        modules[s] = torch.nn.Sequential(*[Block(w) for w in ws])
+        stages.append(pipelining.PipelineStage(modules[s], s, num_stages, torch.device("cpu")))
+    schedule = getattr(pipelining, cls_name)(
+        stages[0] if chunks == 1 else stages, n_microbatches=m,
+        loss_fn=torch.nn.functional.mse_loss,
+    )  # fmt: skip
+    tx, tt = torch.from_numpy(x.copy()), torch.from_numpy(t.copy())
+    first, last = 0 in indices, num_stages - 1 in indices
+
+    def step():
+        for mod in modules.values():
+            mod.zero_grad(set_to_none=True)
+        losses = []
+        kwargs = {"target": tt, "losses": losses} if last else {}
+        schedule.step(tx, **kwargs) if first else schedule.step(**kwargs)
+        return losses
+
+    def check():
+        """(this rank's mean loss or None, {stage: {name: [layers, ...] grads}})."""
+        losses = step()
+        loss = float(torch.stack(losses).mean().detach()) if last else None
+        grads = {}
+        for s, mod in modules.items():
+            grads[s] = {
+                "w1": np.stack([b.up.weight.grad.numpy().T for b in mod]),
+                "b1": np.stack([b.up.bias.grad.numpy() for b in mod]),
+                "w2": np.stack([b.down.weight.grad.numpy().T for b in mod]),
+                "b2": np.stack([b.down.bias.grad.numpy() for b in mod]),
+            }
+        return loss, grads
+
+    return step, check
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--torch-port", type=int, required=True)
+    ap.add_argument("--schedules", default=",".join(CHUNKS))
+    ap.add_argument("--torch", default="", help="comma-separated torch schedule classes")
+    ap.add_argument("--ms", default="4,8,16")
+    ap.add_argument("--baseline", action="store_true", help="time the un-pipelined step")
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--microbatch", type=int, default=64, help="rows per microbatch")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reference", default="", help="npz of single-process pipeline grads")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    import jaxpg
+
+    jaxpg.init_process_group()
+    rank, p = jaxpg.get_rank(), jaxpg.get_world_size()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.torch_port}",
+                            rank=rank, world_size=p)  # fmt: skip
+    mesh = Mesh(np.array(jax.devices()), ("pp",))
+    local = jax.local_devices()[0]
+    params = make_params(args.blocks, args.dim)
+    ms = [int(v) for v in args.ms.split(",")]
+    schedules = [s for s in args.schedules.split(",") if s]
+    torch_names = [s for s in args.torch.split(",") if s]
+    reference = dict(np.load(args.reference)) if args.reference else {}
+
+    fns, checks = {}, {}
+    ref_step = un_pipelined(args.blocks)
+    local_params = jax.device_put(params, local)
+    for m in ms:
+        x, t = make_batch(m * args.microbatch, args.dim)
+        lx, lt = jax.device_put(x, local), jax.device_put(t, local)
+        ref_loss, ref_grads = jax.tree.map(np.asarray, ref_step(local_params, lx, lt))
+        if args.baseline and rank == 0:
+            fns[f"baseline m={m}"] = functools.partial(ref_step, local_params, lx, lt)
+        elif args.baseline:
+            fns[f"baseline m={m}"] = lambda: None
+        if args.baseline:
+            mb_step = microbatched(args.blocks, m)
+            key = f"baseline_microbatched m={m}"
+            fns[key] = functools.partial(mb_step, local_params, lx, lt) if rank == 0 else (
+                lambda: None)  # fmt: skip
+            loss, grads = jax.tree.map(np.asarray, mb_step(local_params, lx, lt))
+            checks[key] = {"loss": float(loss), "vs_un_pipelined": max_rel_diff(grads, ref_grads),
+                           "loss_vs_un_pipelined": abs(float(loss) - float(ref_loss))}  # fmt: skip
+        if args.baseline and torch_names:
+            whole = torch_variant("baseline", rank, p, m, params, x, t)[0]
+            fns[f"torch baseline m={m}"] = whole if rank == 0 else lambda: None
+        gx, gt = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, t))
+        for name in schedules:
+            v = CHUNKS[name]
+            sp = jax.device_put(staged(params, p * v), NamedSharding(mesh, P("pp")))
+            fn = jaxpg_step(name, mesh, m, args.blocks // (p * v))
+            key = f"jaxpg {name} m={m}"
+            fns[key] = functools.partial(fn, sp, gx, gt)
+            loss, grads = fn(sp, gx, gt)
+            grads = {k: a.reshape(args.blocks, *a.shape[2:]) for k, a in gather(grads).items()}
+            checks[key] = {"loss": float(loss), "vs_un_pipelined": max_rel_diff(grads, ref_grads),
+                           "loss_vs_un_pipelined": abs(float(loss) - float(ref_loss))}  # fmt: skip
+            if f"{name} m={m} w1" in reference:
+                single = {k: reference[f"{name} m={m} {k}"] for k in grads}
+                checks[key]["vs_single_process"] = max_rel_diff(grads, single)
+        for cls_name in torch_names:
+            step, check = torch_variant(cls_name, rank, p, m, params, x, t)
+            key = f"torch {cls_name} m={m}"
+            fns[key] = step
+            loss, grads = check()
+            everyone = [None] * p
+            dist.all_gather_object(everyone, (loss, grads))
+            layers = args.blocks // len({s for _, g in everyone for s in g})
+            full = {k: np.zeros_like(a) for k, a in ref_grads.items()}
+            for _, g in everyone:
+                for s, gs in g.items():
+                    for k, a in gs.items():
+                        full[k][s * layers : (s + 1) * layers] = a
+            tloss = next(v for v, _ in everyone if v is not None)
+            checks[key] = {"loss": tloss, "vs_un_pipelined": max_rel_diff(full, ref_grads),
+                           "loss_vs_un_pipelined": abs(tloss - float(ref_loss))}  # fmt: skip
+    if rank == 0:
+        print("checks " + json.dumps(checks), flush=True)
+    for key, c in checks.items():
+        assert c["loss_vs_un_pipelined"] <= 1e-4 * max(1.0, abs(c["loss"])), (key, c)
+        assert c["vs_un_pipelined"] <= 1e-4, (key, c)
+        assert c.get("vs_single_process", 0.0) <= 1e-5, (key, c)
+
+    def timed(fn):
+        dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        jax.block_until_ready(fn())
+        mine = (time.perf_counter() - start, time.process_time() - cpu)
+        dist.barrier()
+        return mine
+
+    keys = list(fns)
+    for key in keys:  # warm-up: every program compiled and run once more
+        timed(fns[key])
+    samples = {key: [] for key in keys}
+    loads = []
+    for r in range(args.rounds):
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            samples[key].append(timed(fns[key]))
+        loads.append(os.getloadavg()[0])
+        if rank == 0:
+            print(f"round {r + 1}/{args.rounds} done, load {loads[-1]:.1f}", flush=True)
+    everyone = [None] * p
+    dist.all_gather_object(everyone, (samples, sorted(os.sched_getaffinity(0))))
+    affinity = [a for _, a in everyone]
+    everyone = [s for s, _ in everyone]
+    if rank == 0:
+        rows = {}
+        for key in keys:
+            per_rank = [s[key] for s in everyone]
+            wall = [max(w for w, _ in rnd) for rnd in zip(*per_rank, strict=True)]
+            cpu = [[c for _, c in rnd] for rnd in zip(*per_rank, strict=True)]
+            rows[key] = {"wall_s": wall, "cpu_s_per_rank": cpu,
+                         "median_ms": 1e3 * statistics.median(wall)}  # fmt: skip
+        result = {"p": p, "affinity_per_rank": affinity, "load_1min": loads,
+                  "checks": checks, "times": rows}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    jaxpg.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
