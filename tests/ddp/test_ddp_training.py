@@ -168,6 +168,21 @@ def test_module_snapshot_survives_donated_steps(world):
     assert logits.shape == (8, 4)
 
 
+def test_cpu_step_donates_the_optimizer_state_but_not_the_parameters(world):
+    # XLA:CPU copies donated parameters that the backward still reads (issue 12), so on CPU
+    # the step donates everything but the parameters; donate=False donates nothing.
+    batches = make_batches(2, 8)
+    for donate in (True, False):
+        ddp = DistributedDataParallel(MLP(0), optax.sgd(0.1, momentum=0.9), group=group(2),
+                                      donate=donate)
+        ddp.train_step(loss_fn, batches[0])
+        params, opt_state = ddp.params, ddp.opt_state
+        ddp.train_step(loss_fn, batches[1])
+        assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+        momentum = [x for x in jax.tree.leaves(opt_state) if x.size > 1]
+        assert momentum and all(x.is_deleted() == donate for x in momentum)
+
+
 def test_bad_arguments(world):
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
         DistributedDataParallel(MLP(0), "adam", group=group(2))
