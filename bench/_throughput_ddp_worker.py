@@ -10,14 +10,14 @@ In the same processes, torch DDP (gloo) and jaxpg DDP train the 25M-parameter ML
 * ``torch_allreduce_100MB``: ``dist.all_reduce`` of a 25M-float tensor alone;
 * ``jaxpg``: ``jaxpg.ddp.DistributedDataParallel`` with its defaults (1 MB first bucket,
   25 MB buckets, the default averaging hook, donated state);
-* ``jaxpg_donate_params``: the default step with the parameters donated too (jaxpg's
-  default before issue 12; on CPU it now donates all state but the parameters);
+* ``jaxpg_default_copies``: the default step compiled with XLA:CPU's default copy
+  insertion (jaxpg's step before issue 12; it now uses the region analysis);
 * ``jaxpg_one_bucket`` / ``jaxpg_cap_5MB``: every gradient in one bucket / 5 MB buckets;
 * ``jaxpg_fused_pmean``: ``reduction='fused_pmean'`` (one ``pmean`` per gradient);
 * ``jaxpg_rs_ag``: a hook doing ``psum_scatter`` + ``all_gather`` instead of ``psum``;
 * ``jaxpg_no_comm``: the ``noop`` hook (flat buckets, no communication);
 * ``jax_compute``: the local forward + backward + SGD update alone (``jax.jit``, no
-  collective, no buckets; the optimizer state donated, as in DDP's step on CPU);
+  collective, no buckets; state donated, compiled with the region analysis as DDP's step);
 * ``jaxpg_allreduce_100MB``: an eager ``jaxpg.all_reduce`` of the 25M-float gradient size
   alone.
 
@@ -47,14 +47,14 @@ from flax import nnx
 
 import jaxpg
 from jaxpg.ddp import DistributedDataParallel
-from jaxpg.ddp.train_step import build_train_step
+from jaxpg.ddp.train_step import CPU_COMPILER_OPTIONS, build_train_step
 
 
-class DonateParamsDDP(DistributedDataParallel):
-    """DDP whose step donates the parameters too (as jaxpg did on CPU before issue 12)."""
+class DefaultCopiesDDP(DistributedDataParallel):
+    """DDP whose step uses XLA:CPU's default copy insertion (jaxpg before issue 12)."""
 
     def _step_fn(self, loss_fn, mode):
-        key = ("donate_params", loss_fn, mode)
+        key = ("default_copies", loss_fn, mode)
         if key not in self._compiled:
             fn = build_train_step(loss_fn, graphdef=self._graphdef, optimizer=self.optimizer,
                                   plan=self.bucket_plan, comm_hook=self._comm_hook,
@@ -117,14 +117,14 @@ def main() -> None:
     world = jaxpg.GroupMember.WORLD
     ddp_kwargs = {
         "jaxpg": {},
-        "jaxpg_donate_params": {},
+        "jaxpg_default_copies": {},
         "jaxpg_one_bucket": {"bucket_cap_mb": 1e6, "first_bucket_mb": 1e6},
         "jaxpg_cap_5MB": {"bucket_cap_mb": 5},
         "jaxpg_fused_pmean": {"reduction": "fused_pmean"},
         "jaxpg_rs_ag": {"comm_hook": rs_ag_hook},
         "jaxpg_no_comm": {"comm_hook": "noop"},
     }
-    ddps = {k: (DonateParamsDDP if k == "jaxpg_donate_params" else DistributedDataParallel)(
+    ddps = {k: (DefaultCopiesDDP if k == "jaxpg_default_copies" else DistributedDataParallel)(
                 MLP(nnx.Rngs(0)), optax.sgd(0.01, momentum=0.9), group=world, **kw)
             for k, kw in ddp_kwargs.items() if want is None or k in want}
 
@@ -147,7 +147,7 @@ def main() -> None:
         u, o = opt.update(g, o, p)
         return optax.apply_updates(p, u), o
 
-    local = jax.jit(local, donate_argnums=1)
+    local = jax.jit(local, donate_argnums=(0, 1), compiler_options=CPU_COMPILER_OPTIONS)
 
     def compute_step():
         state["p"], state["o"] = local(state["p"], state["o"], jb)
