@@ -10,6 +10,9 @@ In the same processes, torch DDP (gloo) and jaxpg DDP train the 25M-parameter ML
 * ``torch_allreduce_100MB``: ``dist.all_reduce`` of a 25M-float tensor alone;
 * ``jaxpg``: ``jaxpg.ddp.DistributedDataParallel`` with its defaults (1 MB first bucket,
   25 MB buckets, the default averaging hook, donated state);
+* ``jaxpg_flat_buckets``: the default buckets through a copy of the default hook, so each
+  bucket is copied into a flat buffer and back (the path of every custom hook, and of the
+  default hook on CPU before issue 12);
 * ``jaxpg_default_copies``: the default step compiled with XLA:CPU's default copy
   insertion (jaxpg's step before issue 12; it now uses the region analysis);
 * ``jaxpg_one_bucket`` / ``jaxpg_cap_5MB``: every gradient in one bucket / 5 MB buckets;
@@ -46,7 +49,7 @@ from _models import MLP, loss_fn, make_batch, n_params, torch_mlp  # bench/ is s
 from flax import nnx
 
 import jaxpg
-from jaxpg.ddp import DistributedDataParallel
+from jaxpg.ddp import DistributedDataParallel, allreduce_hook
 from jaxpg.ddp.train_step import CPU_COMPILER_OPTIONS, build_train_step
 
 
@@ -118,6 +121,7 @@ def main() -> None:
     ddp_kwargs = {
         "jaxpg": {},
         "jaxpg_default_copies": {},
+        "jaxpg_flat_buckets": {"comm_hook": lambda st, b: allreduce_hook(st, b)},
         "jaxpg_one_bucket": {"bucket_cap_mb": 1e6, "first_bucket_mb": 1e6},
         "jaxpg_cap_5MB": {"bucket_cap_mb": 5},
         "jaxpg_fused_pmean": {"reduction": "fused_pmean"},

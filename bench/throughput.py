@@ -35,25 +35,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-PLACEMENTS = ("slice", "none", "nocombine", "hugetlb")
+PLACEMENTS = ("slice", "none", "nocombine", "hugetlb", "nohuge")
 NO_COMBINER = "--xla_disable_hlo_passes=cpu-all-reduce-combiner"
 
 
 def env_for(placement: str, n: int) -> dict[str, str]:
     """``slice``: jaxpg-run's defaults; ``none``: unpinned; ``nocombine``: pinned, with
     XLA:CPU's all-reduce combiner off (so each DDP bucket stays its own all-reduce);
-    ``hugetlb``: pinned, jaxpg-run's glibc tunables plus ``glibc.malloc.hugetlb=1``
-    (transparent huge pages for malloc'd memory)."""
+    ``hugetlb`` / ``nohuge``: pinned, the glibc tunables with / without
+    ``glibc.malloc.hugetlb=1`` (transparent huge pages for malloc'd memory), set
+    explicitly whatever jaxpg-run's default is."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("JAXPG_CPU_AFFINITY", None)
     env.pop("OMP_NUM_THREADS", None)
     if placement == "none":
         env["JAXPG_CPU_AFFINITY"] = "none"
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
-    if placement == "hugetlb":
-        from jaxpg.run.env import _GLIBC_TUNABLES
-
-        env["GLIBC_TUNABLES"] = _GLIBC_TUNABLES + ":glibc.malloc.hugetlb=1"
+    if placement in ("hugetlb", "nohuge"):
+        env["GLIBC_TUNABLES"] = ("glibc.malloc.mmap_threshold=33554432:"
+                                 "glibc.malloc.trim_threshold=1073741824")
+        if placement == "hugetlb":
+            env["GLIBC_TUNABLES"] += ":glibc.malloc.hugetlb=1"
     if placement == "nocombine":
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_COMBINER).strip()
     return env

@@ -28,8 +28,12 @@ as of jaxlib 0.4.3x-0.10):
 - ``--xla_gpu_enable_pipelined_all_reduce`` only matters for all-reduces inside
   loops (gradient accumulation with ``lax.scan``).
 
-On CPU (the tests' simulated devices) none of this applies; the bucket count is
-visible as the number of ``all_reduce`` ops in the lowered program.
+On CPU none of these flags apply. The bucket count is visible as the number of
+``all_reduce`` ops in the lowered program, but XLA:CPU's ``cpu-all-reduce-combiner``
+pass then merges a step's independent all-reduces into one (in the compiled HLO), which
+runs after the whole backward; ``--xla_disable_hlo_passes=cpu-all-reduce-combiner``
+keeps one per bucket (measured in docs/design.md, "CPU all_reduce: where the time goes":
+it does not make them overlap the backward).
 :func:`fused_pmean` is the unbucketed reference: one ``pmean`` per gradient,
 leaving all grouping to XLA's combiner.
 """
