@@ -43,9 +43,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxpg.ddp._axis import AxisName, axis_tuple
+from jaxpg.ddp._axis import AxisName, axis_size, axis_tuple
 from jaxpg.ddp._flat import concat_1d
 from jaxpg.ddp.bucket_plan import BucketPlan
 from jaxpg.ddp.comm_hooks import CommHook, allreduce_hook
@@ -84,6 +85,8 @@ def reduce_gradients(
     axis_name: AxisName,
     comm_hook: CommHook = allreduce_hook,
     hook_state: Any = None,
+    *,
+    flat_buffers: bool = True,
 ) -> tuple[Any, Any]:
     """Reduces a gradient pytree bucket by bucket through a communication hook.
 
@@ -96,6 +99,12 @@ def reduce_gradients(
         comm_hook: ``hook(state, GradBucket) -> (buffer, state)``, called once per
             bucket in plan order; defaults to averaging over the axis.
         hook_state: the hook's state (``None`` for stateless hooks).
+        flat_buffers: build each bucket's flat buffer even for the default hook. With
+            ``False`` and the default :func:`~jaxpg.ddp.allreduce_hook`, each bucket is
+            reduced as one variadic ``psum`` of its gradients, without the copies into and
+            out of a flat buffer (same values; DDP does this on CPU, see
+            :func:`~jaxpg.ddp.train_step.build_train_step`). Other hooks always get the
+            flat buffer.
 
     Returns:
         ``(reduced gradients, new hook state)``; the gradients have the input's
@@ -124,6 +133,12 @@ def reduce_gradients(
     _check_against_plan(leaves_with_paths, plan)
     leaves = [leaf for _, leaf in leaves_with_paths]
     out_leaves: list[Any] = list(leaves)
+    if comm_hook is allreduce_hook and not flat_buffers:
+        for bucket in plan.buckets:
+            parts = _average_unflattened([leaves[i] for i in bucket.leaf_indices], axis_name)
+            for i, part in zip(bucket.leaf_indices, parts, strict=True):
+                out_leaves[i] = part
+        return jax.tree_util.tree_unflatten(treedef, out_leaves), hook_state
     last = len(plan.buckets) - 1
     for bucket in plan.buckets:
         buffer = concat_1d([leaves[i] for i in bucket.leaf_indices])
@@ -146,6 +161,17 @@ def reduce_gradients(
         for i, piece in zip(bucket.leaf_indices, grad_bucket.gradients(reduced), strict=True):
             out_leaves[i] = piece
     return jax.tree_util.tree_unflatten(treedef, out_leaves), hook_state
+
+
+def _average_unflattened(parts: list[Any], axis_name: AxisName) -> list[Any]:
+    """The default hook on one bucket without its flat buffer: ``psum`` of the list.
+
+    The values are those of :func:`~jaxpg.ddp.allreduce_hook`: each gradient divided by
+    the world size, then summed over the axis. JAX lowers the list to one ``all_reduce``
+    per gradient; XLA's all-reduce combiner regroups them.
+    """
+    world_size = axis_size(axis_name)
+    return jax.lax.psum([p / jnp.asarray(world_size, p.dtype) for p in parts], axis_name)
 
 
 def fused_pmean(grads: Any, axis_name: AxisName) -> Any:

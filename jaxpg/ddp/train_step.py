@@ -164,6 +164,11 @@ def build_train_step(
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}.")
     axis = pg.axis_name
     n = pg.size()
+    # XLA:CPU merges a step's all-reduces into one after the backward anyway (its
+    # all-reduce combiner), so flat bucket buffers only add copies there: on CPU the
+    # default hook reduces each bucket's gradients as they are (docs/design.md, "CPU
+    # all_reduce: where the time goes"; custom hooks still get flat buffers).
+    on_cpu = pg.mesh.devices.flat[0].platform == "cpu"
 
     def body(params, rest, opt_state, hook_state, acc, batch, active):
         hook_state = jax.tree.map(lambda x: x[0], hook_state)
@@ -200,7 +205,8 @@ def build_train_step(
         if reduction == "fused_pmean":
             reduced, new_hook = fused_pmean(grads, axis), hook_state
         else:
-            reduced, new_hook = reduce_gradients(grads, plan, axis, comm_hook, hook_state)
+            reduced, new_hook = reduce_gradients(grads, plan, axis, comm_hook, hook_state,
+                                                 flat_buffers=not on_cpu)
         if mode.join and not mode.divide_by_initial_world_size:
             scale = n / denom
             reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
@@ -229,6 +235,5 @@ def build_train_step(
         out_specs=(P(), P(), P(), rank_axis, rank_axis, P()),
         check_vma=False,
     )
-    on_cpu = pg.mesh.devices.flat[0].platform == "cpu"
     return jax.jit(mapped, donate_argnums=(0, 1, 2, 3, 4) if donate else (),
                    compiler_options=CPU_COMPILER_OPTIONS if on_cpu and donate else None)
