@@ -34,6 +34,9 @@ pass then merges a step's independent all-reduces into one (in the compiled HLO)
 runs after the whole backward; ``--xla_disable_hlo_passes=cpu-all-reduce-combiner``
 keeps one per bucket (measured in docs/design.md, "CPU all_reduce: where the time goes":
 it does not make them overlap the backward).
+So on CPU DDP's step calls ``reduce_gradients(..., flat_buffers=False)``: with the
+default hook each bucket's gradients are reduced as they are, without the copies into
+and out of a flat buffer; custom hooks still get flat buffers.
 :func:`fused_pmean` is the unbucketed reference: one ``pmean`` per gradient,
 leaving all grouping to XLA's combiner.
 """
