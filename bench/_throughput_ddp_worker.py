@@ -187,7 +187,7 @@ def main() -> None:
         med = {v: statistics.median(x) for v, x in per_round.items()}
         ms = {v: 1e3 * t for v, t in med.items()}
         steps = [v for v in ms if v in ("torch", "torch_no_comm", "jax_compute")
-                 or (v.startswith("jaxpg") and not v.endswith("MB"))]
+                 or (v.startswith("jaxpg") and not v.endswith("_100MB"))]
         out = {
             "n": n, "batch": args.batch, "steps": args.steps, "params": n_params(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
