@@ -9,7 +9,7 @@ Expected: ``jit(shard_map(psum))`` across N processes with
 transport), and with ``donate_argnums`` at least as fast.
 
 Observed (2-core VM, N = 2, 16 MB float32, median of interleaved calls, same processes):
-XLA's psum reaches 0.6-0.75x torch's bus bandwidth; with the input donated it is slower,
+XLA's psum reaches 0.5-0.8x torch's bus bandwidth; with the input donated it is slower,
 not faster. torch made out of place (``all_reduce(t.clone())``) lands where XLA is.
 ``perf`` puts the difference in a 16 MB ``memcpy`` per call inside
 ``xla::cpu::AllReduceThunk::Execute`` -> ``GlooCommunicator::AllReduce`` plus a reduction
