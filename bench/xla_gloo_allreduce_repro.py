@@ -15,8 +15,8 @@ not faster. torch made out of place (``all_reduce(t.clone())``) lands where XLA 
 ``xla::cpu::AllReduceThunk::Execute`` -> ``GlooCommunicator::AllReduce`` plus a reduction
 into a cold, freshly allocated output (two memcpys with donation).
 
-Cause: ``GlooCommunicator::AllReduce`` (``xla/backends/cpu/collectives/gloo_communicator.cc``,
-openxla/xla) always calls ``options.setInput(send_buffer)`` and
+Cause: ``GlooCommunicator::AllReduce`` (``xla/backends/cpu/collectives/gloo_communicator.cc``
+in openxla/xla, read at commit 3e1a45f9a740) always calls ``options.setInput(send_buffer)`` and
 ``options.setOutput(recv_buffer)``; gloo's ring all-reduce then starts by copying the
 input into the output. torch passes one buffer (in place). ``GlooCommunicator::
 ReduceScatter`` likewise ``memcpy``s the whole input into a fresh ``new char[]`` temporary
