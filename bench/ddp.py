@@ -47,44 +47,14 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _models import LAYERS, MLP, loss_fn, make_batch, n_params, torch_mlp  # noqa: E402  # bench/
 from flax import nnx  # noqa: E402
 
 import jaxpg  # noqa: E402
 from jaxpg.ddp import DistributedDataParallel  # noqa: E402
 
-LAYERS = (1024, 4096, 4096, 1024, 10)
 RESULTS = Path(__file__).parent / "results"
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(LAYERS[:-1], LAYERS[1:], strict=True)]
-        )
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = jax.nn.relu(layer(x))
-        return self.layers[-1](x)
-
-
-def loss_fn(model, batch):
-    logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
-def n_params() -> int:
-    return sum(a * b + b for a, b in zip(LAYERS[:-1], LAYERS[1:], strict=True))
-
-
-def make_batch(rows: int, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return {
-        "x": rng.standard_normal((rows, LAYERS[0])).astype(np.float32),
-        "y": rng.integers(0, LAYERS[-1], rows).astype(np.int32),
-    }
 
 
 def time_jaxpg(group, args, **ddp_kwargs) -> dict:
@@ -127,11 +97,7 @@ def _torch_worker(rank, world, args, result_path, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     torch.manual_seed(0)
-    mods = []
-    for a, b in zip(LAYERS[:-1], LAYERS[1:], strict=True):
-        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*mods[:-1]),
-                                                      bucket_cap_mb=25)
+    model = torch.nn.parallel.DistributedDataParallel(torch_mlp(), bucket_cap_mb=25)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batch = make_batch(args.batch, seed=rank)
     x, y = torch.from_numpy(batch["x"]), torch.from_numpy(batch["y"]).long()

@@ -198,27 +198,10 @@ def _watchdog_child(smoke: bool) -> dict:
             in fired[0]}
 
 
-def _mlp(layers: tuple, seed: int):
-    import jax
-    from flax import nnx
-
-    class MLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
-                                    for a, b in zip(layers[:-1], layers[1:], strict=True)])
-
-        def __call__(self, x):
-            for layer in self.layers[:-1]:
-                x = jax.nn.relu(layer(x))
-            return self.layers[-1](x)
-
-    return MLP(nnx.Rngs(seed))
-
-
 def part_ddp(cfg: dict) -> dict:
     import jax
-    import numpy as np
     import optax
+    from _models import MLP, loss_fn, make_batch  # bench/ is sys.path[0]
     from flax import nnx
 
     import jaxpg
@@ -228,16 +211,10 @@ def part_ddp(cfg: dict) -> dict:
     jaxpg.init_process_group()
     group = jaxpg.new_group([0])
     layers, batch_n = cfg["layers"], cfg["batch"]
-    rng = np.random.default_rng(0)
-    batch = {"x": rng.standard_normal((batch_n, layers[0])).astype(np.float32),
-             "y": rng.integers(0, layers[-1], batch_n).astype(np.int32)}
-
-    def loss_fn(model, b):
-        logits = model(b["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    batch = make_batch(batch_n, seed=0, layers=layers)
 
     tx = optax.sgd(0.01, momentum=0.9)
-    graphdef, params = nnx.split(_mlp(layers, 0))
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0), layers))
     opt_state = tx.init(params)
 
     @jax.jit
@@ -255,7 +232,7 @@ def part_ddp(cfg: dict) -> dict:
         state["plain"] = plain_step(*state["plain"], dev_batch)
         jax.block_until_ready(state["plain"])
 
-    ddps = {name: DistributedDataParallel(_mlp(layers, 0), tx, group=group, **kw)
+    ddps = {name: DistributedDataParallel(MLP(nnx.Rngs(0), layers), tx, group=group, **kw)
             for name, kw in (("jaxpg DDP (buckets)", {}),
                              ("jaxpg DDP (fused pmean)", {"reduction": "fused_pmean"}))}
     fns = {"plain jax.jit optax": run_plain}
@@ -278,7 +255,6 @@ def part_ddp(cfg: dict) -> dict:
 
 
 def part_torch(cfg: dict) -> dict:
-    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -289,17 +265,15 @@ def part_torch(cfg: dict) -> dict:
                             init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     dev = torch.device("cuda:0" if cuda else "cpu")
     torch.manual_seed(0)
+    from _models import make_batch, torch_mlp  # bench/ is sys.path[0]
+
     layers, batch_n = cfg["layers"], cfg["batch"]
-    mods: list = []
-    for a, b in zip(layers[:-1], layers[1:], strict=True):
-        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(*mods[:-1]).to(dev), bucket_cap_mb=25,
-        device_ids=[0] if cuda else None)
+        torch_mlp(layers).to(dev), bucket_cap_mb=25, device_ids=[0] if cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    rng = np.random.default_rng(0)
-    x = torch.from_numpy(rng.standard_normal((batch_n, layers[0])).astype(np.float32)).to(dev)
-    y = torch.from_numpy(rng.integers(0, layers[-1], batch_n)).long().to(dev)
+    batch = make_batch(batch_n, seed=0, layers=layers)
+    x = torch.from_numpy(batch["x"]).to(dev)
+    y = torch.from_numpy(batch["y"]).long().to(dev)
     times = []
     for i in range(cfg["warmup"] + cfg["steps"]):
         t0 = time.perf_counter()

@@ -35,16 +35,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-PLACEMENTS = ("slice", "none")
+PLACEMENTS = ("slice", "none", "nocombine", "hugetlb", "nohuge")
+NO_COMBINER = "--xla_disable_hlo_passes=cpu-all-reduce-combiner"
 
 
 def env_for(placement: str, n: int) -> dict[str, str]:
+    """``slice``: jaxpg-run's defaults; ``none``: unpinned; ``nocombine``: pinned, with
+    XLA:CPU's all-reduce combiner off (so each DDP bucket stays its own all-reduce);
+    ``hugetlb`` / ``nohuge``: pinned, the glibc tunables with / without
+    ``glibc.malloc.hugetlb=1`` (transparent huge pages for malloc'd memory), set
+    explicitly whatever jaxpg-run's default is."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("JAXPG_CPU_AFFINITY", None)
     env.pop("OMP_NUM_THREADS", None)
     if placement == "none":
         env["JAXPG_CPU_AFFINITY"] = "none"
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    if placement in ("hugetlb", "nohuge"):
+        env["GLIBC_TUNABLES"] = ("glibc.malloc.mmap_threshold=33554432:"
+                                 "glibc.malloc.trim_threshold=1073741824")
+        if placement == "hugetlb":
+            env["GLIBC_TUNABLES"] += ":glibc.malloc.hugetlb=1"
+    if placement == "nocombine":
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_COMBINER).strip()
     return env
 
 
@@ -69,11 +82,13 @@ def run_allreduce(n: int, placement: str, rounds: int, tmp: str) -> dict:
             "xla_over_torch": b["xla"] / b["torch"]}
 
 
-def run_ddp(n: int, placement: str, steps: int, tmp: str) -> dict:
+def run_ddp(n: int, placement: str, steps: int, tmp: str, only: str) -> dict:
     out = os.path.join(tmp, f"ddp_{n}_{placement}.json")
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(n),
            str(ROOT / "bench" / "_throughput_ddp_worker.py"), "--torch-port",
            str(free_port()), "--steps", str(steps), "--warmup", "2", "--out", out]
+    if only:
+        cmd += ["--only", only]
     proc = subprocess.run(cmd, env=env_for(placement, n), cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     if proc.returncode != 0 or not os.path.exists(out):
@@ -88,8 +103,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ar-rounds", type=int, default=5, help="rounds inside collectives_mp")
     p.add_argument("--ddp-steps", type=int, default=6)
-    p.add_argument("--placements", default=",".join(PLACEMENTS))
+    p.add_argument("--placements", default="slice,none", help=f"some of {PLACEMENTS}")
     p.add_argument("--skip-ddp", action="store_true")
+    p.add_argument("--ddp-only", default="", help="subset of the DDP worker's variants")
     p.add_argument("--out", default=str(RESULTS / "throughput.json"))
     args = p.parse_args()
     placements = args.placements.split(",")
@@ -109,7 +125,7 @@ def main() -> None:
                     msg = (f"round {r} N={n} {pl:5s} all_reduce 16MB jaxpg/torch "
                            f"{ar['jaxpg_over_torch']:.2f}x xla/torch {ar['xla_over_torch']:.2f}x")
                     if not args.skip_ddp:
-                        d = run_ddp(n, pl, args.ddp_steps, tmp)
+                        d = run_ddp(n, pl, args.ddp_steps, tmp, args.ddp_only)
                         runs[key]["ddp"].append(d)
                         msg += (f" | DDP jaxpg/torch {d['jaxpg_over_torch_samples']:.2f}x "
                                 + " ".join(f"{k}={v:.0f}ms" for k, v in d["step_ms"].items()))
@@ -127,16 +143,20 @@ def main() -> None:
         }
         if rs["ddp"]:
             d = rs["ddp"]
-            s["ddp_samples_jaxpg_over_torch"] = statistics.median(
-                x["jaxpg_over_torch_samples"] for x in d)
             s["ddp_step_ms"] = {v: statistics.median(x["step_ms"][v] for x in d)
                                 for v in d[0]["step_ms"]}
             s["ddp_samples_per_s"] = {v: statistics.median(x["samples_per_s"][v] for x in d)
                                       for v in d[0]["samples_per_s"]}
-            s["overlap_bucketed"] = statistics.median(x["overlap_bucketed"] for x in d)
-            s["overlap_one_bucket"] = statistics.median(x["overlap_one_bucket"] for x in d)
-            s["fused_pmean_over_torch"] = statistics.median(
-                x["step_ms"]["torch"] / x["step_ms"]["jaxpg_fused_pmean"] for x in d)
+            s["ddp_over_torch_samples"] = {
+                v: statistics.median(x["over_torch_samples"][v] for x in d)
+                for v in d[0]["over_torch_samples"]}
+            s["ddp_samples_jaxpg_over_torch"] = s["ddp_over_torch_samples"]["jaxpg"]
+            for k in d[0]:
+                if k.startswith("overlap_"):
+                    s[k] = statistics.median(x[k] for x in d)
+            if "attribution_ms" in d[0]:
+                s["attribution_ms"] = {k: statistics.median(x["attribution_ms"][k] for x in d)
+                                       for k in d[0]["attribution_ms"]}
         summary[key] = s
     result = {
         "benchmark": "bench/throughput.py",
@@ -145,21 +165,22 @@ def main() -> None:
                     "loadavg_after": os.getloadavg(),
                     "shared": "2 cores shared with other helpers' tests and benchmarks",
                     "device_machine": "not lent to this task: 16-core figures not measured"},
-        "rounds": args.rounds, "summary": summary, "runs": runs,
+        "rounds": args.rounds, "ddp_only": args.ddp_only, "summary": summary, "runs": runs,
         "wall_s": time.perf_counter() - t0,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print("\n| N | workers | all_reduce 16 MB busbw, jaxpg / torch | XLA psum / torch "
-          "| DDP samples/s, jaxpg / torch | fused_pmean / torch | overlap (bucketed) |")
-    print("|---|---|---|---|---|---|---|")
+          "| DDP samples/s over torch, per variant |")
+    print("|---|---|---|---|---|")
     for key, s in summary.items():
         n, pl = key.split("/")
+        ddp = " ".join(f"{v}={r:.2f}x" for v, r in s.get("ddp_over_torch_samples", {}).items())
         print(f"| {n} | {pl} | {s['allreduce_16MB_busbw_jaxpg_over_torch']:.2f}x "
-              f"| {s['allreduce_16MB_busbw_xla_over_torch']:.2f}x "
-              f"| {s.get('ddp_samples_jaxpg_over_torch', float('nan')):.2f}x "
-              f"| {s.get('fused_pmean_over_torch', float('nan')):.2f}x "
-              f"| {s.get('overlap_bucketed', float('nan')):.2f} |")
+              f"| {s['allreduce_16MB_busbw_xla_over_torch']:.2f}x | {ddp} |")
+        if "attribution_ms" in s:
+            print("   attribution ms:", {k: round(v) for k, v in s["attribution_ms"].items()},
+                  " step ms:", {k: round(v) for k, v in s["ddp_step_ms"].items()})
     print(f"\nwrote {args.out} in {time.perf_counter() - t0:.0f} s")
 
 

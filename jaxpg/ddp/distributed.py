@@ -67,7 +67,9 @@ class DistributedDataParallel:
         broadcast_params: make every rank start from rank 0's parameters.
         reduction: ``'buckets'`` (the reducer and hook) or ``'fused_pmean'`` (one
             ``pmean`` per gradient, no hook; a baseline for benchmarks).
-        donate: let the step reuse the state's buffers.
+        donate: let the step reuse the state's buffers (on CPU the step is compiled with
+            XLA's region-based copy insertion, so donated parameters are updated in place
+            instead of copied first).
 
     Raises:
         TypeError: for a module or optimizer of the wrong kind.

@@ -28,8 +28,15 @@ as of jaxlib 0.4.3x-0.10):
 - ``--xla_gpu_enable_pipelined_all_reduce`` only matters for all-reduces inside
   loops (gradient accumulation with ``lax.scan``).
 
-On CPU (the tests' simulated devices) none of this applies; the bucket count is
-visible as the number of ``all_reduce`` ops in the lowered program.
+On CPU none of these flags apply. The bucket count is visible as the number of
+``all_reduce`` ops in the lowered program, but XLA:CPU's ``cpu-all-reduce-combiner``
+pass then merges a step's independent all-reduces into one (in the compiled HLO), which
+runs after the whole backward; ``--xla_disable_hlo_passes=cpu-all-reduce-combiner``
+keeps one per bucket (measured in docs/design.md, "CPU all_reduce: where the time goes":
+it does not make them overlap the backward).
+So on CPU DDP's step calls ``reduce_gradients(..., flat_buffers=False)``: with the
+default hook each bucket's gradients are reduced as they are, without the copies into
+and out of a flat buffer; custom hooks still get flat buffers.
 :func:`fused_pmean` is the unbucketed reference: one ``pmean`` per gradient,
 leaving all grouping to XLA's combiner.
 """
@@ -39,9 +46,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxpg.ddp._axis import AxisName, axis_tuple
+from jaxpg.ddp._axis import AxisName, axis_size, axis_tuple
 from jaxpg.ddp._flat import concat_1d
 from jaxpg.ddp.bucket_plan import BucketPlan
 from jaxpg.ddp.comm_hooks import CommHook, allreduce_hook
@@ -80,6 +88,8 @@ def reduce_gradients(
     axis_name: AxisName,
     comm_hook: CommHook = allreduce_hook,
     hook_state: Any = None,
+    *,
+    flat_buffers: bool = True,
 ) -> tuple[Any, Any]:
     """Reduces a gradient pytree bucket by bucket through a communication hook.
 
@@ -92,6 +102,12 @@ def reduce_gradients(
         comm_hook: ``hook(state, GradBucket) -> (buffer, state)``, called once per
             bucket in plan order; defaults to averaging over the axis.
         hook_state: the hook's state (``None`` for stateless hooks).
+        flat_buffers: build each bucket's flat buffer even for the default hook. With
+            ``False`` and the default :func:`~jaxpg.ddp.allreduce_hook`, each bucket is
+            reduced as one variadic ``psum`` of its gradients, without the copies into and
+            out of a flat buffer (same values; DDP does this on CPU, see
+            :func:`~jaxpg.ddp.train_step.build_train_step`). Other hooks always get the
+            flat buffer.
 
     Returns:
         ``(reduced gradients, new hook state)``; the gradients have the input's
@@ -120,6 +136,12 @@ def reduce_gradients(
     _check_against_plan(leaves_with_paths, plan)
     leaves = [leaf for _, leaf in leaves_with_paths]
     out_leaves: list[Any] = list(leaves)
+    if comm_hook is allreduce_hook and not flat_buffers:
+        for bucket in plan.buckets:
+            parts = _average_unflattened([leaves[i] for i in bucket.leaf_indices], axis_name)
+            for i, part in zip(bucket.leaf_indices, parts, strict=True):
+                out_leaves[i] = part
+        return jax.tree_util.tree_unflatten(treedef, out_leaves), hook_state
     last = len(plan.buckets) - 1
     for bucket in plan.buckets:
         buffer = concat_1d([leaves[i] for i in bucket.leaf_indices])
@@ -142,6 +164,17 @@ def reduce_gradients(
         for i, piece in zip(bucket.leaf_indices, grad_bucket.gradients(reduced), strict=True):
             out_leaves[i] = piece
     return jax.tree_util.tree_unflatten(treedef, out_leaves), hook_state
+
+
+def _average_unflattened(parts: list[Any], axis_name: AxisName) -> list[Any]:
+    """The default hook on one bucket without its flat buffer: ``psum`` of the list.
+
+    The values are those of :func:`~jaxpg.ddp.allreduce_hook`: each gradient divided by
+    the world size, then summed over the axis. JAX lowers the list to one ``all_reduce``
+    per gradient; XLA's all-reduce combiner regroups them.
+    """
+    world_size = axis_size(axis_name)
+    return jax.lax.psum([p / jnp.asarray(world_size, p.dtype) for p in parts], axis_name)
 
 
 def fused_pmean(grads: Any, axis_name: AxisName) -> Any:

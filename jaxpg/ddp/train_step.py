@@ -54,6 +54,11 @@ __all__ = ["StepMode", "build_train_step", "REDUCTIONS"]
 
 REDUCTIONS = ("buckets", "fused_pmean")
 
+CPU_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+"""XLA options of the DDP step on CPU. With its default copy insertion, XLA:CPU copies each
+donated parameter that the backward reads before the update may overwrite it in place; the
+region-based analysis sees that the reads come first and drops the copies."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepMode:
@@ -149,12 +154,21 @@ def build_train_step(
         pg: the DDP process group.
         mode: the static switches.
         reduction: ``'buckets'`` (the reducer and hook) or ``'fused_pmean'``.
-        donate: donate the state buffers to the step.
+        donate: donate the state buffers to the step. On CPU the step is compiled with
+            XLA's region-based copy insertion (``xla_cpu_copy_insertion_use_region_analysis``):
+            with the default analysis XLA:CPU copies every donated parameter the backward
+            still reads (80 MB a step for the 25M-parameter benchmark MLP) so that the
+            update can write in place (docs/design.md, "CPU all_reduce: where the time goes").
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}.")
     axis = pg.axis_name
     n = pg.size()
+    # XLA:CPU merges a step's all-reduces into one after the backward anyway (its
+    # all-reduce combiner), so flat bucket buffers only add copies there: on CPU the
+    # default hook reduces each bucket's gradients as they are (docs/design.md, "CPU
+    # all_reduce: where the time goes"; custom hooks still get flat buffers).
+    on_cpu = pg.mesh.devices.flat[0].platform == "cpu"
 
     def body(params, rest, opt_state, hook_state, acc, batch, active):
         hook_state = jax.tree.map(lambda x: x[0], hook_state)
@@ -191,7 +205,8 @@ def build_train_step(
         if reduction == "fused_pmean":
             reduced, new_hook = fused_pmean(grads, axis), hook_state
         else:
-            reduced, new_hook = reduce_gradients(grads, plan, axis, comm_hook, hook_state)
+            reduced, new_hook = reduce_gradients(grads, plan, axis, comm_hook, hook_state,
+                                                 flat_buffers=not on_cpu)
         if mode.join and not mode.divide_by_initial_world_size:
             scale = n / denom
             reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
@@ -220,4 +235,5 @@ def build_train_step(
         out_specs=(P(), P(), P(), rank_axis, rank_axis, P()),
         check_vma=False,
     )
-    return jax.jit(mapped, donate_argnums=(0, 1, 2, 3, 4) if donate else ())
+    return jax.jit(mapped, donate_argnums=(0, 1, 2, 3, 4) if donate else (),
+                   compiler_options=CPU_COMPILER_OPTIONS if on_cpu and donate else None)

@@ -84,6 +84,30 @@ def test_one_all_reduce_per_bucket_in_the_lowered_program():
     assert text.count("stablehlo.all_reduce") == len(plan)
 
 
+def test_unflattened_default_hook_equals_flat_buckets():
+    # DDP on CPU reduces the default hook's buckets without flat buffers (issue 12): the
+    # same values as the flat path, one all_reduce per gradient instead of per bucket.
+    grads = _per_rank_grads(2)
+    plan = make_bucket_plan(_local_shapes(grads), bucket_cap_mb=0.001, first_bucket_mb=0.0005)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+
+    def run(flat):
+        def body(g):
+            local = jax.tree_util.tree_map(lambda x: x[0], g)
+            return reduce_gradients(local, plan, "dp", flat_buffers=flat)[0]
+
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P()))
+        return fn(grads), fn.lower(grads).as_text()
+
+    (flat, flat_text), (unflat, unflat_text) = run(True), run(False)
+    n_leaves = len(jax.tree_util.tree_leaves(grads))
+    assert flat_text.count("stablehlo.all_reduce") == len(plan) < n_leaves
+    assert unflat_text.count("stablehlo.all_reduce") == n_leaves
+    jax.tree_util.tree_map(np.testing.assert_array_equal, unflat, flat)
+    jax.tree_util.tree_map(lambda g, x: np.testing.assert_allclose(g, x.mean(0), rtol=1e-6),
+                           unflat, grads)
+
+
 def test_replicated_output_spec_works_with_default_hook():
     # The default hook's result is invariant over the axis, so out_specs=P() type-checks.
     grads = {"w": np.arange(12.0, dtype=np.float32).reshape(4, 3)}

@@ -9,7 +9,7 @@ import pytest
 from _ddp_models import MLP, Reference, assert_trees_close, group, loss_fn, make_batches
 from flax import linen, nnx
 
-from jaxpg.ddp import DistributedDataParallel, GradBucket
+from jaxpg.ddp import DistributedDataParallel, GradBucket, param_sync
 
 BUCKETS = [(25, 1), (0.0005, 0.0002), (1e-6, 1e-6)]  # one bucket, two, one per parameter
 
@@ -166,6 +166,42 @@ def test_module_snapshot_survives_donated_steps(world):
     np.testing.assert_array_equal(np.asarray(snapshot.l1.kernel[...]), before)
     logits = ddp.module(jnp.asarray(batches[0]["x"]))
     assert logits.shape == (8, 4)
+
+
+class _Deep(nnx.Module):
+    def __init__(self, widths=(256, 1024, 1024, 256, 10)):
+        rngs = nnx.Rngs(0)
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
+                                for a, b in zip(widths[:-1], widths[1:], strict=True)])
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def _deep_loss(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+
+def test_cpu_step_updates_donated_parameters_without_copying_them(world):
+    # Issue 12: with XLA:CPU's default copy insertion the step copied donated kernels that
+    # the backward reads (here with the no-communication hook); the region analysis the
+    # step is compiled with on CPU drops the copies, and the parameters are still donated.
+    from jaxpg.ddp.train_step import StepMode
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((8, 256)).astype(np.float32),
+             "y": rng.integers(0, 10, 8).astype(np.int32)}
+    ddp = DistributedDataParallel(_Deep(), optax.sgd(0.1, momentum=0.9), group=group(1),
+                                  comm_hook="noop")
+    args = (ddp.params, ddp.rest, ddp.opt_state, ddp.hook_state, None,
+            param_sync.shard_batch(batch, ddp.group), None)
+    hlo = ddp._step_fn(_deep_loss, StepMode()).lower(*args).compile().as_text()
+    assert [line for line in hlo.splitlines() if " copy(" in line and "kernel" in line] == []
+    params = ddp.params
+    ddp.train_step(_deep_loss, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(params))
 
 
 def test_bad_arguments(world):
