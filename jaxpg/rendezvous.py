@@ -338,11 +338,23 @@ def initialize_jax_distributed(
 
 
 def shutdown_jax_distributed() -> None:
-    """Stops ``jax.distributed`` if it runs (waits for the other processes)."""
+    """Stops ``jax.distributed`` if it runs (waits for the other processes).
+
+    Rank 0, when it hosts the service in a child process, first waits until the other
+    processes left it (at most 300 s), then stops the child (:mod:`jaxpg.coordinator_process`).
+    """
     import jax
 
     if jax.distributed.is_initialized():
         from jaxpg import hosted_coordinator
 
         hosted_coordinator.clear_before_shutdown()
+        from jaxpg import coordinator_process
+
+        if coordinator_process.running() is not None:  # rank 0, hosting the service child
+            from jax._src import distributed
+
+            state = distributed.global_state
+            coordinator_process.finish(state.client, state.num_processes, 300.0,
+                                       jax.distributed.shutdown)
         jax.distributed.shutdown()
