@@ -18,14 +18,15 @@ store, so the other survivors do not count it as lost as well.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxpg.errors import DistNetworkError
 
-__all__ = ["start", "stop", "lost", "check", "wait_lost"]
+__all__ = ["start", "stop", "lost", "check", "wait_lost", "naming_lost"]
 
 _PERIOD = 0.25
 _ABORTED = "jaxpg_aborted/"
@@ -140,3 +141,24 @@ def check(procs: Sequence[int], ranks_of: Any, what: str) -> None:
         f"{what}: lost ranks {ranks_of(gone)} (processes {gone}): the coordination service "
         f"stopped hearing from them (they died, exited or hang).{detached}"
     )
+
+
+@contextlib.contextmanager
+def naming_lost(what: str, heartbeat_timeout: float) -> Iterator[None]:
+    """Turns a failure inside the block (e.g. orbax's barriers on the coordination service)
+    into ``DistNetworkError`` naming the lost processes, when a peer was lost (waits up to
+    ``heartbeat_timeout`` + 1 s for the service to notice); other failures pass unchanged."""
+    try:
+        yield
+    except DistNetworkError:
+        raise
+    except Exception as err:
+        if _monitor is None:
+            raise
+        gone = wait_lost(_monitor._all, heartbeat_timeout + 1.0)
+        if not gone:
+            raise
+        raise DistNetworkError(
+            f"{what} failed: {err}; lost processes {gone}: the coordination service stopped "
+            "hearing from them (they died, exited or hang)."
+        ) from err
