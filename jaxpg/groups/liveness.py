@@ -18,7 +18,10 @@ store, so the other survivors do not count it as lost as well.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -26,21 +29,27 @@ from typing import Any
 
 from jaxpg.errors import DistNetworkError
 
-__all__ = ["start", "stop", "lost", "check", "wait_lost", "naming_lost"]
+__all__ = ["start", "stop", "lost", "check", "wait_lost", "naming_lost", "mark_reported"]
 
 _PERIOD = 0.25
 _ABORTED = "jaxpg_aborted/"
+_LEFT = "jaxpg_left/"
+TEARDOWN_EXIT_CODE = 1
 
 
 class _Monitor:
-    def __init__(self, client: Any, num_processes: int, me: int, abort_on_lost_zero: bool):
+    def __init__(self, client: Any, num_processes: int, me: int, abort_on_lost_zero: bool,
+                 grace_s: float):
         self._client = client
         self._all = list(range(num_processes))
         self._me = me
         self._abort = abort_on_lost_zero
+        self._grace = grace_s
         self._stop = threading.Event()
         self.lost: list[int] = []
         self.aborted = False
+        self.reported = False  # a jaxpg call raised the loss to the program
+        self._found_at: float | None = None
         self._thread = threading.Thread(target=self._loop, name="jaxpg-liveness", daemon=True)
         self._thread.start()
 
@@ -49,24 +58,32 @@ class _Monitor:
 
     def _loop(self) -> None:
         while not self._stop.wait(_PERIOD):
-            try:
-                live = set(self._client.get_live_nodes(self._all))
-            except Exception:  # noqa: BLE001 (service unreachable: a collective shows it)
-                continue
-            missing = [p for p in self._all if p not in live and p != self._me]
-            if not missing or self._stop.is_set():
-                continue
-            try:  # survivors that detached after losing rank 0 are not lost themselves
-                aborted = {int(k.rpartition("/")[2])
-                           for k, _ in self._client.key_value_dir_get(_ABORTED)}
-            except Exception:  # noqa: BLE001
-                aborted = set()
-            gone = [p for p in missing if p not in aborted]
-            if gone:
-                self.lost = sorted(set(self.lost) | set(gone))
-            if self._abort and 0 in self.lost:
-                self._detach()
-                return
+            if not self.aborted:
+                self._poll()
+            if (self._found_at is not None and not self.reported and not self._stop.is_set()
+                    and time.monotonic() - self._found_at > self._grace and _tears_down()):
+                self._tear_down()
+
+    def _poll(self) -> None:
+        try:
+            live = set(self._client.get_live_nodes(self._all))
+        except Exception:  # noqa: BLE001 (service unreachable: a collective shows it)
+            return
+        missing = [p for p in self._all if p not in live and p != self._me]
+        if not missing or self._stop.is_set():
+            return
+        try:  # processes that left cleanly, or detached after losing rank 0, are not lost
+            gone_ok = {int(k.rpartition("/")[2]) for prefix in (_ABORTED, _LEFT)
+                       for k, _ in self._client.key_value_dir_get(prefix)}
+        except Exception:  # noqa: BLE001
+            gone_ok = set()
+        gone = [p for p in missing if p not in gone_ok]
+        if gone:
+            self.lost = sorted(set(self.lost) | set(gone))
+            if self._found_at is None:
+                self._found_at = time.monotonic()
+        if self._abort and 0 in self.lost:
+            self._detach()
 
     def _detach(self) -> None:
         from jax._src import distributed
@@ -81,24 +98,75 @@ class _Monitor:
         except Exception:  # noqa: BLE001 (detaching from a dying service: nothing to do)
             pass
 
+    def _tear_down(self) -> None:
+        """No jaxpg call told the program of the loss within the grace (it waits in a
+        jitted collective, which nothing can interrupt): end the process, as torch's
+        watchdog does."""
+        print(f"[jaxpg liveness] DistNetworkError: lost ranks {self.lost} (processes "
+              f"{self.lost}): the coordination service stopped hearing from them, and no "
+              f"jaxpg call of this process raised it within {self._grace:.1f} s (it waits in "
+              "a jitted collective or does not call jaxpg). Ending the process "
+              "(JAXPG_ASYNC_ERROR_HANDLING=0 keeps it running).", file=sys.stderr, flush=True)
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(TEARDOWN_EXIT_CODE)
+
+
+def _tears_down() -> bool:
+    value = os.environ.get("JAXPG_ASYNC_ERROR_HANDLING",
+                           os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))
+    return value.strip() != "0"
+
 
 _monitor: _Monitor | None = None
 
 
-def start(client: Any, num_processes: int, me: int, abort_on_lost_zero: bool) -> None:
-    """Starts watching the world's processes (``init_process_group``)."""
-    global _monitor
+def start(client: Any, num_processes: int, me: int, abort_on_lost_zero: bool,
+          grace_s: float) -> None:
+    """Starts watching the world's processes (``init_process_group``).
+
+    Args:
+        client: the coordination-service client.
+        num_processes: the world's processes.
+        me: this process.
+        abort_on_lost_zero: detach the client once process 0 is lost (its child hosts the
+            service, which ends a while after it).
+        grace_s: after a loss no jaxpg call raised within this many seconds (the world's
+            timeout), the process ends with the error's text.
+    """
+    global _monitor, _registered
     stop()
     if num_processes > 1:
-        _monitor = _Monitor(client, num_processes, me, abort_on_lost_zero)
+        _monitor = _Monitor(client, num_processes, me, abort_on_lost_zero, grace_s)
+        if not _registered:
+            atexit.register(_leave_at_exit)
+            _registered = True
 
 
-def stop() -> None:
-    """Stops watching (``destroy_process_group``, before the processes leave)."""
+def stop(leaving: bool = False) -> None:
+    """Stops watching (``destroy_process_group``, before the processes leave); with
+    ``leaving``, tells the others this process leaves cleanly (not lost)."""
     global _monitor
-    if _monitor is not None:
-        _monitor.stop()
-        _monitor = None
+    monitor, _monitor = _monitor, None
+    if monitor is None:
+        return
+    monitor.stop()
+    if leaving and not monitor.aborted:
+        try:
+            monitor._client.key_value_set(f"{_LEFT}{monitor._me}", "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+_registered = False
+
+
+def _leave_at_exit() -> None:
+    """The interpreter ends without ``destroy_process_group``: a clean end is no loss to the
+    others; an uncaught exception is (the others name this process)."""
+    stop(leaving=getattr(sys, "last_value", None) is None)
 
 
 def lost() -> list[int]:
@@ -120,6 +188,12 @@ def wait_lost(procs: Sequence[int], seconds: float) -> list[int]:
         time.sleep(0.05)
 
 
+def mark_reported() -> None:
+    """A jaxpg call raised the loss to the program (no teardown needed)."""
+    if _monitor is not None:
+        _monitor.reported = True
+
+
 def check(procs: Sequence[int], ranks_of: Any, what: str) -> None:
     """Raises ``DistNetworkError`` if any of ``procs`` is lost.
 
@@ -134,6 +208,7 @@ def check(procs: Sequence[int], ranks_of: Any, what: str) -> None:
     gone = [p for p in _monitor.lost if p in set(procs)]
     if not gone:
         return
+    _monitor.reported = True
     detached = (" This process detached from the coordination service (rank 0 hosted it); "
                 "call destroy_process_group and start a new world to go on."
                 if _monitor.aborted else "")
@@ -158,6 +233,7 @@ def naming_lost(what: str, heartbeat_timeout: float) -> Iterator[None]:
         gone = wait_lost(_monitor._all, heartbeat_timeout + 1.0)
         if not gone:
             raise
+        _monitor.reported = True
         raise DistNetworkError(
             f"{what} failed: {err}; lost processes {gone}: the coordination service stopped "
             "hearing from them (they died, exited or hang)."

@@ -122,7 +122,8 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
     client = coordination.global_client()
     if client is not None:
         liveness.start(client, state.process_count, state.process_index,
-                       abort_on_lost_zero=coordination.service_host == "rank0-child")
+                       abort_on_lost_zero=coordination.service_host == "rank0-child",
+                       grace_s=timeout.total_seconds())
     _store_barrier(state, state.world_group.store, "init", list(range(state.process_count)),
                    timeout)
     return state
@@ -135,7 +136,7 @@ def shutdown_world(state: Any) -> None:
     """
     from jaxpg.rendezvous import shutdown_jax_distributed
 
-    liveness.stop()  # the others leave now: that is no loss
+    liveness.stop(leaving=True)  # the others leave now: that is no loss
     _progress.forget()
     watchdog.forget()
     try:
@@ -288,6 +289,7 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -
         state = group._world
         lost = liveness.wait_lost(_processes_of(state, group.members), _heartbeat + 1.0)
         if lost:
+            liveness.mark_reported()
             raise DistNetworkError(
                 f"{api} on group {group.group_name!r} (sequence number {seq}) failed: {err}; "
                 f"lost ranks {_ranks_of_processes(state, lost, group.members)} (processes "
