@@ -153,6 +153,10 @@ def stop(leaving: bool = False) -> None:
     if monitor is None:
         return
     monitor.stop()
+    if threading.current_thread() is not monitor._thread:
+        # out of its RPC before the interpreter ends: a daemon thread woken inside C++
+        # during finalization aborts the process
+        monitor._thread.join(timeout=2.0)
     if leaving and not monitor.aborted:
         try:
             monitor._client.key_value_set(f"{_LEFT}{monitor._me}", "1")
