@@ -142,6 +142,7 @@ def start(client: Any, num_processes: int, me: int, abort_on_lost_zero: bool,
         _monitor = _Monitor(client, num_processes, me, abort_on_lost_zero, grace_s)
         if not _registered:
             atexit.register(_leave_at_exit)
+            sys.excepthook = _failing_exit(sys.excepthook)
             _registered = True
 
 
@@ -165,6 +166,34 @@ def stop(leaving: bool = False) -> None:
 
 
 _registered = False
+
+
+def _failing_exit(previous: Any) -> Any:
+    """An ``excepthook`` that, in a watched world, ends a process whose script raised at once
+    after the traceback and the ``atexit`` handlers, with exit code 1.
+
+    Its peers name it as lost as soon as its client disconnects, and without this they could
+    exit with their own error while it still tears the interpreter down, so a launcher
+    would report them first; ``os._exit`` also skips the finalization during which a
+    collective thread stuck in XLA could wake and abort in C++.
+    """
+
+    def hook(kind: type, value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        if _monitor is None or not issubclass(kind, Exception):
+            return
+        sys.last_value = value  # what _leave_at_exit reads: a failure, not a clean end
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001
+                    pass
+            os._exit(1)
+
+    return hook
 
 
 def _leave_at_exit() -> None:
