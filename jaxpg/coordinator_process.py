@@ -35,7 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ServiceProcess", "enabled", "linger_seconds", "start", "running", "finish"]
+__all__ = ["ServiceProcess", "enabled", "linger_seconds", "start", "running", "finish",
+           "wait_until_stopped"]
 
 ENABLE_VAR = "JAXPG_COORDINATOR_PROCESS"
 LINGER_VAR = "JAXPG_COORDINATOR_LINGER"
@@ -168,6 +169,28 @@ def finish(client: Any, num_processes: int, timeout: float,
             pass
     finally:
         child.stop()
+
+
+def wait_until_stopped(address: str, timeout: float) -> bool:
+    """Waits until nothing accepts connections at ``address`` (rank 0 stopped the world's
+    service child), at most ``timeout`` s; True if it saw that.
+
+    The other processes leave before rank 0 stops the service: one that made a new world at
+    once could otherwise join the old service just before it ends (and be ended by JAX in
+    C++). Rank 0's next service starts a new Python first, so the gap is long enough to see.
+    """
+    import socket
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                pass
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _at_exit() -> None:
