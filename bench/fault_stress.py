@@ -1,13 +1,22 @@
-"""Repeats the fault-injection cases under ``jaxpg-run --max-restarts`` and counts outcomes.
+"""Repeats the fault-injection cases, under ``jaxpg-run`` and without it, and counts outcomes.
 
-Each run trains tests/multiprocess/workers/elastic_ddp.py on 2 workers with one injected
-fault, with or without two busy-loop processes loading the CPU. A run is *good* when the
-launcher exits 0, names the lost rank, no process aborted in C++ (JAX's "Terminating
-process" fatal error, a check-failure stack trace) and the final parameters equal those of
-an uninterrupted run. Writes bench/results/fault_stress.json::
+Each run trains tests/multiprocess/workers/elastic_ddp.py with one injected fault, with or
+without two busy-loop processes loading the CPU, in one of two modes:
+
+* ``launcher``: ``jaxpg-run --nproc-per-node 2 --max-restarts 2`` (the launcher hosts the
+  coordination service). Good: the launcher exits 0, names the lost rank, no process
+  aborted in C++ and the final parameters equal those of an uninterrupted run.
+* ``nolauncher``: 3 plain processes (``init_process_group()`` from env://, rank 0 hosts the
+  service, in its child process). Good: every survivor exits non-zero with a Python
+  ``DistNetworkError``/``DistTimeoutError`` naming the lost rank, within the group timeout
+  plus the heartbeat timeout of the fault (+ ``SLACK_S`` for the process to exit), no
+  process aborted in C++, and rank 0's service child is gone within its linger.
+
+The runs are interleaved (round after round over mode x load x case), and the results file
+is rewritten after every run, so a stopped stress still leaves exact counts::
 
     python bench/fault_stress.py --runs 20
-    python bench/fault_stress.py --runs 3 --coordinator rank0   # baseline: rank 0 hosts it
+    python bench/fault_stress.py --runs 3 --modes nolauncher --loads 1
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,81 +37,205 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "multiprocess" / "workers" / "elastic_ddp.py"
 STEPS = 6
-CASES = {  # fault -> a pattern of the words that name the lost rank
-    "killbefore:0:2": r"rank 0 exited with code -9",
-    "killduring:0:2": r"rank 0 exited with code -9",
-    "ckpt:0:3": r"rank 0 exited with code -9",
-    "raise:1:2": r"rank 1 (exited )?with code 1",  # or listed after its peer's failure
-    "stop:0:3": r"ranks that did not arrive: \[0\]",
+GROUP_TIMEOUT_S = 6
+HEARTBEAT_S = 3
+LINGER_S = 5
+SLACK_S = 3.0  # a survivor's exit after its error (traceback, interpreter teardown)
+CASES = {  # fault -> (the lost rank, a pattern of the launcher's words naming it)
+    "killbefore:0:2": (0, r"rank 0 exited with code -9"),
+    "killduring:0:2": (0, r"rank 0 exited with code -9"),
+    "ckpt:0:3": (0, r"rank 0 exited with code -9"),
+    "raise:1:2": (1, r"rank 1 (exited )?with code 1"),  # or listed after its peer's failure
+    "stop:0:3": (0, r"ranks that did not arrive: \[0\]"),
 }
-CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called")
+CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called",
+              "exception not rethrown")
 
 
-def run(tmp: Path, fault: str, restarts: int,
-        coordinator: str = "launcher") -> tuple[subprocess.CompletedProcess, dict, float]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
-    env.update(JAX_PLATFORMS="cpu", FAULT_GROUP_TIMEOUT="6", PYTHONPATH=str(ROOT))
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(JAX_PLATFORMS="cpu", FAULT_GROUP_TIMEOUT=str(GROUP_TIMEOUT_S),
+               JAXPG_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S),
+               JAXPG_COORDINATOR_LINGER=str(LINGER_S), PYTHONPATH=str(ROOT))
+    return env
+
+
+def run_launcher(tmp: Path, fault: str, restarts: int = 2,
+                 coordinator: str = "launcher") -> tuple[dict, dict]:
     out = tmp / "params.npz"
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", "--max-restarts",
          str(restarts), "--grace-period", "2", "--coordinator", coordinator, str(WORKER),
          str(tmp / "ckpt"), str(out), str(STEPS), fault],
-        capture_output=True, text=True, timeout=600, env=env,
+        capture_output=True, text=True, timeout=600, env=_env(),
     )  # fmt: skip
     seconds = time.monotonic() - start
     params = dict(np.load(out)) if out.exists() else {}
-    return result, params, seconds
+    return {"rc": result.returncode, "text": result.stdout + result.stderr,
+            "seconds": seconds}, params
+
+
+def _service_children(port: int) -> list[int]:
+    """Pids of coordination-service children serving ``port`` (jaxpg.coordinator_process)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"coordinator_process.py" in c for c in cmd) and any(
+                c.endswith(f":{port}".encode()) for c in cmd):
+            found.append(int(entry.name))
+    return found
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def run_plain(tmp: Path, fault: str, n: int = 3) -> dict:
+    """``n`` processes without the launcher; returns what each did and when."""
+    from jaxpg.rendezvous import free_port
+
+    port = free_port()
+    env = _env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n),
+               TORCHELASTIC_RESTART_COUNT="0")
+    logs = [open(tmp / f"rank{r}.log", "w+") for r in range(n)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp / "ckpt"),
+                               str(tmp / "params.npz"), str(STEPS), fault],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=logs[r], stderr=subprocess.STDOUT)
+             for r in range(n)]
+    lost = CASES[fault][0]
+    start = time.monotonic()
+    ended: dict[int, float] = {}
+    fault_at = None
+    deadline = start + 300
+    while len(ended) < n and time.monotonic() < deadline:
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if r not in ended and p.poll() is not None:
+                ended[r] = now
+        if fault_at is None and (lost in ended or _stopped(procs[lost].pid)):
+            fault_at = now
+        if fault_at is not None and all(r in ended for r in range(n) if r != lost):
+            break
+        time.sleep(0.02)
+    for p in procs:  # a stopped rank 0, or anything hung
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+    child_wait_end = time.monotonic() + LINGER_S + 10
+    children = _service_children(port)
+    while children and time.monotonic() < child_wait_end:
+        time.sleep(0.2)
+        children = _service_children(port)
+    for pid in children:  # left behind: a failure; do not leave it running
+        os.kill(pid, signal.SIGKILL)
+    texts = []
+    for f in logs:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return {"rc": [p.returncode for p in procs], "texts": texts, "fault_at": fault_at,
+            "ended": ended, "start": start, "children_left": len(children),
+            "seconds": time.monotonic() - start}
+
+
+def judge_plain(fault: str, r: dict) -> dict:
+    lost = CASES[fault][0]
+    bound = GROUP_TIMEOUT_S + HEARTBEAT_S + SLACK_S
+    named = re.compile(rf"(DistNetworkError|DistTimeoutError).*(lost ranks \[{lost}\]|"
+                       rf"lost processes \[{lost}\]|ranks that did not arrive: \[{lost}\])")
+    survivors = [s for s in range(len(r["rc"])) if s != lost]
+    latency = [None if r["fault_at"] is None or s not in r["ended"]
+               else round(r["ended"][s] - r["fault_at"], 2) for s in survivors]
+    return {
+        "fault happened": r["fault_at"] is not None,
+        "survivors raised": all(r["rc"][s] == 1 for s in survivors),
+        "named": all(named.search(r["texts"][s]) for s in survivors),
+        "in time": all(x is not None and x <= bound for x in latency),
+        "no C++ abort": not any(a in t for t in r["texts"] for a in CPP_ABORTS),
+        "no child left": r["children_left"] == 0,
+    }, latency
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--runs", type=int, default=20, help="runs per case and load setting")
+    p.add_argument("--runs", type=int, default=20, help="runs per mode, case and load")
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--modes", default="launcher,nolauncher")
     p.add_argument("--coordinator", default="launcher", choices=("launcher", "rank0"),
-                   help="rank0: the baseline, rank 0's worker hosts the service")
+                   help="launcher mode only; rank0: the baseline, rank 0's worker hosts it")
     p.add_argument("--loads", default="0,1", help="0 without load, 1 with two busy loops")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as d:
-        _, reference, _ = run(Path(d), "none", 0)
-    rows = []
-    for load in [bool(int(x)) for x in args.loads.split(",")]:
-        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                    for _ in range(2 * load)]
-        try:
-            for fault in args.cases.split(","):
-                good, seconds, failures = 0, [], []
-                for i in range(args.runs):
-                    with tempfile.TemporaryDirectory() as d:
-                        result, params, s = run(Path(d), fault, 2, args.coordinator)
-                    text = result.stdout + result.stderr
-                    checks = {
-                        "exit 0": result.returncode == 0,
-                        "named": re.search(CASES[fault], text) is not None,
-                        "no C++ abort": not any(a in text for a in CPP_ABORTS),
-                        "identical": params.keys() == reference.keys() and all(
-                            np.array_equal(params[k], reference[k]) for k in reference),
-                    }
-                    seconds.append(s)
+    modes, cases = args.modes.split(","), args.cases.split(",")
+    loads = [bool(int(x)) for x in args.loads.split(",")]
+    reference = {}
+    if "launcher" in modes:
+        with tempfile.TemporaryDirectory() as d:
+            _, reference = run_launcher(Path(d), "none", 0)
+    rows = {(m, c, ld): {"mode": m, "fault": c, "load": ld, "runs": 0, "good": 0,
+                         "seconds": [], "latency_s": [], "failures": []}
+            for m in modes for c in cases for ld in loads}
+    out = ROOT / "bench" / "results" / f"fault_stress{args.tag}.json"
+    for i in range(args.runs):
+        for mode in modes:
+            for load in loads:
+                for fault in cases:
+                    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                                for _ in range(2 * load)]
+                    try:
+                        with tempfile.TemporaryDirectory() as d:
+                            if mode == "launcher":
+                                res, params = run_launcher(Path(d), fault, 2, args.coordinator)
+                                text = res["text"]
+                                checks = {
+                                    "exit 0": res["rc"] == 0,
+                                    "named": re.search(CASES[fault][1], text) is not None,
+                                    "no C++ abort": not any(a in text for a in CPP_ABORTS),
+                                    "identical": params.keys() == reference.keys() and all(
+                                        np.array_equal(params[k], reference[k])
+                                        for k in reference),
+                                }
+                                latency, tail = [], text[-600:]
+                            else:
+                                res = run_plain(Path(d), fault)
+                                checks, latency = judge_plain(fault, res)
+                                tail = " | ".join(t[-400:] for t in res["texts"])
+                    finally:
+                        for s in spinners:
+                            s.kill()
+                            s.wait()
+                    row = rows[(mode, fault, load)]
+                    row["runs"] += 1
+                    row["seconds"].append(round(res["seconds"], 1))
+                    row["latency_s"].append(latency)
                     if all(checks.values()):
-                        good += 1
+                        row["good"] += 1
                     else:
-                        failed = [k for k, v in checks.items() if not v]
-                        failures.append({"run": i, "failed": failed,
-                                         "tail": re.sub(r"\s+", " ", text[-600:])})
-                    print(f"load={load} {fault} run {i}: {checks}", flush=True)
-                rows.append({"fault": fault, "load": load, "coordinator": args.coordinator,
-                             "runs": args.runs, "good": good,
-                             "median_s": float(np.median(seconds)), "failures": failures})
-        finally:
-            for s in spinners:
-                s.kill()
-                s.wait()
-    suffix = ("" if args.coordinator == "launcher" else f"_{args.coordinator}") + args.tag
-    out = ROOT / "bench" / "results" / f"fault_stress{suffix}.json"
-    out.write_text(json.dumps({"machine": "2 shared CPU cores (other benchmarks running)",
-                               "steps": STEPS, "rows": rows}, indent=1))
+                        row["failures"].append({
+                            "run": i, "failed": [k for k, v in checks.items() if not v],
+                            "tail": re.sub(r"\s+", " ", tail)})
+                    print(f"round {i} {mode} load={load} {fault}: {checks} {latency}",
+                          flush=True)
+                    out.write_text(json.dumps({
+                        "machine": "2 shared CPU cores (other helpers' tests and benchmarks "
+                                   "running)",
+                        "steps": STEPS, "group_timeout_s": GROUP_TIMEOUT_S,
+                        "heartbeat_s": HEARTBEAT_S, "linger_s": LINGER_S,
+                        "command": "python bench/fault_stress.py " + " ".join(sys.argv[1:]),
+                        "rows": list(rows.values())}, indent=1))
     print(f"wrote {out}")
 
 

@@ -76,7 +76,8 @@ _generation = 0
 # CPU; the GPU platforms' names follow the same pattern, not measured: no GPU) and jaxpg's
 # TCPStore. The store cannot list its top level, so the names are spelled out.
 _WORLD_KEYS = [f"{platform}:{name}" for platform in ("cpu", "cuda", "rocm", "gpu")
-               for name in ("gloo", "local_topology", "global_topology")] + ["jaxpg_store"]
+               for name in ("gloo", "local_topology", "global_topology")] + [
+                   "jaxpg_store", "jaxpg_left", "jaxpg_aborted"]
 
 
 def clear_before_shutdown(timeout_s: float = 30.0) -> None:

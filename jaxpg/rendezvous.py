@@ -338,11 +338,29 @@ def initialize_jax_distributed(
 
 
 def shutdown_jax_distributed() -> None:
-    """Stops ``jax.distributed`` if it runs (waits for the other processes)."""
+    """Stops ``jax.distributed`` if it runs (waits for the other processes).
+
+    Rank 0, when it hosts the service in a child process, first waits until the other
+    processes left it (at most 300 s), then stops the child (:mod:`jaxpg.coordinator_process`).
+    """
     import jax
 
     if jax.distributed.is_initialized():
         from jaxpg import hosted_coordinator
 
         hosted_coordinator.clear_before_shutdown()
+        from jax._src import distributed
+
+        from jaxpg import coordinator_process
+        from jaxpg.stores import coordination
+
+        state = distributed.global_state
+        address = state.coordinator_address
+        if coordinator_process.running() is not None:  # rank 0, hosting the service child
+            coordinator_process.finish(state.client, state.num_processes, 300.0,
+                                       jax.distributed.shutdown)
         jax.distributed.shutdown()
+        if coordination.service_host == "rank0-child" and address:
+            # a new world made at once must not join this one's service before it stops
+            coordinator_process.wait_until_stopped(address, 30.0)
+        coordination.service_host = None

@@ -23,9 +23,10 @@ PACKAGE = ROOT / "jaxpg"
 # Bottom-up; a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("jaxpg.errors", "jaxpg.reduce_op")),
-    # gloo_device and hosted_coordinator come with the multi-host work: they start gloo and
-    # JAX's coordination service for the rendezvous, and import nothing from jaxpg.
-    ("stores", ("jaxpg.stores", "jaxpg.gloo_device", "jaxpg.hosted_coordinator")),
+    # gloo_device, hosted_coordinator and coordinator_process (rank 0's service child) start
+    # gloo and JAX's coordination service for the rendezvous, and import nothing from jaxpg.
+    ("stores", ("jaxpg.stores", "jaxpg.gloo_device", "jaxpg.hosted_coordinator",
+                "jaxpg.coordinator_process")),
     ("rendezvous", ("jaxpg.rendezvous",)),
     ("groups", ("jaxpg.groups",)),
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),

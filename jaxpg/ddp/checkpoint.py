@@ -69,9 +69,12 @@ def save_checkpoint(
     """
     import orbax.checkpoint as ocp
 
+    from jaxpg.groups import liveness
+
     arrays, paths = _flat(ddp)
     meta = {"step": ddp.step, "data_state": data_state or {}, "paths": paths}
-    with _manager(directory) as mngr:
+    heartbeat = float(os.environ.get("JAXPG_HEARTBEAT_TIMEOUT", "10"))
+    with liveness.naming_lost("save_checkpoint", heartbeat), _manager(directory) as mngr:
         mngr.save(
             ddp.step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),

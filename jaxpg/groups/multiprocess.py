@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from jaxpg.errors import DistNetworkError, DistTimeoutError
-from jaxpg.groups import watchdog
+from jaxpg.groups import liveness, watchdog
 from jaxpg.groups.desync import detail_enabled
 from jaxpg.groups.progress import progress as _progress
 from jaxpg.groups.runner import Job
@@ -36,6 +36,8 @@ __all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective"
            "wait_job", "monitored_barrier"]
 
 _detail = False  # JAXPG_DEBUG=DETAIL, read at init_world
+_heartbeat = 10.0  # JAXPG_HEARTBEAT_TIMEOUT, read at init_world
+_LIVENESS_SLICE = 0.1  # how often a waiting caller looks for lost peers (seconds)
 
 
 def submit(fn: Any, api: str) -> Job:
@@ -48,16 +50,38 @@ def submit(fn: Any, api: str) -> Job:
 def wait_job(job: Job, timeout: float | None) -> Any:
     """The job's result; after ``timeout`` seconds, the named ``DistTimeoutError`` (and the
     runner, stuck in that collective, is abandoned: the group is broken, as in torch)."""
-    try:
-        return job.result(timeout)
-    except concurrent.futures.TimeoutError:
-        stuck = job if job.group is not None else (_runner.current or job)
-        if not job.finished:
-            _runner.abandon()
-        if stuck.group is None:
-            raise DistTimeoutError(f"{job.api}: did not start within {timeout:.1f} s.") from None
-        raise DistTimeoutError(_timeout_text(stuck.group, stuck.api, stuck.seq,
-                                             timeout)) from None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            return job.result(_LIVENESS_SLICE if left is None else min(left, _LIVENESS_SLICE))
+        except concurrent.futures.TimeoutError:
+            pass
+        if liveness.lost():  # a peer this collective needs is gone: name it now
+            stuck = job if job.group is not None else _runner.current
+            if stuck is not None and stuck.group is not None:
+                try:
+                    _check_alive(stuck.group, stuck.api, stuck.seq)
+                except DistNetworkError:
+                    if not job.finished:
+                        _runner.abandon()
+                    raise
+        if left is not None and left <= 0:
+            break
+    stuck = job if job.group is not None else (_runner.current or job)
+    if not job.finished:
+        _runner.abandon()
+    if stuck.group is None:
+        raise DistTimeoutError(f"{job.api}: did not start within {timeout:.1f} s.")
+    raise DistTimeoutError(_timeout_text(stuck.group, stuck.api, stuck.seq, timeout))
+
+
+def _check_alive(group: Any, api: str, seq: int) -> None:
+    """Raises ``DistNetworkError`` naming the group's lost ranks, if it has any."""
+    state = group._world
+    liveness.check(_processes_of(state, group.members),
+                   lambda procs: _ranks_of_processes(state, procs, group.members),
+                   f"{api} on group {group.group_name!r} (sequence number {seq})")
 
 
 
@@ -91,6 +115,15 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
     state.process_index = jax.process_index()
     state.process_count = jax.process_count()
     state.world_group.store = PrefixStore("WORLD", world_store)
+    global _heartbeat
+    _heartbeat = heartbeat
+    from jaxpg.stores import coordination
+
+    client = coordination.global_client()
+    if client is not None:
+        liveness.start(client, state.process_count, state.process_index,
+                       abort_on_lost_zero=coordination.service_host == "rank0-child",
+                       grace_s=timeout.total_seconds())
     _store_barrier(state, state.world_group.store, "init", list(range(state.process_count)),
                    timeout)
     return state
@@ -103,6 +136,7 @@ def shutdown_world(state: Any) -> None:
     """
     from jaxpg.rendezvous import shutdown_jax_distributed
 
+    liveness.stop(leaving=True)  # the others leave now: that is no loss
     _progress.forget()
     watchdog.forget()
     try:
@@ -133,6 +167,10 @@ def _arrive_and_wait(store: Any, prefix: str, me: int, procs: list[int],
     keys = {p: f"{prefix}/{p}" for p in procs}
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.check(list(keys.values())):
+        gone = [p for p in liveness.lost() if p in keys]
+        if gone:
+            raise DistNetworkError(f"store barrier {prefix!r}: lost processes {gone}: the "
+                                   "coordination service stopped hearing from them.")
         if time.monotonic() > deadline:
             return [p for p in procs if not store.check([keys[p]])]
         time.sleep(0.005)
@@ -197,6 +235,8 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None) -> An
         _group_store(group)
     state = group._world
     blocking = state.blocking_wait
+    if liveness.lost():
+        _check_alive(group, api, group.seq + 1)
     if _runner.on_runner():
         return _run_here(group, api, fn, fingerprint, blocking)
     if blocking:
@@ -246,6 +286,15 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool) -
     except Exception as err:  # XLA's collectives report a lost peer as a runtime error
         if entry is not None:
             entry.failed = True
+        state = group._world
+        lost = liveness.wait_lost(_processes_of(state, group.members), _heartbeat + 1.0)
+        if lost:
+            liveness.mark_reported()
+            raise DistNetworkError(
+                f"{api} on group {group.group_name!r} (sequence number {seq}) failed: {err}; "
+                f"lost ranks {_ranks_of_processes(state, lost, group.members)} (processes "
+                f"{lost}): the coordination service stopped hearing from them."
+            ) from err
         ranks = _missing_ranks(group, seq, grace=1.0)
         hint = "" if ranks else (
             " (all arrived: a peer died during the collective; if every rank is alive, or a "

@@ -12,8 +12,11 @@ keep the process alive) and a fresh one, with a fresh queue, serves later calls.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -87,6 +90,7 @@ class _Runner:
     def __init__(self) -> None:
         self._worker: _Worker | None = None
         self._local = threading.local()
+        self._abandoned: list[_Worker] = []
 
     @property
     def current(self) -> Job | None:
@@ -119,7 +123,39 @@ class _Runner:
     def abandon(self) -> None:
         """Leaves the current thread to its stuck job; the next ``submit`` starts another.
         Jobs still queued behind the stuck one never run (their waits time out)."""
+        if self._worker is not None:
+            self._abandoned.append(self._worker)
         self._worker = None
+
+    def stuck(self) -> bool:
+        """Whether an abandoned thread is still inside its job (in XLA's C++, likely)."""
+        return any(w.current is not None for w in self._abandoned)
 
 
 runner = _Runner()
+
+
+def _exit_past_stuck_collectives() -> None:
+    """At exit, with a collective thread still stuck in XLA (a peer died): end the process
+    here, with 1 after an uncaught exception (its traceback is printed already) and 0
+    otherwise.
+
+    Python 3.11 ends a daemon thread that wakes during finalization with a forced unwind,
+    which aborts the process in C++ ("FATAL: exception not rethrown") when the thread
+    wakes inside XLA's frames: a stuck collective does wake, once another survivor exits
+    and closes its gloo connection. Registered at import, so it runs after every
+    ``atexit`` handler registered later. (``sys.exit(n)``'s n is not visible here: such a
+    process exits with 0.)
+    """
+    if not runner.stuck():
+        return
+    code = 1 if getattr(sys, "last_value", None) is not None else 0
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+atexit.register(_exit_past_stuck_collectives)

@@ -15,7 +15,12 @@ from typing import Any
 
 from jaxpg.errors import DistBackendError
 
-__all__ = ["global_client", "start_jax_distributed"]
+__all__ = ["global_client", "start_jax_distributed", "service_host"]
+
+service_host: str | None = None
+"""Where the running world's coordination service lives: "launcher" (``jaxpg-run``),
+"rank0-child" (a child process of rank 0, :mod:`jaxpg.coordinator_process`), "rank0" (in
+rank 0's own process), or None before ``jax.distributed`` starts through jaxpg."""
 
 
 def global_client() -> Any | None:
@@ -91,10 +96,17 @@ def start_jax_distributed(
         gloo_device.install(gloo_device.choose_gloo_device(host))
     init_timeout = max(1, math.ceil(timeout))
     heartbeat = max(1, math.ceil(heartbeat_timeout))
-    try:
-        from jaxpg import hosted_coordinator  # jaxpg-run's launcher hosts the service
+    from jaxpg import (
+        coordinator_process,  # rank 0's service, in a child process
+        hosted_coordinator,  # jaxpg-run's launcher hosts the service
+    )
 
-        if hosted_coordinator.hosted_address() == coordinator_address:
+    try:
+        launcher_hosted = hosted_coordinator.hosted_address() == coordinator_address
+        child_hosted = not launcher_hosted and coordinator_process.enabled()
+        if child_hosted and process_id == 0:
+            coordinator_process.start(bind, num_processes, heartbeat)
+        if launcher_hosted or child_hosted:
             hosted_coordinator.connect(
                 coordinator_address,
                 process_id,
@@ -115,10 +127,26 @@ def start_jax_distributed(
                 coordinator_bind_address=bind,
             )
     except Exception as err:
+        if coordinator_process.running() is not None:  # started here: stop it again
+            coordinator_process.finish(state.client or _NoClient(), num_processes, 0,
+                                       state.shutdown)
         raise DistBackendError(
             f"jax.distributed.initialize(coordinator_address={coordinator_address!r}, "
             f"num_processes={num_processes}, process_id={process_id}) failed: {err}. "
             f"Check that all {num_processes} processes started and can reach "
             f"{coordinator_address}."
         ) from err
+    global service_host
+    service_host = ("launcher" if launcher_hosted else "rank0-child" if child_hosted
+                    else "rank0")
     return state.client
+
+
+class _NoClient:
+    """Stands in for a client that never connected (``coordinator_process.finish``)."""
+
+    def get_live_nodes(self, nodes: list[int]) -> list[int]:
+        return []
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,90 @@
+"""Without the launcher (plain processes, rank 0 hosts the coordination service): a lost
+rank 0 makes every survivor raise a Python ``DistNetworkError`` naming rank 0, not JAX's C++
+fatal error, and rank 0's service child does not outlive its linger."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxpg.coordinator_process import linger_seconds
+from jaxpg.rendezvous import free_port
+
+WORKER = Path(__file__).parent / "workers" / "coordinator_loss.py"
+LINGER_S = 4
+CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called",
+              "exception not rethrown")
+
+
+def _start(world: int, case: str) -> list[subprocess.Popen]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAXPG_HEARTBEAT_TIMEOUT="3",
+               JAXPG_COORDINATOR_LINGER=str(LINGER_S))
+    port = free_port()
+    return [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), case],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+            for r in range(world)]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie waiting for its reaper is gone too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, world", [("killduring", 3), ("stop", 2)])
+def test_lost_rank0_is_a_named_python_error_in_every_survivor(case, world):
+    procs = _start(world, case)
+    try:
+        outs = []
+        for p in procs[1:]:  # the survivors end by themselves: group timeout 20 s, not hit
+            out, _ = p.communicate(timeout=120)
+            outs.append((p.returncode, out))
+    finally:
+        procs[0].send_signal(signal.SIGCONT)
+        procs[0].kill()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text0, _ = procs[0].communicate(timeout=30)
+    for rc, out in outs:
+        assert rc == 1, out[-3000:]
+        assert re.search(r"DistNetworkError: all_reduce on group 'WORLD' \(sequence number 2\)"
+                         r".*lost ranks \[0\]", out), out[-3000:]
+        assert "Traceback (most recent call last)" in out
+        assert not any(a in out for a in CPP_ABORTS), out[-3000:]
+        assert "DONE" not in out
+    service = re.search(r"SERVICE_PID (\d+)", text0)
+    assert service, text0[-2000:]
+    pid = int(service.group(1))
+    deadline = time.monotonic() + LINGER_S + 15
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = not _gone(pid)
+    if left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"rank 0's coordination-service child {pid} outlived its linger"
+
+
+def test_linger_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("JAXPG_COORDINATOR_LINGER", "soon")
+    with pytest.raises(ValueError, match="JAXPG_COORDINATOR_LINGER='soon'"):
+        linger_seconds(3)
+    monkeypatch.setenv("JAXPG_COORDINATOR_LINGER", "7")
+    assert linger_seconds(3) == 7
+    monkeypatch.delenv("JAXPG_COORDINATOR_LINGER")
+    assert linger_seconds(3) == 30 and linger_seconds(20) == 60

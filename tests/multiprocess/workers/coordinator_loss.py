@@ -1,0 +1,47 @@
+"""Worker: a world started without the launcher (rank 0 hosts the service) loses a rank.
+
+    coordinator_loss.py RANK WORLD PORT CASE [TIMEOUT_S]
+
+Every rank runs one all_reduce (the world works), then CASE:
+
+* ``killbefore``: rank 0 dies (SIGKILL) before the second all_reduce;
+* ``killduring``: rank 0 waits 1 s (the others are inside the second all_reduce), then dies;
+* ``stop``: rank 0 SIGSTOPs itself before the second all_reduce;
+* ``raise``: rank 1 raises before the second all_reduce (a Python error, exit code 1);
+* ``none``: no fault.
+
+The survivors' second all_reduce raises (uncaught: the process ends with the message and
+exit code 1). A rank that gets through prints ``DONE <sum>``. Rank 0 prints
+``SERVICE_PID <pid>`` (its coordination-service child) first.
+"""
+
+import datetime
+import os
+import signal
+import sys
+import time
+
+import jax.numpy as jnp
+
+import jaxpg
+from jaxpg import coordinator_process
+
+rank, world, port, case = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 20.0
+jaxpg.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                         world_size=world, timeout=datetime.timedelta(seconds=timeout))
+if rank == 0 and coordinator_process.running() is not None:
+    print(f"SERVICE_PID {coordinator_process.running().pid}", flush=True)
+x = jnp.ones(4) * (rank + 1)
+jaxpg.all_reduce(x)
+print(f"READY {rank}", flush=True)
+if rank == 0 and case in ("killbefore", "killduring"):
+    time.sleep(1.0 if case == "killduring" else 0.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+if rank == 0 and case == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)
+if rank == 1 and case == "raise":
+    raise RuntimeError("rank 1 fails on purpose")
+y = jaxpg.all_reduce(jnp.ones(4) * (rank + 1))
+print(f"DONE {float(y[0])}", flush=True)
+jaxpg.destroy_process_group()
