@@ -241,6 +241,7 @@ def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
     if not stopped:  # rank 0 died: serve the survivors a while longer
         print(f"[jaxpg] rank 0 is gone; its coordination service on {bind_address} serves "
               f"the other processes {linger:.0f} s more ({LINGER_VAR}).", file=err, flush=True)
+        err.close()  # rank 0's stderr: whoever reads it (a harness, a pipe) sees its end now
         time.sleep(linger)
     service.shutdown()
     return 0
