@@ -46,6 +46,8 @@ def test_the_users_thread_settings_win_and_gpu_or_single_workers_are_not_pinned(
 
 
 @pytest.mark.slow
+# os.sched_getaffinity, which jaxpg-run's pinning uses and this test reads, exists only on
+# Linux; elsewhere the launcher does not pin, so there is nothing to check.
 @pytest.mark.skipif(sys.platform != "linux", reason="CPU affinity is Linux-only")
 def test_a_started_worker_runs_on_its_slice(tmp_path):
     # through the launcher in a subprocess: forking this (JAX-threaded) pytest process for
