@@ -10,7 +10,8 @@ without two busy-loop processes loading the CPU, in one of two modes:
   service, in its child process). Good: every survivor exits non-zero with a Python
   ``DistNetworkError``/``DistTimeoutError`` naming the lost rank, within the group timeout
   plus the heartbeat timeout of the fault (+ ``SLACK_S`` for the process to exit), no
-  process aborted in C++, and rank 0's service child is gone within its linger.
+  survivor aborted in C++, and rank 0's service child is gone within its linger. The lost
+  rank's own output is counted apart (``lost_rank_cpp_aborts``): it is being killed.
 
 The runs are interleaved (round after round over mode x load x case), and the results file
 is rewritten after every run, so a stopped stress still leaves exact counts::
@@ -164,9 +165,15 @@ def judge_plain(fault: str, r: dict) -> dict:
         "survivors raised": all(r["rc"][s] == 1 for s in survivors),
         "named": all(named.search(r["texts"][s]) for s in survivors),
         "in time": all(x is not None and x <= bound for x in latency),
-        "no C++ abort": not any(a in t for t in r["texts"] for a in CPP_ABORTS),
+        "no C++ abort": not any(a in r["texts"][s] for s in survivors for a in CPP_ABORTS),
         "no child left": r["children_left"] == 0,
     }, latency
+
+
+def lost_rank_aborted(fault: str, r: dict) -> bool:
+    """Whether the rank the fault kills printed JAX's C++ fatal error before its SIGKILL
+    landed (the service had already declared it dead): not a survivor, counted apart."""
+    return any(a in r["texts"][CASES[fault][0]] for a in CPP_ABORTS)
 
 
 def main() -> None:
@@ -178,6 +185,8 @@ def main() -> None:
                    help="launcher mode only; rank0: the baseline, rank 0's worker hosts it")
     p.add_argument("--loads", default="0,1", help="0 without load, 1 with two busy loops")
     p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--machine", default="2 shared CPU cores",
+                   help="what else ran on the machine, recorded in the results")
     args = p.parse_args()
     modes, cases = args.modes.split(","), args.cases.split(",")
     loads = [bool(int(x)) for x in args.loads.split(",")]
@@ -186,7 +195,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             _, reference = run_launcher(Path(d), "none", 0)
     rows = {(m, c, ld): {"mode": m, "fault": c, "load": ld, "runs": 0, "good": 0,
-                         "seconds": [], "latency_s": [], "failures": []}
+                         "seconds": [], "latency_s": [], "failures": [],
+                         "lost_rank_cpp_aborts": 0}
             for m in modes for c in cases for ld in loads}
     out = ROOT / "bench" / "results" / f"fault_stress{args.tag}.json"
     for i in range(args.runs):
@@ -212,6 +222,8 @@ def main() -> None:
                             else:
                                 res = run_plain(Path(d), fault)
                                 checks, latency = judge_plain(fault, res)
+                                rows[(mode, fault, load)]["lost_rank_cpp_aborts"] += \
+                                    lost_rank_aborted(fault, res)
                                 tail = " | ".join(t[-400:] for t in res["texts"])
                     finally:
                         for s in spinners:
@@ -230,8 +242,7 @@ def main() -> None:
                     print(f"round {i} {mode} load={load} {fault}: {checks} {latency}",
                           flush=True)
                     out.write_text(json.dumps({
-                        "machine": "2 shared CPU cores (other helpers' tests and benchmarks "
-                                   "running)",
+                        "machine": args.machine,
                         "steps": STEPS, "group_timeout_s": GROUP_TIMEOUT_S,
                         "heartbeat_s": HEARTBEAT_S, "linger_s": LINGER_S,
                         "command": "python bench/fault_stress.py " + " ".join(sys.argv[1:]),

@@ -29,7 +29,8 @@ from typing import Any
 
 from jaxpg.errors import DistNetworkError
 
-__all__ = ["start", "stop", "lost", "check", "wait_lost", "naming_lost", "mark_reported"]
+__all__ = ["start", "stop", "lost", "check", "check_any", "wait_lost", "naming_lost",
+           "mark_reported"]
 
 _PERIOD = 0.25
 _ABORTED = "jaxpg_aborted/"
@@ -39,8 +40,9 @@ TEARDOWN_EXIT_CODE = 1
 
 class _Monitor:
     def __init__(self, client: Any, num_processes: int, me: int, abort_on_lost_zero: bool,
-                 grace_s: float):
+                 grace_s: float, ranks_of: Any = None):
         self._client = client
+        self.ranks_of = ranks_of or (lambda procs: list(procs))
         self._all = list(range(num_processes))
         self._me = me
         self._abort = abort_on_lost_zero
@@ -124,7 +126,7 @@ _monitor: _Monitor | None = None
 
 
 def start(client: Any, num_processes: int, me: int, abort_on_lost_zero: bool,
-          grace_s: float) -> None:
+          grace_s: float, ranks_of: Any = None) -> None:
     """Starts watching the world's processes (``init_process_group``).
 
     Args:
@@ -135,11 +137,13 @@ def start(client: Any, num_processes: int, me: int, abort_on_lost_zero: bool,
             service, which ends a while after it).
         grace_s: after a loss no jaxpg call raised within this many seconds (the world's
             timeout), the process ends with the error's text.
+        ranks_of: maps a list of processes to the world ranks they hold (for messages);
+            the processes themselves when ``None`` (one rank per process).
     """
     global _monitor, _registered
     stop()
     if num_processes > 1:
-        _monitor = _Monitor(client, num_processes, me, abort_on_lost_zero, grace_s)
+        _monitor = _Monitor(client, num_processes, me, abort_on_lost_zero, grace_s, ranks_of)
         if not _registered:
             atexit.register(_leave_at_exit)
             sys.excepthook = _failing_exit(sys.excepthook)
@@ -248,6 +252,24 @@ def check(procs: Sequence[int], ranks_of: Any, what: str) -> None:
     raise DistNetworkError(
         f"{what}: lost ranks {ranks_of(gone)} (processes {gone}): the coordination service "
         f"stopped hearing from them (they died, exited or hang).{detached}"
+    )
+
+
+def check_any(what: str) -> None:
+    """Raises ``DistNetworkError`` if any process of the world is lost (a store read that
+    waits for a key: the key may be due from the lost process, so it may never come).
+
+    Args:
+        what: the call, for the message (e.g. "TCPStore.get('ready')").
+    """
+    if _monitor is None or not _monitor.lost:
+        return
+    gone = list(_monitor.lost)
+    _monitor.reported = True
+    raise DistNetworkError(
+        f"{what}: lost ranks {_monitor.ranks_of(gone)} (processes {gone}) while waiting: the "
+        "coordination service stopped hearing from them (they died, exited or hang), so the "
+        "key may never be set. Call destroy_process_group and start a new world to go on."
     )
 
 

@@ -123,7 +123,9 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
     if client is not None:
         liveness.start(client, state.process_count, state.process_index,
                        abort_on_lost_zero=coordination.service_host == "rank0-child",
-                       grace_s=timeout.total_seconds())
+                       grace_s=timeout.total_seconds(),
+                       ranks_of=lambda procs: _ranks_of_processes(state, procs,
+                                                                  range(len(devices))))
     _store_barrier(state, state.world_group.store, "init", list(range(state.process_count)),
                    timeout)
     return state

@@ -61,6 +61,7 @@ from jaxpg.stores.store import (
 __all__ = ["TCPStore"]
 
 _MAX_MS = 2**31 - 1
+_SLICE_S = 1.0  # a blocking read looks at the world's liveness this often
 _owner_ids = itertools.count()
 
 
@@ -291,13 +292,28 @@ class TCPStore(Store):
         return value
 
     def _get_or_none(self, key: str, timeout: float) -> bytes | None:
-        """Waits for ``key`` in the service; ``None`` if it is still missing after ``timeout``."""
-        try:
-            return self._client.blocking_key_value_get_bytes(self._kv(key), _ms(timeout))
-        except Exception as err:
-            if _status(err) == "DEADLINE_EXCEEDED":
+        """Waits for ``key`` in the service; ``None`` if it is still missing after ``timeout``.
+
+        It waits in slices of at most ``_SLICE_S``; between them, a process of the world
+        that the coordination service lost raises ``DistNetworkError`` naming it (the key
+        may be due from it), rather than a bare timeout long after.
+        """
+        from jaxpg.groups import liveness
+
+        deadline = time.monotonic() + timeout
+        while True:
+            liveness.check_any(f"TCPStore.get({key!r})")
+            left = deadline - time.monotonic()
+            try:
+                return self._client.blocking_key_value_get_bytes(
+                    self._kv(key), _ms(min(max(left, 0.0), _SLICE_S)))
+            except Exception as err:
+                if _status(err) != "DEADLINE_EXCEEDED":
+                    liveness.check_any(f"TCPStore.get({key!r})")
+                    raise self._fail("get", key, err) from err
+            if left <= _SLICE_S:
+                liveness.check_any(f"TCPStore.get({key!r})")
                 return None
-            raise self._fail("get", key, err) from err
 
     def add(self, key: str, amount: int) -> int:
         key, amount = check_key(key), check_amount(amount)

@@ -8,6 +8,8 @@ Every rank runs one all_reduce (the world works), then CASE:
 * ``killduring``: rank 0 waits 1 s (the others are inside the second all_reduce), then dies;
 * ``stop``: rank 0 SIGSTOPs itself before the second all_reduce;
 * ``raise``: rank 1 raises before the second all_reduce (a Python error, exit code 1);
+* ``storeget``: rank 1 dies (SIGKILL); the others wait in ``TCPStore.get`` for a key only
+  rank 1 would set (store timeout 300 s), instead of in the second all_reduce;
 * ``none``: no fault.
 
 The survivors' second all_reduce raises (uncaught: the process ends with the message and
@@ -42,6 +44,11 @@ if rank == 0 and case == "stop":
     os.kill(os.getpid(), signal.SIGSTOP)
 if rank == 1 and case == "raise":
     raise RuntimeError("rank 1 fails on purpose")
+if case == "storeget":
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    store = jaxpg.TCPStore(timeout=300, namespace="user")
+    store.get("set by rank 1")
 y = jaxpg.all_reduce(jnp.ones(4) * (rank + 1))
 print(f"DONE {float(y[0])}", flush=True)
 jaxpg.destroy_process_group()
