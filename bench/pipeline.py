@@ -14,7 +14,8 @@ pipeline stages of ``blocks / (p v)`` blocks each, so every schedule runs the sa
   ``grad_check`` records that the variants' gradients agree.
 * ``remat``: 1F1B with ``remat`` off against on, for stages of one and of two blocks,
   side by side, with the matmuls of one microbatch's F + B counted in the compiled loop
-  (their ratio is the best the step-time ratio can be).
+  (their ratio is the best the step-time ratio can be), and the same ratio for the stage
+  alone on one device, without the pipeline (``stage_work``: what the executor adds).
 * ``--efficiency``: in a subprocess with 2 simulated devices and single-threaded XLA
   CPU kernels (one device per core on a 2-core machine), step time of every schedule
   at ``p = 2`` against the bound ``T1 (m + p - 1) / m / p``, ``T1`` the un-pipelined
@@ -55,11 +56,14 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxpg.pipeline.buffer_plan import plan_buffers  # noqa: E402
 from jaxpg.pipeline.executor import pipeline_value_and_grad  # noqa: E402
 from jaxpg.pipeline.schedules import get_schedule, one_f_one_b  # noqa: E402
+from jaxpg.pipeline.stage_split import split_stage  # noqa: E402
+from jaxpg.pipeline.train_step import place_pipeline_params  # noqa: E402
 
 CHUNKS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zb_v": 2}
 # "1f1b_split": 1F1B with each backward run as B then W (one_f_one_b(split_backward=True)).
@@ -126,8 +130,12 @@ def label(name, remat):
     return f"{name} remat" if remat else name
 
 
+def mesh_of(p):
+    return Mesh(np.array(jax.devices()[:p]), ("pp",))
+
+
 def jax_fn(name, p, m, layers, remat):
-    mesh = Mesh(np.array(jax.devices()[:p]), ("pp",))
+    mesh = mesh_of(p)
     schedule = one_f_one_b(p, m, split_backward=True) if name == SPLIT_1F1B else name
 
     def run(params, x, t):
@@ -145,10 +153,18 @@ def batch(m, b, d, seed=1):
 
 
 def setup(args, name, remat, m, p=None):
+    """The jitted step of schedule ``name`` and its parameters, placed on the mesh as
+    ``make_train_step`` keeps them between steps (``place_pipeline_params``), so that a
+    step does not start by moving the parameters from one device to all of them."""
     p = p or args.stages
     v = CHUNKS.get(name, 1)
-    params = staged(make_params(args.blocks, args.dim), p * v)
+    params = place_pipeline_params(staged(make_params(args.blocks, args.dim), p * v), mesh_of(p))
     return jax_fn(name, p, m, args.blocks // (p * v), remat), params
+
+
+def placed_batch(m, b, d, p):
+    """``batch(...)`` replicated over the ``p`` pipeline devices (where the step reads it)."""
+    return jax.device_put(batch(m, b, d), NamedSharding(mesh_of(p), P()))
 
 
 def measure_memory(args):
@@ -209,7 +225,7 @@ def side_by_side(fns, rounds, cpu=None):
 
 
 def measure_steps(args, m=8):
-    x, t = batch(m, args.microbatch, args.dim)
+    x, t = placed_batch(m, args.microbatch, args.dim, args.stages)
     fns, grads = {}, {}
     for name, remat in STEP_VARIANTS:
         fn, params = setup(args, name, remat, m)
@@ -285,14 +301,60 @@ def loop_matmuls(hlo):
     return sum(dots(b) for b in loops)
 
 
+def stage_work(args, layers, rounds, calls=8):
+    """One stage's own work per microbatch on one device, without the pipeline: ``F`` that
+    keeps residuals + the backward from them, against ``F`` + the backward that recomputes
+    the stage (``jax.vjp``), each adding its weight gradient to an accumulator, as the
+    executor does. Returns the median per-round ratios of wall and CPU seconds: what the
+    step-time ratio would be if the executor added nothing."""
+    params = jax.tree.map(lambda a: a[0], staged(make_params(layers, args.dim), 1))
+    stage = stage_fn(layers)
+    kx, kd = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (args.microbatch, args.dim))
+    dy = jax.random.normal(kd, (args.microbatch, args.dim))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+    pieces = split_stage(stage, *shapes, split_backward=False)
+
+    def accumulate(g, grads):
+        return jax.tree.map(jnp.add, g, grads[0]), grads[1]
+
+    f_keep = jax.jit(pieces.forward)
+    b_keep = jax.jit(lambda g, p, x, dy, res: accumulate(g, pieces.backward(p, x, dy, res)[:2]),
+                     donate_argnums=0)
+    f_remat = jax.jit(stage)
+    b_remat = jax.jit(lambda g, p, x, dy: accumulate(g, jax.vjp(stage, p, x)[1](dy)),
+                      donate_argnums=0)
+
+    def keep(acc):
+        for _ in range(calls):
+            _, res = f_keep(params, x)
+            acc[0], _ = b_keep(acc[0], params, x, dy, res)
+        return acc[0]
+
+    def recompute(acc):
+        for _ in range(calls):
+            f_remat(params, x)
+            acc[0], _ = b_remat(acc[0], params, x, dy)
+        return acc[0]
+
+    accs = {k: [jax.tree.map(jnp.zeros_like, params)] for k in ("keep", "remat")}
+    cpu = {}
+    wall = side_by_side({"keep": lambda: keep(accs["keep"]),
+                         "remat": lambda: recompute(accs["remat"])}, rounds, cpu)
+    return {kind: statistics.median(a / b for a, b in zip(t["keep"], t["remat"], strict=True))
+            for kind, t in (("wall", wall), ("cpu", cpu))}
+
+
 def measure_remat(args, m=8):
     """1F1B with and without remat, stages of 1 and of 2 blocks, side by side."""
-    x, t = batch(m, args.microbatch, args.dim)
+    x, t = placed_batch(m, args.microbatch, args.dim, args.stages)
     fns, matmuls = {}, {}
     for layers in (1, 2):
         for remat in (True, False):
             key = f"{layers} block{'s' if layers > 1 else ''}/stage, {label('1f1b', remat)}"
-            params = staged(make_params(layers * args.stages, args.dim), args.stages)
+            params = place_pipeline_params(
+                staged(make_params(layers * args.stages, args.dim), args.stages),
+                mesh_of(args.stages))
             fn = jax_fn("1f1b", args.stages, m, layers, remat)
             matmuls[key] = loop_matmuls(fn.lower(params, x, t).compile().as_text())
             fns[key] = functools.partial(fn, params, x, t)
@@ -313,7 +375,10 @@ def measure_remat(args, m=8):
             "max_grad_diff": max(float(jnp.max(jnp.abs(u - w)))
                                  for u, w in zip(grads[a], grads[b], strict=True)),
         })  # fmt: skip
+        alone = stage_work(args, layers, args.rounds)
+        rows[-1].update(stage_alone_wall_ratio=alone["wall"], stage_alone_cpu_ratio=alone["cpu"])
         r = rows[-1]
+        print(f"remat {blocks}: stage alone wall {alone['wall']:.3f}, CPU {alone['cpu']:.3f}")
         print(f"remat {blocks}: matmuls {matmuls[a]} vs {matmuls[b]}, wall "
               f"{r['wall_ratio']:.3f}, CPU {r['cpu_ratio']:.3f}", flush=True)  # fmt: skip
     return rows
@@ -454,11 +519,13 @@ def table(result):
     lines += ["", "| ratio (median over rounds) | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in result["ratios"].items()]
     if "remat" in result:
-        lines += ["", "| 1F1B, stage of | matmuls (no remat / remat) | theory | wall | CPU |",
-                  "|---|---|---:|---:|---:|"]  # fmt: skip
+        lines += ["", "| 1F1B, stage of | matmuls (no remat / remat) | theory | wall | CPU "
+                  "| stage alone: wall | stage alone: CPU |",
+                  "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in result["remat"]:
             lines.append(f"| {r['stage']} | {r['matmuls']} / {r['matmuls_remat']} | "
-                         f"{r['theory']:.3f} | {r['wall_ratio']:.3f} | {r['cpu_ratio']:.3f} |")
+                         f"{r['theory']:.3f} | {r['wall_ratio']:.3f} | {r['cpu_ratio']:.3f} | "
+                         f"{r['stage_alone_wall_ratio']:.3f} | {r['stage_alone_cpu_ratio']:.3f} |")
     if "efficiency" in result:
         lines += ["", "| schedule (p=2, m=8) | step (ms) | efficiency |", "|---|---|---|"]
         lines += [f"| {r['schedule']} | {r['step_ms']:.1f} | {r['efficiency']:.2f} |"

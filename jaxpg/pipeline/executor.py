@@ -149,9 +149,9 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     inputs = split_microbatches(inputs, m)
     targets = split_microbatches(targets, m)
     pieces = None
-    if not cfg.remat:  # always split: a whole B runs as B then W in the same tick
+    if not cfg.remat:  # a split backward only where the timetable has W actions
         one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
-        pieces = split_stage(cfg.stage_fn, one_stage, act_struct, True)
+        pieces = split_stage(cfg.stage_fn, one_stage, act_struct, "W" in plan.branches)
     steps = tick_steps(
         cfg.stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches,
         (stages, first_p, last_p), inputs, targets, pieces,

@@ -209,13 +209,12 @@ def tick_steps(
                 )
         else:
             res = read_slot(bufs["res"], a)
-            dx, wres = on_chunk(c, lambda pc, *a: pieces.backward(pc, *a)[1:], x, dy, res)
             if split:
+                dx, wres = on_chunk(c, lambda pc, *a: pieces.backward(pc, *a)[1:], x, dy, res)
                 bufs["wres"] = write_slot(bufs["wres"], g, wres)
-            else:
-                acc["g_stages"], _ = add_to_chunk(
-                    acc["g_stages"], c,
-                    lambda pc, *a: (pieces.weight(pc, *a), None), x, dy, res, wres,
+            else:  # one backward makes dp and dx, sharing what both read
+                acc["g_stages"], dx = add_to_chunk(
+                    acc["g_stages"], c, lambda pc, *a: pieces.backward(pc, *a)[:2], x, dy, res,
                 )  # fmt: skip
         if first_backward:
 
