@@ -1,8 +1,9 @@
 """The 25M-parameter MLP the DDP and throughput benchmarks train, in Flax NNX and torch.
 
-One definition for ``bench/ddp.py``, ``bench/_throughput_ddp_worker.py`` and
-``bench/gpu.py``: layers ``1024 -> 4096 -> 4096 -> 1024 -> 10`` with ReLU between them,
-softmax cross-entropy on integer labels, a standard-normal batch.
+One definition for ``bench/ddp.py``, ``bench/_throughput_ddp_worker.py``, ``bench/gpu.py``
+and (with other ``layers``) ``bench/layouts.py``: layers ``1024 -> 4096 -> 4096 -> 1024 ->
+10`` with ReLU between them, softmax cross-entropy on integer labels, a standard-normal
+batch.
 """
 
 from __future__ import annotations
