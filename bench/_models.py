@@ -38,6 +38,22 @@ def loss_fn(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
+def local_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
+    """The un-jitted step without communication: ``(params, opt_state, batch) -> (params,
+    opt_state)``, forward and backward of :func:`loss_fn` on ``nnx.merge(graphdef,
+    params)``, then ``tx``'s update."""
+
+    def step(params, opt_state, batch):
+        def loss(p):
+            return loss_fn(nnx.merge(graphdef, p), batch)
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
 def n_params(layers: Sequence[int] = LAYERS) -> int:
     """The number of parameters (weights and biases)."""
     return sum(a * b + b for a, b in zip(layers[:-1], layers[1:], strict=True))

@@ -44,7 +44,7 @@ import numpy as np
 import optax
 import torch
 import torch.distributed as dist
-from _models import MLP, loss_fn, make_batch, n_params, torch_mlp  # bench/ is sys.path[0]
+from _models import MLP, local_step, loss_fn, make_batch, n_params, torch_mlp  # bench/ is path[0]
 from _timing import join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from flax import nnx
 
@@ -139,15 +139,8 @@ def main() -> None:
     state = {"p": params, "o": opt.init(params)}
     jb = jax.device_put(batch)
 
-    def local(p, o, b):
-        def lf(p):
-            return loss_fn(nnx.merge(graphdef, p), b)
-
-        g = jax.grad(lf)(p)
-        u, o = opt.update(g, o, p)
-        return optax.apply_updates(p, u), o
-
-    local = jax.jit(local, donate_argnums=(0, 1), compiler_options=CPU_COMPILER_OPTIONS)
+    local = jax.jit(local_step(graphdef, opt), donate_argnums=(0, 1),
+                    compiler_options=CPU_COMPILER_OPTIONS)
 
     def compute_step():
         state["p"], state["o"] = local(state["p"], state["o"], jb)
