@@ -225,36 +225,26 @@ def test_1f1b_buffers_do_not_grow_with_microbatches():
     assert temp_bytes("1f1b", 8, False) > temp_bytes("1f1b", 8, True)
 
 
-def test_batch_not_divisible_names_sizes():
-    params = make_params(2)
-    x, t = make_batch(6)
-    with pytest.raises(ValueError, match=r"batch size 6 .* 4"):
+@pytest.mark.parametrize(
+    "blocks,rows,p,schedule,m,match",
+    [pytest.param(2, 6, 2, "1f1b", 4, r"batch size 6 .* 4", id="batch_not_divisible_names_sizes"),
+     pytest.param(4, 4, 4, "zb_h1", 2, "m=2", id="too_few_microbatches_for_schedule"),
+     pytest.param(3, 4, 2, "1f1b", 2, "multiple of the pipeline size p=2",
+                  id="blocks_must_divide_into_stages")],
+)  # fmt: skip
+def test_sizes_that_do_not_fit(blocks, rows, p, schedule, m, match):
+    params = make_params(blocks)
+    x, t = make_batch(rows)
+    with pytest.raises(ValueError, match=match):
         pipeline_value_and_grad(
-            block, head_loss, params, x, t, mesh=pp_mesh(2), schedule="1f1b",
-            num_microbatches=4, first_fn=embed,
-        )  # fmt: skip
-
-
-def test_too_few_microbatches_for_schedule():
-    params = make_params(4)
-    x, t = make_batch(4)
-    with pytest.raises(ValueError, match="m=2"):
-        pipeline_value_and_grad(
-            block, head_loss, params, x, t, mesh=pp_mesh(4), schedule="zb_h1",
-            num_microbatches=2, first_fn=embed,
+            block, head_loss, params, x, t, mesh=pp_mesh(p), schedule=schedule,
+            num_microbatches=m, first_fn=embed,
         )  # fmt: skip
 
 
 def test_stage_count_must_divide_devices():
     with pytest.raises(ValueError, match="num_stages=3 does not divide the 8 devices"):
         pipeline_mesh(3)
-    params = make_params(3)
-    x, t = make_batch(4)
-    with pytest.raises(ValueError, match="multiple of the pipeline size p=2"):
-        pipeline_value_and_grad(
-            block, head_loss, params, x, t, mesh=pp_mesh(2), schedule="1f1b",
-            num_microbatches=2, first_fn=embed,
-        )  # fmt: skip
 
 
 def test_stage_shapes_that_do_not_chain():
