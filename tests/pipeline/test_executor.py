@@ -79,30 +79,32 @@ CASES += [
 ] + [("1f1b", 4, 5, 1, True), ("zb_h1", 2, 3, 1, True), ("zb_v", 4, 5, 2, True)]
 
 
-@pytest.mark.parametrize("name,p,m,v,remat", CASES)
-def test_schedule_matches_reference(name, p, m, v, remat):
-    params = make_params(p * v)
-    x, t = make_batch(2 * m)
+def assert_matches_reference(params, x, t, **kwargs):
+    """The pipeline's loss and gradients (embed, blocks, head) equal the un-pipelined ones."""
     loss, grads = pipeline_value_and_grad(
-        block, head_loss, params, x, t, mesh=pp_mesh(p), schedule=name,
-        num_microbatches=m, first_fn=embed, remat=remat,
-    )  # fmt: skip
+        block, head_loss, params, x, t, first_fn=embed, **kwargs
+    )
     want_loss, want_grads = reference(params, x, t)
     assert_close(loss, want_loss)
     assert_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("name,p,m,v,remat", CASES)
+def test_schedule_matches_reference(name, p, m, v, remat):
+    x, t = make_batch(2 * m)
+    assert_matches_reference(
+        make_params(p * v), x, t, mesh=pp_mesh(p), schedule=name, num_microbatches=m,
+        remat=remat,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("p,m,remat", [(4, 5, False), (2, 3, True)])
 def test_one_f_one_b_with_split_backward_matches_reference(p, m, remat):
-    params = make_params(p)
     x, t = make_batch(2 * m)
-    loss, grads = pipeline_value_and_grad(
-        block, head_loss, params, x, t, mesh=pp_mesh(p),
-        schedule=one_f_one_b(p, m, split_backward=True), first_fn=embed, remat=remat,
+    assert_matches_reference(
+        make_params(p), x, t, mesh=pp_mesh(p),
+        schedule=one_f_one_b(p, m, split_backward=True), remat=remat,
     )  # fmt: skip
-    want_loss, want_grads = reference(params, x, t)
-    assert_close(loss, want_loss)
-    assert_close(grads, want_grads)
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -164,16 +166,11 @@ def test_pytree_activations(name, v, remat):
     ],
 )  # fmt: skip
 def test_hybrid_dp_pp_matches_global_batch(p, v, name, remat):
-    params = make_params(p * v)
     x, t = make_batch(4 * p)
-    mesh = pipeline_mesh(p, 2)
-    loss, grads = pipeline_value_and_grad(
-        block, head_loss, params, x, t, mesh=mesh, schedule=name, num_microbatches=p,
-        first_fn=embed, remat=remat,
+    assert_matches_reference(
+        make_params(p * v), x, t, mesh=pipeline_mesh(p, 2), schedule=name,
+        num_microbatches=p, remat=remat,
     )  # fmt: skip
-    want_loss, want_grads = reference(params, x, t)
-    assert_close(loss, want_loss)
-    assert_close(grads, want_grads)
 
 
 @pytest.mark.parametrize("remat", [False, True])
