@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.distributed as dist
+from _timing import block, join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -102,29 +103,8 @@ def make_case(op: str, size: int, rank: int, n: int, mesh: Mesh) -> dict:
     return {"jaxpg": fj, "torch": ft, "xla": fx}
 
 
-def block(out) -> None:
-    for leaf in jax.tree.leaves(out):
-        if isinstance(leaf, jax.Array):
-            leaf.block_until_ready()
-
-
 def iters_for(size: int, budget_bytes: int) -> int:
     return max(1, min(50, budget_bytes // size))
-
-
-def time_case(fns: dict, iters: int, rounds: int) -> dict:
-    times = {v: [] for v in fns}
-    order = list(fns)
-    for r in range(rounds):
-        rot = order[r % len(order):] + order[: r % len(order)]
-        for v in rot:
-            f = fns[v]
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                block(f())  # every call blocks, as torch's do (jaxpg's block anyway)
-            times[v].append((time.perf_counter() - t0) / iters)
-    return times
 
 
 def breakdown(size: int, rank: int, n: int, mesh: Mesh, reps: int) -> dict:
@@ -190,11 +170,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    jaxpg.init_process_group()
-    rank, n = jaxpg.get_rank(), jaxpg.get_world_size()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.torch_port}",
-                            rank=rank, world_size=n)
+    rank, n = join_both_worlds(args.torch_port)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices), ("i",))
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -213,13 +189,10 @@ def main() -> None:
                 block(f())
             warm_s = time.perf_counter() - t0
             iters = iters_for(size, args.iter_bytes)
-            times = time_case(fns, iters, args.rounds)
+            times = time_rounds(fns, args.rounds, iters)
             del fns
-            allt = [None] * n
-            dist.all_gather_object(allt, times)
+            per_round = slowest_rank(times, args.rounds)
             if rank == 0:
-                per_round = {v: [max(t[v][r] for t in allt) for r in range(args.rounds)]
-                             for v in times}
                 med = {v: statistics.median(ts) for v, ts in per_round.items()}
                 row = {"n": n, "op": op, "size_bytes": size, "iters": iters,
                        "rounds": args.rounds, "warmup_s": warm_s,
@@ -247,9 +220,7 @@ def main() -> None:
                        "elapsed_s": time.perf_counter() - t_start,
                        "cpu_collectives": jax.config.jax_cpu_collectives_implementation},
                       f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    jaxpg.destroy_process_group()
+    leave_both_worlds()
     os._exit(0)
 
 

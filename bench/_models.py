@@ -1,8 +1,9 @@
 """The 25M-parameter MLP the DDP and throughput benchmarks train, in Flax NNX and torch.
 
-One definition for ``bench/ddp.py``, ``bench/_throughput_ddp_worker.py`` and
-``bench/gpu.py``: layers ``1024 -> 4096 -> 4096 -> 1024 -> 10`` with ReLU between them,
-softmax cross-entropy on integer labels, a standard-normal batch.
+One definition for ``bench/ddp.py``, ``bench/_throughput_ddp_worker.py``, ``bench/gpu.py``
+and (with other ``layers``) ``bench/layouts.py``: layers ``1024 -> 4096 -> 4096 -> 1024 ->
+10`` with ReLU between them, softmax cross-entropy on integer labels, a standard-normal
+batch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ def loss_fn(model, batch):
     """Mean softmax cross-entropy of ``model(batch['x'])`` against ``batch['y']``."""
     logits = model(batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def local_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
+    """The un-jitted step without communication: ``(params, opt_state, batch) -> (params,
+    opt_state)``, forward and backward of :func:`loss_fn` on ``nnx.merge(graphdef,
+    params)``, then ``tx``'s update."""
+
+    def step(params, opt_state, batch):
+        def loss(p):
+            return loss_fn(nnx.merge(graphdef, p), batch)
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
 
 
 def n_params(layers: Sequence[int] = LAYERS) -> int:

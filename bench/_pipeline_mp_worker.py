@@ -230,16 +230,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    import torch
     import torch.distributed as dist
+    from _timing import join_both_worlds, leave_both_worlds, rotated
 
-    import jaxpg
-
-    jaxpg.init_process_group()
-    rank, p = jaxpg.get_rank(), jaxpg.get_world_size()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.torch_port}",
-                            rank=rank, world_size=p)  # fmt: skip
+    rank, p = join_both_worlds(args.torch_port)
     mesh = Mesh(np.array(jax.devices()), ("pp",))
     local = jax.local_devices()[0]
     params = make_params(args.blocks, args.dim)
@@ -321,7 +315,7 @@ def main() -> None:
     samples = {key: [] for key in keys}
     loads = []
     for r in range(args.rounds):
-        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+        for key in rotated(keys, r):
             samples[key].append(timed(fns[key]))
         loads.append(os.getloadavg()[0])
         if rank == 0:
@@ -342,9 +336,7 @@ def main() -> None:
                   "checks": checks, "times": rows}  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    jaxpg.destroy_process_group()
+    leave_both_worlds()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ import functools
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +44,8 @@ import numpy as np
 import optax
 import torch
 import torch.distributed as dist
-from _models import MLP, loss_fn, make_batch, n_params, torch_mlp  # bench/ is sys.path[0]
+from _models import MLP, local_step, loss_fn, make_batch, n_params, torch_mlp  # bench/ is path[0]
+from _timing import join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from flax import nnx
 
 import jaxpg
@@ -88,11 +88,7 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated subset of the variants")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    jaxpg.init_process_group()
-    rank, n = jaxpg.get_rank(), jaxpg.get_world_size()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.torch_port}",
-                            rank=rank, world_size=n)
+    rank, n = join_both_worlds(args.torch_port, int(os.environ.get("OMP_NUM_THREADS", "1")))
     batch = make_batch(args.batch, seed=rank)
 
     # torch DDP
@@ -143,15 +139,8 @@ def main() -> None:
     state = {"p": params, "o": opt.init(params)}
     jb = jax.device_put(batch)
 
-    def local(p, o, b):
-        def lf(p):
-            return loss_fn(nnx.merge(graphdef, p), b)
-
-        g = jax.grad(lf)(p)
-        u, o = opt.update(g, o, p)
-        return optax.apply_updates(p, u), o
-
-    local = jax.jit(local, donate_argnums=(0, 1), compiler_options=CPU_COMPILER_OPTIONS)
+    local = jax.jit(local_step(graphdef, opt), donate_argnums=(0, 1),
+                    compiler_options=CPU_COMPILER_OPTIONS)
 
     def compute_step():
         state["p"], state["o"] = local(state["p"], state["o"], jb)
@@ -172,18 +161,8 @@ def main() -> None:
         for _ in range(args.warmup):
             dist.barrier()
             f()
-    times = {v: [] for v in fns}
-    order = list(fns)
-    for r in range(args.steps):
-        for v in order[r % len(order):] + order[: r % len(order)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            fns[v]()
-            times[v].append(time.perf_counter() - t0)
-    allt = [None] * n
-    dist.all_gather_object(allt, times)
+    per_round = slowest_rank(time_rounds(fns, args.steps), args.steps)
     if rank == 0:
-        per_round = {v: [max(t[v][r] for t in allt) for r in range(args.steps)] for v in fns}
         med = {v: statistics.median(x) for v, x in per_round.items()}
         ms = {v: 1e3 * t for v, t in med.items()}
         steps = [v for v in ms if v in ("torch", "torch_no_comm", "jax_compute")
@@ -217,9 +196,7 @@ def main() -> None:
             }
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    jaxpg.destroy_process_group()
+    leave_both_worlds()
     os._exit(0)
 
 

@@ -108,10 +108,12 @@ def part_overhead(cfg: dict, layout: str) -> dict:
     return {"overhead": rows, "async": rows_async}
 
 
-def part_async(cfg: dict, layout: str) -> dict:
+def _queued_work(cfg: dict):
+    """``(queued, a)``: a jitted chain of ``cfg['chain']`` ``(m, m)`` matmuls
+    (``m = cfg['matmul']``) and its input, ``queued`` and the ``(m, m)`` ``all_reduce``
+    both compiled and run once (the process group must be initialized)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import jaxpg
 
@@ -126,6 +128,15 @@ def part_async(cfg: dict, layout: str) -> dict:
     a = jnp.full((m, m), 0.01, jnp.float32)
     queued(a).block_until_ready()
     jaxpg.all_reduce(a).block_until_ready()  # compile the (m, m) kernel before timing
+    return queued, a
+
+
+def part_async(cfg: dict, layout: str) -> dict:
+    import numpy as np
+
+    import jaxpg
+
+    queued, a = _queued_work(cfg)
     jaxpg.all_reduce(a, async_op=True).wait()
     t0 = time.perf_counter()
     queued(a).block_until_ready()
@@ -148,24 +159,11 @@ def part_watchdog(cfg: dict) -> None:
     end the process (exit code 6) with the named error on stderr."""
     import datetime
 
-    import jax
-    import jax.numpy as jnp
-
     import jaxpg
 
     jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1,
                              rank=0, timeout=datetime.timedelta(seconds=1))
-    m = cfg["matmul"]
-
-    @jax.jit
-    def queued(a):
-        for _ in range(cfg["chain"]):
-            a = jnp.tanh(a @ a) * 0.5
-        return a
-
-    a = jnp.full((m, m), 0.01, jnp.float32)
-    queued(a).block_until_ready()
-    jaxpg.all_reduce(a).block_until_ready()
+    queued, a = _queued_work(cfg)
     t0 = time.perf_counter()
     queued(a).block_until_ready()
     one = time.perf_counter() - t0
@@ -201,7 +199,7 @@ def _watchdog_child(smoke: bool) -> dict:
 def part_ddp(cfg: dict) -> dict:
     import jax
     import optax
-    from _models import MLP, loss_fn, make_batch  # bench/ is sys.path[0]
+    from _models import MLP, local_step, loss_fn, make_batch  # bench/ is sys.path[0]
     from flax import nnx
 
     import jaxpg
@@ -217,13 +215,7 @@ def part_ddp(cfg: dict) -> dict:
     graphdef, params = nnx.split(MLP(nnx.Rngs(0), layers))
     opt_state = tx.init(params)
 
-    @jax.jit
-    def plain_step(params, opt_state, b):
-        def loss(p):
-            return loss_fn(nnx.merge(graphdef, p), b)
-        grads = jax.grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+    plain_step = jax.jit(local_step(graphdef, tx))
 
     dev_batch = jax.device_put(batch)
     state = {"plain": (params, opt_state)}

@@ -69,8 +69,8 @@ def worker(args: argparse.Namespace) -> None:
     """One run of one layout: times every figure and writes rank 0's to ``args.worker``."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
+    from _models import MLP, loss_fn, make_batch  # bench/ is sys.path[0]
     from flax import nnx
 
     import jaxpg
@@ -96,25 +96,8 @@ def worker(args: argparse.Namespace) -> None:
         out[f"all_reduce_{name}_ms"] = 1e3 * _median_time(call, args.repeats, calls)
 
     for name, (layers, per_rank) in MODELS.items():
-        class MLP(nnx.Module):
-            def __init__(self, rngs: nnx.Rngs, layers=layers):
-                self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
-                                        for a, b in zip(layers[:-1], layers[1:], strict=True)])
-
-            def __call__(self, x):
-                for layer in self.layers[:-1]:
-                    x = jax.nn.relu(layer(x))
-                return self.layers[-1](x)
-
-        def loss_fn(model, batch):
-            logits = model(batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-        rng = np.random.default_rng(jaxpg.get_rank())
-        rows = n_local * per_rank
-        batch = {"x": rng.standard_normal((rows, layers[0])).astype(np.float32),
-                 "y": rng.integers(0, layers[-1], rows).astype(np.int32)}
-        ddp = DistributedDataParallel(MLP(nnx.Rngs(0)), optax.adam(1e-3))
+        batch = make_batch(n_local * per_rank, seed=jaxpg.get_rank(), layers=layers)
+        ddp = DistributedDataParallel(MLP(nnx.Rngs(0), layers), optax.adam(1e-3))
 
         def step(ddp=ddp, batch=batch, loss_fn=loss_fn):
             ddp.train_step(loss_fn, batch)

@@ -47,7 +47,6 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -61,6 +60,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxpg.pipeline.buffer_plan import plan_buffers  # noqa: E402
 from jaxpg.pipeline.executor import pipeline_value_and_grad  # noqa: E402
+from jaxpg.pipeline.hlo_loop import count_in_loop  # noqa: E402
 from jaxpg.pipeline.schedules import get_schedule, one_f_one_b  # noqa: E402
 from jaxpg.pipeline.stage_split import split_stage  # noqa: E402
 from jaxpg.pipeline.train_step import place_pipeline_params  # noqa: E402
@@ -277,28 +277,7 @@ def loop_matmuls(hlo):
     """Matmuls in the compiled pipeline loop, counted per call site: the ``dot``s of the
     while body and of what it calls (every branch of a conditional once, so for
     ``v = 1`` the count is the matmuls of one microbatch's F, B and W on one stage)."""
-    bodies, name = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?(%[\w.\-]+) ", line)
-        if head and line.rstrip().endswith("{"):
-            name = head.group(1)
-            bodies[name] = []
-        elif name is not None:
-            bodies[name].append(line)
-    called = re.compile(r"(?:body|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
-
-    @functools.cache
-    def dots(comp):
-        count = 0
-        for ln in bodies.get(comp, ()):
-            count += ln.count(" dot(")
-            for group in called.findall(ln):
-                count += sum(dots(c.strip()) for c in group.split(","))
-        return count
-
-    loops = {b for text in bodies.values() for ln in text
-             for b in re.findall(r"body=(%[\w.\-]+)", ln)}  # fmt: skip
-    return sum(dots(b) for b in loops)
+    return count_in_loop(hlo, " dot(")
 
 
 def stage_work(args, layers, rounds, calls=8):

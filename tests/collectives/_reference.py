@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
+import jax
 import numpy as np
 
 import jaxpg
@@ -105,3 +108,25 @@ def assert_close(got, want, dtype: str) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     else:
         np.testing.assert_array_equal(got, want)
+
+
+def per_rank(lowering: str, fn: Callable, x: np.ndarray, family: list[list[int]]) -> dict:
+    """Runs ``fn`` per rank and returns global rank -> its output (numpy leaves).
+
+    ``lowering='eager'``: one eager call on the family's members' rows of ``x`` (leading
+    axis = the members, in rank order); ``'spmd'``: ``jaxpg.spmd(fn)`` jitted over the
+    whole world's ``x``.
+    """
+    mem = members(family)
+    if lowering == "eager":
+        out = jax.device_get(fn(x[mem]))
+        return {r: jax.tree.map(lambda a, i=i: np.asarray(a)[i], out) for i, r in enumerate(mem)}
+    out = jax.device_get(jax.jit(jaxpg.spmd(fn))(x))
+    return {r: jax.tree.map(lambda a, r=r: np.asarray(a)[r], out) for r in range(WORLD)}
+
+
+def assert_non_members_keep_input(got: dict[int, Any], x: np.ndarray,
+                                  family: list[list[int]], dtype: str) -> None:
+    """In SPMD every rank runs the collective; ranks outside the group get their input."""
+    for r in set(range(WORLD)) - set(members(family)):
+        assert_close(got[r], x[r], dtype)

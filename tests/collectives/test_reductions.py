@@ -1,6 +1,5 @@
 """all_reduce, reduce, reduce_scatter(_tensor): every op x dtype x group kind, both lowerings."""
 
-import jax
 import numpy as np
 import pytest
 from _reference import (
@@ -8,9 +7,10 @@ from _reference import (
     GROUP_KINDS,
     all_ops,
     assert_close,
+    assert_non_members_keep_input,
     make_group,
-    members,
     np_reduce,
+    per_rank,
     rank_data,
     valid,
 )
@@ -20,30 +20,19 @@ import jaxpg
 CASES = [(op, dt) for op in all_ops() for dt in DTYPES if valid(op, dt)]
 
 
-def _run(lowering, fn, x, family):
-    """Runs fn per rank: eagerly over the family's members, or in SPMD over the world."""
-    mem = members(family)
-    if lowering == "eager":
-        out = np.asarray(jax.device_get(fn(x[mem])))
-        return {r: out[i] for i, r in enumerate(mem)}
-    out = np.asarray(jax.device_get(jax.jit(jaxpg.spmd(fn))(x)))
-    return {r: out[r] for r in range(x.shape[0])}
-
-
 @pytest.mark.parametrize("lowering", ["eager", "spmd"])
 @pytest.mark.parametrize("kind", GROUP_KINDS)
 @pytest.mark.parametrize("op,dtype", CASES, ids=[f"{o}-{d}" for o, d in CASES])
 def test_all_reduce(op, dtype, kind, lowering):
     group, family = make_group(kind)
     x = rank_data((3,), dtype)
-    got = _run(lowering, lambda v: jaxpg.all_reduce(v, op=op, group=group), x, family)
+    got = per_rank(lowering, lambda v: jaxpg.all_reduce(v, op=op, group=group), x, family)
     for sub in family:
         want = np_reduce(op, [x[r] for r in sub])
         for r in sub:
             assert_close(got[r], want, dtype)
     if lowering == "spmd":  # non-members get their input back
-        for r in set(range(8)) - set(members(family)):
-            assert_close(got[r], x[r], dtype)
+        assert_non_members_keep_input(got, x, family, dtype)
 
 
 @pytest.mark.parametrize("lowering", ["eager", "spmd"])
@@ -54,7 +43,7 @@ def test_reduce_to_dst(dtype, kind, lowering):
     op = jaxpg.ReduceOp.MAX
     x = rank_data((2,), dtype, seed=1)
     dst = jaxpg.get_global_rank(group, 1)
-    got = _run(lowering, lambda v: jaxpg.reduce(v, dst=dst, op=op, group=group), x, family)
+    got = per_rank(lowering, lambda v: jaxpg.reduce(v, dst=dst, op=op, group=group), x, family)
     for sub in family:
         want = np_reduce(op, [x[r] for r in sub])
         for j, r in enumerate(sub):
@@ -70,7 +59,7 @@ def test_reduce_scatter_tensor(op, kind, lowering, dtype):
     group, family = make_group(kind)
     k = len(family[0])
     x = rank_data((k * 2, 3), dtype, seed=2)
-    got = _run(lowering, lambda v: jaxpg.reduce_scatter_tensor(v, op=op, group=group), x,
+    got = per_rank(lowering, lambda v: jaxpg.reduce_scatter_tensor(v, op=op, group=group), x,
                family)
     for sub in family:
         full = np_reduce(op, [x[r] for r in sub])
@@ -88,7 +77,7 @@ def test_reduce_scatter_list(kind, lowering, dtype):
     x = rank_data((k, 4), dtype, seed=3)
     fn = lambda v: jaxpg.reduce_scatter([v[i] for i in range(k)] if lowering == "spmd"
                                         else [v[:, i] for i in range(k)], op=op, group=group)
-    got = _run(lowering, fn, x, family)
+    got = per_rank(lowering, fn, x, family)
     for sub in family:
         full = np_reduce(op, [x[r] for r in sub])
         for j, r in enumerate(sub):

@@ -79,30 +79,32 @@ CASES += [
 ] + [("1f1b", 4, 5, 1, True), ("zb_h1", 2, 3, 1, True), ("zb_v", 4, 5, 2, True)]
 
 
-@pytest.mark.parametrize("name,p,m,v,remat", CASES)
-def test_schedule_matches_reference(name, p, m, v, remat):
-    params = make_params(p * v)
-    x, t = make_batch(2 * m)
+def assert_matches_reference(params, x, t, **kwargs):
+    """The pipeline's loss and gradients (embed, blocks, head) equal the un-pipelined ones."""
     loss, grads = pipeline_value_and_grad(
-        block, head_loss, params, x, t, mesh=pp_mesh(p), schedule=name,
-        num_microbatches=m, first_fn=embed, remat=remat,
-    )  # fmt: skip
+        block, head_loss, params, x, t, first_fn=embed, **kwargs
+    )
     want_loss, want_grads = reference(params, x, t)
     assert_close(loss, want_loss)
     assert_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("name,p,m,v,remat", CASES)
+def test_schedule_matches_reference(name, p, m, v, remat):
+    x, t = make_batch(2 * m)
+    assert_matches_reference(
+        make_params(p * v), x, t, mesh=pp_mesh(p), schedule=name, num_microbatches=m,
+        remat=remat,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("p,m,remat", [(4, 5, False), (2, 3, True)])
 def test_one_f_one_b_with_split_backward_matches_reference(p, m, remat):
-    params = make_params(p)
     x, t = make_batch(2 * m)
-    loss, grads = pipeline_value_and_grad(
-        block, head_loss, params, x, t, mesh=pp_mesh(p),
-        schedule=one_f_one_b(p, m, split_backward=True), first_fn=embed, remat=remat,
+    assert_matches_reference(
+        make_params(p), x, t, mesh=pp_mesh(p),
+        schedule=one_f_one_b(p, m, split_backward=True), remat=remat,
     )  # fmt: skip
-    want_loss, want_grads = reference(params, x, t)
-    assert_close(loss, want_loss)
-    assert_close(grads, want_grads)
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -164,16 +166,11 @@ def test_pytree_activations(name, v, remat):
     ],
 )  # fmt: skip
 def test_hybrid_dp_pp_matches_global_batch(p, v, name, remat):
-    params = make_params(p * v)
     x, t = make_batch(4 * p)
-    mesh = pipeline_mesh(p, 2)
-    loss, grads = pipeline_value_and_grad(
-        block, head_loss, params, x, t, mesh=mesh, schedule=name, num_microbatches=p,
-        first_fn=embed, remat=remat,
+    assert_matches_reference(
+        make_params(p * v), x, t, mesh=pipeline_mesh(p, 2), schedule=name,
+        num_microbatches=p, remat=remat,
     )  # fmt: skip
-    want_loss, want_grads = reference(params, x, t)
-    assert_close(loss, want_loss)
-    assert_close(grads, want_grads)
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -225,36 +222,26 @@ def test_1f1b_buffers_do_not_grow_with_microbatches():
     assert temp_bytes("1f1b", 8, False) > temp_bytes("1f1b", 8, True)
 
 
-def test_batch_not_divisible_names_sizes():
-    params = make_params(2)
-    x, t = make_batch(6)
-    with pytest.raises(ValueError, match=r"batch size 6 .* 4"):
+@pytest.mark.parametrize(
+    "blocks,rows,p,schedule,m,match",
+    [pytest.param(2, 6, 2, "1f1b", 4, r"batch size 6 .* 4", id="batch_not_divisible_names_sizes"),
+     pytest.param(4, 4, 4, "zb_h1", 2, "m=2", id="too_few_microbatches_for_schedule"),
+     pytest.param(3, 4, 2, "1f1b", 2, "multiple of the pipeline size p=2",
+                  id="blocks_must_divide_into_stages")],
+)  # fmt: skip
+def test_sizes_that_do_not_fit(blocks, rows, p, schedule, m, match):
+    params = make_params(blocks)
+    x, t = make_batch(rows)
+    with pytest.raises(ValueError, match=match):
         pipeline_value_and_grad(
-            block, head_loss, params, x, t, mesh=pp_mesh(2), schedule="1f1b",
-            num_microbatches=4, first_fn=embed,
-        )  # fmt: skip
-
-
-def test_too_few_microbatches_for_schedule():
-    params = make_params(4)
-    x, t = make_batch(4)
-    with pytest.raises(ValueError, match="m=2"):
-        pipeline_value_and_grad(
-            block, head_loss, params, x, t, mesh=pp_mesh(4), schedule="zb_h1",
-            num_microbatches=2, first_fn=embed,
+            block, head_loss, params, x, t, mesh=pp_mesh(p), schedule=schedule,
+            num_microbatches=m, first_fn=embed,
         )  # fmt: skip
 
 
 def test_stage_count_must_divide_devices():
     with pytest.raises(ValueError, match="num_stages=3 does not divide the 8 devices"):
         pipeline_mesh(3)
-    params = make_params(3)
-    x, t = make_batch(4)
-    with pytest.raises(ValueError, match="multiple of the pipeline size p=2"):
-        pipeline_value_and_grad(
-            block, head_loss, params, x, t, mesh=pp_mesh(2), schedule="1f1b",
-            num_microbatches=2, first_fn=embed,
-        )  # fmt: skip
 
 
 def test_stage_shapes_that_do_not_chain():

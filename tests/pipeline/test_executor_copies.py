@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh
 
 from jaxpg.pipeline.executor import pipeline_value_and_grad
+from jaxpg.pipeline.hlo_loop import computations, loop_bodies, loop_text
 
 D, H, ROWS = 8, 40, 4  # [8, 40] and [40, 8] are the weights' shapes and nothing else's
 
@@ -49,29 +50,8 @@ def loop_hlo(name, v, remat, p=2, m=4):
 
 def computations_in_loop(hlo: str) -> str:
     """The text of the while loops' bodies and every computation they call."""
-    bodies = {}
-    name = None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?(%[\w.\-]+) ", line)
-        if head and line.rstrip().endswith("{"):
-            name = head.group(1)
-            bodies[name] = []
-        elif name is not None:
-            bodies[name].append(line)
-    called = re.compile(r"(?:body|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
-    todo = [b for text in bodies.values() for line in text
-            for b in re.findall(r"body=(%[\w.\-]+)", line)]  # fmt: skip
-    assert todo, "no while loop in the compiled step"
-    seen = set()
-    while todo:
-        comp = todo.pop()
-        if comp in seen or comp not in bodies:
-            continue
-        seen.add(comp)
-        for line in bodies[comp]:
-            for group in called.findall(line):
-                todo += [c.strip() for c in group.split(",")]
-    return "\n".join(line for comp in seen for line in bodies[comp])
+    assert loop_bodies(computations(hlo)), "no while loop in the compiled step"
+    return loop_text(hlo)
 
 
 @pytest.mark.parametrize(
