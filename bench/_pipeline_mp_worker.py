@@ -114,12 +114,13 @@ def microbatched(blocks, m):
     return jax.jit(run)
 
 
-def jaxpg_step(name, mesh, m, layers):
+def jaxpg_step(name, mesh, m, layers, stage_order="model"):
     from jaxpg.pipeline import pipeline_value_and_grad
 
     def run(params, x, t):
         return pipeline_value_and_grad(
             stage_fn(layers), mse, params, x, t, mesh=mesh, schedule=name, num_microbatches=m,
+            stage_order=stage_order,
         )  # fmt: skip
 
     return jax.jit(run)
@@ -233,6 +234,8 @@ def main() -> None:
     import torch.distributed as dist
     from _timing import join_both_worlds, leave_both_worlds, rotated
 
+    from jaxpg.pipeline import get_schedule, to_model_order, to_rank_order
+
     rank, p = join_both_worlds(args.torch_port)
     mesh = Mesh(np.array(jax.devices()), ("pp",))
     local = jax.local_devices()[0]
@@ -267,12 +270,16 @@ def main() -> None:
         gx, gt = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, t))
         for name in schedules:
             v = CHUNKS[name]
-            sp = jax.device_put(staged(params, p * v), NamedSharding(mesh, P("pp")))
-            fn = jaxpg_step(name, mesh, m, args.blocks // (p * v))
+            # two chunks per rank: the stacks in rank order, so no step reshards them
+            tt = get_schedule(name, p, m, v)
+            sp = jax.device_put(to_rank_order(staged(params, p * v), tt),
+                                NamedSharding(mesh, P("pp")))
+            fn = jaxpg_step(name, mesh, m, args.blocks // (p * v), stage_order="rank")
             key = f"jaxpg {name} m={m}"
             fns[key] = functools.partial(fn, sp, gx, gt)
             loss, grads = fn(sp, gx, gt)
-            grads = {k: a.reshape(args.blocks, *a.shape[2:]) for k, a in gather(grads).items()}
+            grads = {k: np.asarray(a).reshape(args.blocks, *a.shape[2:])
+                     for k, a in to_model_order(gather(grads), tt).items()}
             checks[key] = {"loss": float(loss), "vs_un_pipelined": max_rel_diff(grads, ref_grads),
                            "loss_vs_un_pipelined": abs(float(loss) - float(ref_loss))}  # fmt: skip
             if f"{name} m={m} w1" in reference:

@@ -62,16 +62,21 @@ from jaxpg.pipeline.buffer_plan import plan_buffers  # noqa: E402
 from jaxpg.pipeline.executor import pipeline_value_and_grad  # noqa: E402
 from jaxpg.pipeline.hlo_loop import count_in_loop  # noqa: E402
 from jaxpg.pipeline.schedules import get_schedule, one_f_one_b  # noqa: E402
+from jaxpg.pipeline.stage_order import to_model_order, to_rank_order  # noqa: E402
 from jaxpg.pipeline.stage_split import split_stage  # noqa: E402
 from jaxpg.pipeline.train_step import place_pipeline_params  # noqa: E402
 
 CHUNKS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zb_v": 2}
 # "1f1b_split": 1F1B with each backward run as B then W (one_f_one_b(split_backward=True)).
 SPLIT_1F1B = "1f1b_split"
+# Two chunks per rank run on stage stacks in rank order (``to_rank_order``), as the
+# README advises; this suffix runs one on a model-order stack, resharded by every call.
+MODEL_ORDER = " (model order)"
 # (schedule, remat) run side by side in the step-time rounds.
 STEP_VARIANTS = [
     ("gpipe", False), ("1f1b", True), ("1f1b", False), ("zb_h1", True), ("zb_h1", False),
     ("interleaved_1f1b", False), ("zb_v", False), (SPLIT_1F1B, False),
+    ("zb_v" + MODEL_ORDER, False),
 ]  # fmt: skip
 
 
@@ -134,14 +139,26 @@ def mesh_of(p):
     return Mesh(np.array(jax.devices()[:p]), ("pp",))
 
 
+def timetable(name, p, m):
+    """The timetable of ``name`` (a schedule name, ``SPLIT_1F1B``, maybe + ``MODEL_ORDER``)."""
+    name = name.removesuffix(MODEL_ORDER)
+    if name == SPLIT_1F1B:
+        return one_f_one_b(p, m, split_backward=True)
+    return get_schedule(name, p, m, CHUNKS[name])
+
+
+def stage_order(name):
+    return "model" if name.endswith(MODEL_ORDER) else "rank"
+
+
 def jax_fn(name, p, m, layers, remat):
     mesh = mesh_of(p)
-    schedule = one_f_one_b(p, m, split_backward=True) if name == SPLIT_1F1B else name
+    schedule = timetable(name, p, m)
 
     def run(params, x, t):
         return pipeline_value_and_grad(
             stage_fn(layers), mse, params, x, t, mesh=mesh, schedule=schedule,
-            num_microbatches=m, remat=remat,
+            num_microbatches=m, remat=remat, stage_order=stage_order(name),
         )  # fmt: skip
 
     return jax.jit(run)
@@ -157,8 +174,12 @@ def setup(args, name, remat, m, p=None):
     ``make_train_step`` keeps them between steps (``place_pipeline_params``), so that a
     step does not start by moving the parameters from one device to all of them."""
     p = p or args.stages
-    v = CHUNKS.get(name, 1)
-    params = place_pipeline_params(staged(make_params(args.blocks, args.dim), p * v), mesh_of(p))
+    tt = timetable(name, p, m)
+    v = tt.num_chunks
+    params = staged(make_params(args.blocks, args.dim), p * v)
+    if stage_order(name) == "rank":
+        params = to_rank_order(params, tt)
+    params = place_pipeline_params(params, mesh_of(p))
     return jax_fn(name, p, m, args.blocks // (p * v), remat), params
 
 
@@ -226,14 +247,17 @@ def side_by_side(fns, rounds, cpu=None):
 
 def measure_steps(args, m=8):
     x, t = placed_batch(m, args.microbatch, args.dim, args.stages)
-    fns, grads = {}, {}
+    fns, grads, names = {}, {}, {}
     for name, remat in STEP_VARIANTS:
         fn, params = setup(args, name, remat, m)
         fns[label(name, remat)] = functools.partial(fn, params, x, t)
+        names[label(name, remat)] = name
     cpu = {}
     samples = side_by_side(fns, args.rounds, cpu)
     for key, fn in fns.items():
         loss, g = fn()
+        if stage_order(names[key]) == "rank":
+            g = to_model_order(g, timetable(names[key], args.stages, m))
         grads[key] = (float(loss), jax.tree.map(lambda a: np.asarray(a).reshape(-1), unstaged(g)))
 
     def max_diff(a, b):
@@ -260,6 +284,7 @@ def measure_steps(args, m=8):
         "zb_v / 1f1b": ("zb_v", "1f1b"),
         "interleaved_1f1b / 1f1b": ("interleaved_1f1b", "1f1b"),
         "1f1b_split / 1f1b": (SPLIT_1F1B, "1f1b"),
+        "zb_v, model order / rank order": ("zb_v" + MODEL_ORDER, "zb_v"),
     }
     ratios = {k: ratio(a, b) for k, (a, b) in pairs.items()}
     ratios.update({f"{k} (CPU time)": ratio(a, b, cpu) for k, (a, b) in pairs.items()})
@@ -267,6 +292,8 @@ def measure_steps(args, m=8):
         "1f1b vs 1f1b remat: max |grad diff|": max_diff("1f1b", "1f1b remat"),
         "zb_h1 vs 1f1b remat: max |grad diff|": max_diff("zb_h1", "1f1b remat"),
         "zb_v vs 1f1b remat: max |grad diff|": max_diff("zb_v", "1f1b remat"),
+        "zb_v model order vs 1f1b remat: max |grad diff|": max_diff("zb_v" + MODEL_ORDER,
+                                                                    "1f1b remat"),
     }
     check["max |grad|"] = max(float(np.max(np.abs(a))) for a in jax.tree.leaves(grads["1f1b"][1]))
     print(json.dumps({"ratios (median of per-round ratios)": ratios, **check}, indent=1))

@@ -28,6 +28,7 @@ from jaxpg.pipeline.schedules import (
     zero_bubble_v,
 )
 from jaxpg.pipeline.stage_meta import StageMeta, infer_stage_metadata
+from jaxpg.pipeline.stage_order import to_model_order, to_rank_order
 from jaxpg.pipeline.stage_split import StagePieces, split_stage
 from jaxpg.pipeline.timetable import KIND_CODES, Action, Timetable
 from jaxpg.pipeline.train_step import init_train_state, make_train_step, place_pipeline_params
@@ -41,5 +42,5 @@ __all__ = [
     "merge_microbatches", "StageMeta", "infer_stage_metadata", "BufferPlan", "plan_buffers",
     "stack_modules", "split_module", "module_fn", "bucketed_grad_reducer", "ActionCosts",
     "TimedTimetable", "default_costs", "lockstep_time", "measure_costs", "timed",
-    "StagePieces", "split_stage",
+    "StagePieces", "split_stage", "to_rank_order", "to_model_order",
 ]

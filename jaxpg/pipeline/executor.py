@@ -9,11 +9,13 @@ with the number of microbatches ``m``.
 Model and parameters:
     * ``stage_fn(stage_params, x) -> y``, the repeated block; every stage maps an
       activation (any pytree of arrays) to one of the same shapes and dtypes.
-    * Stage parameters are stacked in **model order** with leading dimension ``S``:
-      stage ``s`` runs on rank ``s % p`` as chunk ``s // p``. Inside, they are viewed as
+    * Stage parameters are stacked with leading dimension ``S``, by default in **model
+      order** (stage ``s`` runs on rank ``s % p`` as chunk ``s // p``; in the V layout
+      chunk 1 of rank ``r`` is stage ``2p - 1 - r``). Inside, they are viewed as
       ``[v, p, ...]`` and sharded ``P(None, 'pp')``. With ``v == 1`` a ``P('pp')``
-      placement of the ``[p, ...]`` stack is exact; with ``v > 1`` XLA reshards the
-      model-order stack once per call.
+      placement of the ``[p, ...]`` stack is exact; with ``v > 1`` XLA reshards a
+      model-order stack on every call, and ``stage_order="rank"`` (a stack made by
+      ``to_rank_order``, placed ``P('pp')``) avoids that (``jaxpg.pipeline.stage_order``).
     * ``first_fn(first_params, inputs_mb) -> x`` (optional embedding) runs on stage 0;
       ``loss_fn(last_params, y, targets_mb) -> scalar`` (head + loss, the mean over the
       microbatch) runs on stage ``S - 1``. Their parameters are replicated over the
@@ -80,25 +82,12 @@ from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
 from jaxpg.pipeline.stage_meta import infer_stage_metadata
+from jaxpg.pipeline.stage_order import check_stage_order, loop_view, stacked
 from jaxpg.pipeline.stage_split import split_stage
+from jaxpg.pipeline.staged_params import StagedParams
 from jaxpg.pipeline.tick_program import KIND_OF, slot_buffers, tick_steps, write_slot
 
 __all__ = ["StagedParams", "pipeline_value_and_grad", "resolve_schedule"]
-
-
-class StagedParams(NamedTuple):
-    """Parameters of a pipelined model.
-
-    Attributes:
-        stages: the repeated block's parameters, stacked in model order (leading
-            dimension ``p * v``).
-        first: the embedding's parameters (used by ``first_fn`` on stage 0), or ``()``.
-        last: the head's parameters (used by ``loss_fn`` on the last stage), or ``()``.
-    """
-
-    stages: Any
-    first: Any = ()
-    last: Any = ()
 
 
 def resolve_schedule(schedule: Any, num_ranks: int, num_microbatches: int | None, v: int):
@@ -137,6 +126,7 @@ class _Config(NamedTuple):
     dp_axis: str | None
     grad_reducer: Callable | None
     remat: bool
+    stage_order: str
 
 
 def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
@@ -226,22 +216,6 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     return loss, grads
 
 
-def _by_chunk_and_rank(a, tt):
-    """Model-order stack ``[v p, ...]`` -> ``[v, p, ...]`` indexed by (chunk, rank)."""
-    v, p = tt.num_chunks, tt.num_stages
-    a = a.reshape(v, p, *a.shape[1:])  # loop layout: chunk c, rank r is stage c p + r
-    if tt.layout == "v":  # chunk 1 of rank r is stage 2p - 1 - r: reverse its ranks
-        a = jnp.concatenate([a[:1], a[1:, ::-1]])
-    return a
-
-
-def _in_model_order(a, tt):
-    """The inverse of ``_by_chunk_and_rank``."""
-    if tt.layout == "v":
-        a = jnp.concatenate([a[:1], a[1:, ::-1]])
-    return a.reshape(tt.num_chunks * tt.num_stages, *a.shape[2:])
-
-
 def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
     p = cfg.mesh.shape[cfg.pp_axis]
     tt = cfg.timetable
@@ -267,7 +241,7 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
         first_fn=cfg.first_fn, first_params=params.first, loss_fn=cfg.loss_fn,
         last_params=params.last, targets=mb_struct(targets),
     )  # fmt: skip
-    stages = jax.tree.map(lambda a: _by_chunk_and_rank(a, tt), params.stages)
+    stages = jax.tree.map(lambda a: loop_view(a, tt, cfg.stage_order), params.stages)
     batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
     param_spec = StagedParams(P(None, cfg.pp_axis), P(), P())
     body = functools.partial(_body, cfg, plan, metas[0].input)
@@ -278,8 +252,8 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
         out_specs=(P(), param_spec),
         check_vma=False,
     )(params._replace(stages=stages), inputs, targets)
-    stacked = jax.tree.map(lambda a: _in_model_order(a, tt), grads.stages)
-    return loss, grads._replace(stages=stacked)
+    return loss, grads._replace(
+        stages=jax.tree.map(lambda a: stacked(a, tt, cfg.stage_order), grads.stages))
 
 
 @functools.lru_cache(maxsize=64)
@@ -302,6 +276,7 @@ def pipeline_value_and_grad(
     dp_axis: str = "dp",
     grad_reducer: Callable[[Any], Any] | None = None,
     remat: bool = False,
+    stage_order: str = "model",
 ) -> tuple[jax.Array, Any]:
     """Mean loss over the batch and its gradient, computed by a pipeline schedule.
 
@@ -366,7 +341,8 @@ def pipeline_value_and_grad(
     if not isinstance(remat, bool):
         raise TypeError(f"remat={remat!r} must be True or False.")
     cfg = _Config(
-        stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer, remat
+        stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer, remat,
+        check_stage_order(stage_order),
     )
     loss, grads = _compiled(cfg)(staged, inputs, targets)
     return loss, grads if isinstance(params, StagedParams) else grads.stages

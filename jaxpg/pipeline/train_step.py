@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
+from jaxpg.pipeline.stage_order import check_stage_order
 
 __all__ = ["make_train_step", "place_pipeline_params", "init_train_state"]
 
@@ -29,7 +30,9 @@ __all__ = ["make_train_step", "place_pipeline_params", "init_train_state"]
 def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: str = "pp") -> Any:
     """Puts stage-stacked parameters on ``mesh``: stages ``P(pp_axis)``, the rest replicated.
 
-    With one chunk per rank each device then holds exactly its own stage. Optimizer
+    With one chunk per rank each device then holds exactly its own stage; with more,
+    so does a stack in rank order (``to_rank_order``; pass ``stage_order="rank"`` to the
+    step), while a model-order one is resharded by every step. Optimizer
     states made from the placed parameters (``optimizer.init``) inherit the placement.
     The result is a copy, so a train step that donates it leaves ``params`` intact.
     """
@@ -87,6 +90,7 @@ def make_train_step(
     grad_reducer: Callable[[Any], Any] | None = None,
     donate: bool = True,
     remat: bool = False,
+    stage_order: str = "model",
 ) -> Callable[[Any, Any, Any, Any], tuple[Any, Any, jax.Array]]:
     """Returns ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)``.
 
@@ -107,7 +111,12 @@ def make_train_step(
         donate: donate the parameter and optimizer-state buffers to the step.
         remat: ``False`` keeps vjp residuals from each forward to its backward; ``True``
             recomputes the stage forward from its input (see ``pipeline_value_and_grad``).
+        stage_order: ``"model"`` or ``"rank"``: the order of the stage stacks in
+            ``params`` (see ``pipeline_value_and_grad``). With two chunks per rank, keep
+            parameters in rank order (``to_rank_order`` before ``init_train_state``): no
+            step then moves them between devices.
     """
+    check_stage_order(stage_order)
     if not isinstance(remat, bool):
         raise TypeError(f"remat={remat!r} must be True or False.")
     if not isinstance(optimizer, optax.GradientTransformation):
@@ -120,6 +129,7 @@ def make_train_step(
             stage_fn, loss_fn, params, inputs, targets, mesh=mesh, schedule=schedule,
             num_microbatches=num_microbatches, first_fn=first_fn, pp_axis=pp_axis,
             dp_axis=dp_axis, grad_reducer=grad_reducer, remat=remat,
+            stage_order=stage_order,
         )  # fmt: skip
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
