@@ -125,6 +125,7 @@ class _Runner:
         Jobs still queued behind the stuck one never run (their waits time out)."""
         if self._worker is not None:
             self._abandoned.append(self._worker)
+            _record_exit_codes()
         self._worker = None
 
     def stuck(self) -> bool:
@@ -135,21 +136,45 @@ class _Runner:
 runner = _Runner()
 
 
+_exit_code: list[int] = []  # what sys.exit was called with, once a thread was abandoned
+
+
+def _record_exit_codes() -> None:
+    """Wraps ``sys.exit`` (once) so that ``_exit_past_stuck_collectives`` can end the
+    process with the status the program asked for (None 0, an int itself, anything else
+    1: the interpreter has printed it by then)."""
+    if getattr(sys.exit, "_jaxpg_records", False):
+        return
+    plain_exit = sys.exit
+
+    def exit(code: Any = None) -> None:  # noqa: A001 (stands in for sys.exit)
+        status = 0 if code is None else code & 0xFF if isinstance(code, int) else 1
+        _exit_code[:] = [status]
+        plain_exit(code)
+
+    exit._jaxpg_records = True  # type: ignore[attr-defined]
+    sys.exit = exit
+
+
 def _exit_past_stuck_collectives() -> None:
     """At exit, with a collective thread still stuck in XLA (a peer died): end the process
-    here, with 1 after an uncaught exception (its traceback is printed already) and 0
-    otherwise.
+    here, with 1 after an uncaught exception (its traceback is printed already), with the
+    status ``sys.exit`` was given, and 0 otherwise.
 
     Python 3.11 ends a daemon thread that wakes during finalization with a forced unwind,
     which aborts the process in C++ ("FATAL: exception not rethrown") when the thread
     wakes inside XLA's frames: a stuck collective does wake, once another survivor exits
     and closes its gloo connection. Registered at import, so it runs after every
-    ``atexit`` handler registered later. (``sys.exit(n)``'s n is not visible here: such a
-    process exits with 0.)
+    ``atexit`` handler registered later. ``sys.exit`` is wrapped once a collective thread
+    is abandoned, to know its status here (``raise SystemExit(n)`` itself is not seen:
+    such a process exits with 0).
     """
     if not runner.stuck():
         return
-    code = 1 if getattr(sys, "last_value", None) is not None else 0
+    if getattr(sys, "last_value", None) is not None:
+        code = 1
+    else:
+        code = _exit_code[0] if _exit_code else 0
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -99,6 +99,24 @@ def test_store_get_waiting_on_a_lost_rank_names_it():
         assert not any(a in out for a in CPP_ABORTS), out[-3000:]
 
 
+@pytest.mark.slow
+def test_sys_exit_status_survives_a_stuck_collective():
+    """A script that catches the loss of a stopped peer (its collective thread stays stuck in
+    XLA, so jaxpg ends the process itself at exit) exits with the status it gave sys.exit."""
+    procs = _start(2, "exit3")
+    try:
+        out, _ = procs[0].communicate(timeout=90)
+    finally:
+        procs[1].send_signal(signal.SIGCONT)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert "CAUGHT DistNetworkError" in out and "lost ranks [1]" in out, out[-3000:]
+    assert procs[0].returncode == 3, out[-3000:]
+    assert not any(a in out for a in CPP_ABORTS), out[-3000:]
+
+
 def test_linger_setting_is_checked(monkeypatch):
     monkeypatch.setenv("JAXPG_COORDINATOR_LINGER", "soon")
     with pytest.raises(ValueError, match="JAXPG_COORDINATOR_LINGER='soon'"):

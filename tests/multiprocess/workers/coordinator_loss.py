@@ -10,6 +10,8 @@ Every rank runs one all_reduce (the world works), then CASE:
 * ``raise``: rank 1 raises before the second all_reduce (a Python error, exit code 1);
 * ``storeget``: rank 1 dies (SIGKILL); the others wait in ``TCPStore.get`` for a key only
   rank 1 would set (store timeout 300 s), instead of in the second all_reduce;
+* ``exit3``: rank 1 SIGSTOPs itself; rank 0 catches the second all_reduce's error (its
+  collective thread stays stuck in XLA) and calls ``sys.exit(3)``;
 * ``none``: no fault.
 
 The survivors' second all_reduce raises (uncaught: the process ends with the message and
@@ -44,6 +46,14 @@ if rank == 0 and case == "stop":
     os.kill(os.getpid(), signal.SIGSTOP)
 if rank == 1 and case == "raise":
     raise RuntimeError("rank 1 fails on purpose")
+if case == "exit3":
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        jaxpg.all_reduce(jnp.ones(4))
+    except jaxpg.DistNetworkError as err:
+        print(f"CAUGHT {type(err).__name__}: {err}", flush=True)
+        sys.exit(3)
 if case == "storeget":
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
