@@ -176,6 +176,40 @@ def lost_rank_aborted(fault: str, r: dict) -> bool:
     return any(a in r["texts"][CASES[fault][0]] for a in CPP_ABORTS)
 
 
+FAULT_NAMES = {
+    "killbefore:0:2": "rank 0 killed before a step's barrier",
+    "killduring:0:2": "rank 0 killed 0.2 s into a step (in its collectives or checkpoint)",
+    "ckpt:0:3": "rank 0 killed while committing a checkpoint",
+    "raise:1:2": "rank 1 raises while the others wait in a barrier",
+    "stop:0:3": "rank 0 SIGSTOPped",
+}
+
+
+def table(path: Path) -> str:
+    """A markdown table of a results file: good runs, median seconds per run and (without
+    the launcher) the largest fault-to-exit latency, per fault and load."""
+    rows = json.loads(path.read_text())["rows"]
+    plain = any(r["mode"] == "nolauncher" for r in rows)
+    cell = {(r["fault"], r["load"]): r for r in rows}
+    extra = " | max latency s" if plain else ""
+    lines = [f"| fault | no load: good | median s{extra} | 2 busy loops: good | median s{extra} |",
+             "|---|---:|---:|" + ("---:|" if plain else "") + "---:|---:|" + ("---:|" if plain
+                                                                              else "")]
+    for fault in dict.fromkeys(r["fault"] for r in rows):
+        parts = []
+        for load in (False, True):
+            r = cell.get((fault, load))
+            if r is None:
+                parts += ["-", "-"] + (["-"] if plain else [])
+                continue
+            parts += [f"{r['good']}/{r['runs']}", f"{float(np.median(r['seconds'])):.0f}"]
+            if plain:
+                late = [x for run in r["latency_s"] for x in run if x is not None]
+                parts.append(f"{max(late):.1f}" if late else "-")
+        lines.append(f"| {FAULT_NAMES.get(fault, fault)} | " + " | ".join(parts) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=20, help="runs per mode, case and load")
@@ -187,7 +221,12 @@ def main() -> None:
     p.add_argument("--tag", default="", help="suffix of the result file name")
     p.add_argument("--machine", default="2 shared CPU cores",
                    help="what else ran on the machine, recorded in the results")
+    p.add_argument("--table", metavar="RESULTS", help="print the markdown table of a results "
+                   "file (bench/results/fault_stress*.json) and exit")
     args = p.parse_args()
+    if args.table:
+        print(table(Path(args.table)))
+        return
     modes, cases = args.modes.split(","), args.cases.split(",")
     loads = [bool(int(x)) for x in args.loads.split(",")]
     reference = {}
