@@ -142,6 +142,9 @@ def start(client: Any, num_processes: int, me: int, abort_on_lost_zero: bool,
     """
     global _monitor, _registered
     stop()
+    from jaxpg.stores import tcp_store
+
+    tcp_store.add_wait_check(check_any)  # a TCPStore read waiting on a lost rank names it
     if num_processes > 1:
         _monitor = _Monitor(client, num_processes, me, abort_on_lost_zero, grace_s, ranks_of)
         if not _registered:

@@ -41,7 +41,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from jaxpg.errors import DistNetworkError, DistStoreError
@@ -62,6 +62,19 @@ __all__ = ["TCPStore"]
 
 _MAX_MS = 2**31 - 1
 _SLICE_S = 1.0  # a blocking read looks at the world's liveness this often
+_wait_checks: list[Callable[[str], None]] = []
+
+
+def add_wait_check(check: Callable[[str], None]) -> None:
+    """Registers ``check(what)``, called between the slices of a blocking read; it raises to
+    end the wait (``jaxpg.groups.liveness`` registers one that names lost ranks)."""
+    if check not in _wait_checks:
+        _wait_checks.append(check)
+
+
+def _while_waiting(what: str) -> None:
+    for check in _wait_checks:
+        check(what)
 _owner_ids = itertools.count()
 
 
@@ -298,21 +311,20 @@ class TCPStore(Store):
         that the coordination service lost raises ``DistNetworkError`` naming it (the key
         may be due from it), rather than a bare timeout long after.
         """
-        from jaxpg.groups import liveness
-
+        what = f"TCPStore.get({key!r})"
         deadline = time.monotonic() + timeout
         while True:
-            liveness.check_any(f"TCPStore.get({key!r})")
+            _while_waiting(what)
             left = deadline - time.monotonic()
             try:
                 return self._client.blocking_key_value_get_bytes(
                     self._kv(key), _ms(min(max(left, 0.0), _SLICE_S)))
             except Exception as err:
                 if _status(err) != "DEADLINE_EXCEEDED":
-                    liveness.check_any(f"TCPStore.get({key!r})")
+                    _while_waiting(what)
                     raise self._fail("get", key, err) from err
             if left <= _SLICE_S:
-                liveness.check_any(f"TCPStore.get({key!r})")
+                _while_waiting(what)
                 return None
 
     def add(self, key: str, amount: int) -> int:
