@@ -46,9 +46,13 @@ branches on every tick; see ``tick_program``).
 
 After the conds, the one message of the tick (an activation or a gradient) goes to
 rank ``r + 1`` and ``r - 1`` by two ring ``ppermute``s (one when no message ever travels
-one of the ways) and each rank stores what it received into the slot the plan names;
-the turn of a V layout stays on the rank. The ``ppermute``s run on every tick (a rank
-with nothing to send sends zeros), as SPMD collectives must. Stage inputs, output
+one of the ways); at the start of the next tick each rank stores what it received into
+the slot the plan names (the turn of a V layout stays on the rank). Storing it there,
+before any step reads the buffers, rather than at the end of the tick lets XLA update
+the slot buffers in place: stored after the conds, the store could be scheduled before
+``W`` read the buffers, and XLA copied both buffers every tick to keep the old values.
+The ``ppermute``s run on every tick (a rank with nothing to send sends zeros), as SPMD
+collectives must. Stage inputs, output
 gradients and (without remat) residuals are kept in buffers of exactly the size the
 schedule needs (1F1B: about ``p`` slots, independent of ``m``).
 
@@ -149,21 +153,19 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
 
     remat = pieces is None
     names = plan.branches
-    bufs = {
+    state = {
         "act": slot_buffers(act_struct, plan.num_act_slots),
         "grad": slot_buffers(act_struct, plan.num_grad_slots),
         "res": () if remat else slot_buffers(pieces.res_structs, plan.num_act_slots),
         "wres": slot_buffers(pieces.wres_structs, plan.num_grad_slots)
         if not remat and "W" in names else (),
-    }
-    acc = {
         # One accumulator per chunk, each without a chunk dimension (see tick_program).
         "g_stages": [jax.tree.map(lambda a, i=i: jnp.zeros_like(a[i]), stages)
                      for i in range(cfg.timetable.num_chunks)],
         "g_first": jax.tree.map(jnp.zeros_like, first_p),
         "last": (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, last_p)),
+        "message": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), act_struct),
     }
-    message = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), act_struct)
     # Per branch number: the action kind, and whether it runs the first / last stage.
     kind_of = jnp.asarray([KIND_OF[n] for n in names], dtype=jnp.int32)
     first_of = jnp.asarray([n.endswith("_first") or "_first_" in n for n in names])
@@ -171,34 +173,56 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     kinds = [(1, steps.forward), (2, steps.backward)] + (
         [(3, steps.weight)] if "W" in names else []
     )
-    up_perm = [(i, (i + 1) % p) for i in range(p)]
-    down_perm = [(i, (i - 1) % p) for i in range(p)]
+    ways = [  # (permutation or None for the V turn, act column, grad column), as used
+        (perm, act_col, grad_col)
+        for perm, act_col, grad_col in (
+            ([(i, (i + 1) % p) for i in range(p)], cols.UP_ACT, cols.UP_GRAD),
+            ([(i, (i - 1) % p) for i in range(p)], cols.DOWN_ACT, cols.DOWN_GRAD),
+            (None, cols.LOCAL_ACT, cols.LOCAL_GRAD),
+        )
+        if plan.uses(act_col) or plan.uses(grad_col)
+    ]
+    # What the last tick received, and its plan row (which slots to store it in). The
+    # store happens at the start of the next tick, before any step reads the buffers:
+    # stored at the end of a tick, after the conds, XLA copies both slot buffers every
+    # tick to keep the old values for a step it may schedule after the store (W).
+    state["inbox"] = [state["message"] for _ in ways]
+    state["inbox_op"] = jnp.full((plan.table.shape[-1],), -1, jnp.int32)
 
     def tick(state, row):
         op = lax.dynamic_index_in_dim(row, rank, 0, keepdims=False)
+        state = {**state, **receive(state)}
         branch = op[cols.BRANCH]
         flags = (first_of[branch], last_of[branch])
         for kind, step in kinds:  # two-way conds only: see tick_program
-            state = lax.cond(
-                kind_of[branch] == kind, step, lambda s, *_: s, state, op, flags
-            )
-        bufs, acc, message = state
-        bufs = dict(bufs)
-        for perm, act_col, grad_col in (
-            (up_perm, cols.UP_ACT, cols.UP_GRAD),
-            (down_perm, cols.DOWN_ACT, cols.DOWN_GRAD),
-            (None, cols.LOCAL_ACT, cols.LOCAL_GRAD),
-        ):
-            if not (plan.uses(act_col) or plan.uses(grad_col)):
-                continue  # no message ever travels this way: skip its ppermute
-            got = message if perm is None else lax.ppermute(message, cfg.pp_axis, perm)
-            if plan.uses(act_col):
-                bufs["act"] = write_slot(bufs["act"], op[act_col], got)
-            if plan.uses(grad_col):
-                bufs["grad"] = write_slot(bufs["grad"], op[grad_col], got)
-        return (bufs, acc, message), None
+            written = {k: state[k] for k in step.writes}
+            read = {k: x for k, x in state.items() if k not in step.writes}
+            written = lax.cond(
+                kind_of[branch] == kind,
+                lambda w, r, op, fl, step=step: step.run({**r, **w}, op, fl),
+                lambda w, *_: w,
+                written, read, op, flags,
+            )  # fmt: skip
+            state = {**state, **written}
+        message = state["message"]
+        state["inbox"] = [
+            message if perm is None else lax.ppermute(message, cfg.pp_axis, perm)
+            for perm, _, _ in ways
+        ]
+        state["inbox_op"] = op
+        return state, None
 
-    (_, acc, _), _ = lax.scan(tick, (bufs, acc, message), jnp.asarray(plan.table))
+    def receive(state):
+        """Stores what the last tick received into the slots its plan row names."""
+        bufs = {"act": state["act"], "grad": state["grad"]}
+        op = state["inbox_op"]
+        for got, (_, act_col, grad_col) in zip(state["inbox"], ways, strict=True):
+            for key, col in (("act", act_col), ("grad", grad_col)):
+                if plan.uses(col):
+                    bufs[key] = write_slot(bufs[key], op[col], got)
+        return bufs
+
+    acc, _ = lax.scan(tick, state, jnp.asarray(plan.table))  # the last inbox is empty
     loss_acc, g_last = acc["last"]
     loss = lax.psum(loss_acc, cfg.pp_axis)
     grads = StagedParams(

@@ -49,6 +49,13 @@ ELEMENTWISE = frozenset(
 )
 
 
+#: What ``B`` may take over from ``W`` (see ``split_stage``): elementwise, shape and
+#: reduction operations, never a matmul.
+B_CAN_RUN = ELEMENTWISE | frozenset(
+    "add_any reduce_sum reduce_max reduce_min transpose mul select_n".split()
+)
+
+
 def _is_var(v: Any) -> bool:
     return isinstance(v, Var) and not isinstance(v, Literal)
 
@@ -87,6 +94,8 @@ class StagePieces(NamedTuple):
             the backward is split (then ``wres`` is what ``weight`` needs), else ``wres``
             is ``()``.
         weight: ``weight(p, x, dy, res, wres) -> dp`` (split backward only).
+        weight_into: ``weight_into(g, p, x, dy, res, wres) -> g + dp``, adding each weight
+            gradient to ``g`` before the next is made (split backward only).
         res_structs: shapes and dtypes of ``res``.
         wres_structs: shapes and dtypes of ``wres``.
         primitives: the primitive names each piece runs, by piece (``"F"``, ``"B"``,
@@ -96,6 +105,7 @@ class StagePieces(NamedTuple):
     forward: Callable
     backward: Callable
     weight: Callable | None
+    weight_into: Callable | None
     res_structs: tuple[jax.ShapeDtypeStruct, ...]
     wres_structs: tuple[jax.ShapeDtypeStruct, ...]
     primitives: dict[str, tuple[str, ...]]
@@ -153,13 +163,26 @@ def split_stage(
     b_idx, b_reads = _slice(eqns, backward_eqns | free_eqns | cheap, b_targets)
     w_idx, w_reads = [], set()
     if split_backward:
-        w_allowed = (backward_eqns - set(b_idx)) | free_eqns | cheap
-        w_idx, w_reads = _slice(eqns, w_allowed, dp_out)
+        b_set = set(b_idx)
+        w_idx, _ = _slice(eqns, (backward_eqns - b_set) | free_eqns | cheap, dp_out)
+        # B also runs what of W it can run from what it has, short of a matmul (the
+        # activation gelu(u) a weight gradient reads, a bias gradient), so that W reads
+        # those from B instead of recomputing them and re-reading their inputs.
+        has = set(b_reads) | {v for i in b_set for v in eqns[i].outvars}
+        for i in w_idx:
+            eqn = eqns[i]
+            if i in free_eqns or i in b_set or eqn.primitive.name not in B_CAN_RUN:
+                continue
+            if all(v in has for v in eqn.invars if _is_var(v)):
+                b_set.add(i)
+                has.update(eqn.outvars)
+        b_idx = sorted(b_set)
+        w_idx, w_reads = _slice(eqns, ((backward_eqns | cheap) - b_set) | free_eqns, dp_out)
     inputs = set(jaxpr.invars) | set(jaxpr.constvars)
     forward_made = {v for i in forward_eqns - cheap for v in eqns[i].outvars}
     order = {v: n for n, v in enumerate(v for eqn in eqns for v in eqn.outvars)}
     res_vars = sorted((b_reads | w_reads) & forward_made, key=order.__getitem__)
-    b_made = {v for i in b_idx if i in backward_eqns for v in eqns[i].outvars}
+    b_made = {v for i in b_idx if i not in free_eqns for v in eqns[i].outvars}
     wres_vars = sorted(w_reads & b_made, key=order.__getitem__)
     f_idx, f_reads = _slice(eqns, forward_eqns | free_eqns, list(y_out) + res_vars)
     stray = (f_reads | b_reads | w_reads) - inputs - forward_made - b_made - {
@@ -204,12 +227,40 @@ def split_stage(
         _run(w_eqns, env)
         return jax.tree.unflatten(p_tree, [read(env, v) for v in dp_out])
 
+    # Each weight gradient's own W equations and what they read, in the order W makes
+    # them (for ``weight_into``); an equation two gradients share runs in both.
+    made_at = {v: i for i in w_idx for v in eqns[i].outvars}
+    w_steps = []
+    for j in sorted(range(n_p), key=lambda j: made_at.get(dp_out[j], -1)):
+        need, reads = _slice(eqns, set(w_idx), [dp_out[j]])
+        w_steps.append((j, [eqns[i] for i in need], sorted(reads, key=str)))
+
+    def weight_into(g, p, x, dy, res, wres, go=True):
+        """``g + weight(p, x, dy, res, wres)``, one gradient at a time: each is made and
+        added to ``g`` inside its own ``lax.cond`` on ``go`` (pass a traced ``True``), so
+        XLA keeps one weight-gradient temporary live at a time instead of all of them."""
+        base = env_of(p, x, dy)
+        base.update(zip(res_vars, res, strict=True))
+        base.update(zip(wres_vars, wres, strict=True))
+        g = list(jax.tree.leaves(g))
+        for j, step, reads in w_steps:
+
+            def add(g, vals, j=j, step=step, reads=reads):
+                env = dict(zip(reads, vals, strict=True))
+                _run(step, env)
+                g = list(g)
+                g[j] = g[j] + read(env, dp_out[j])
+                return g
+
+            g = jax.lax.cond(go, add, lambda g, _: list(g), g, [base[v] for v in reads])
+        return jax.tree.unflatten(p_tree, g)
+
     def structs(variables):
         return tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in variables)
 
     return StagePieces(
         forward, backward, weight if split_backward else None,
-        structs(res_vars), structs(wres_vars),
+        weight_into if split_backward else None, structs(res_vars), structs(wres_vars),
         {k: tuple(e.primitive.name for e in v) for k, v in
          (("F", f_eqns), ("B", b_eqns), ("W", w_eqns))},
     )  # fmt: skip

@@ -17,14 +17,22 @@ two pass the state through):
 * ``weight`` (split schedules): the weight gradient, from the residuals of ``F`` and
   ``B`` (or, with remat, by recomputing the stage), added to the chunk's accumulator.
 
-The state (slot buffers, accumulators, the message) is the operand and the result of
-every cond, and each step updates it in place (``dynamic_update_slice``, ``+``). Why
-not one ``lax.switch`` over the action kinds: XLA copies every output of a conditional
-with more than two branches in every branch (its copy insertion makes them phis and
-cannot elide the copies), so state carried through a switch, a weight-gradient
+The state (slot buffers, accumulators, the message) is a dict. Each step declares the
+entries it writes (``TickStep.writes``); only those are its cond's operands-and-results,
+updated in place (``dynamic_update_slice``, ``+``), and the rest are read-only operands.
+Why not one ``lax.switch`` over the action kinds: XLA copies every output of a
+conditional with more than two branches in every branch (its copy insertion makes them
+phis and cannot elide the copies), so state carried through a switch, a weight-gradient
 accumulator above all, is copied whole on every tick; a two-way cond that updates its
-operand or passes it through has both copies elided. The steps also read only the
-slots they need and write nothing they do not make (no zero-filled outputs).
+operand or passes it through has both copies elided. A buffer a step only reads is not
+one of its outputs, so XLA need not keep a copy of it for the step. The steps read only
+the slots they need and write nothing they do not make (no zero-filled outputs).
+
+``W`` adds its weight gradients to the accumulator one at a time
+(``StagePieces.weight_into``): made all at once, as XLA schedules independent matmuls,
+every weight gradient of the stage is a live temporary together (16 MB for two
+512 x 2048 blocks), which took ZB-H1's compiled temp memory over glibc's 32 MB
+``mmap`` threshold, so every step paid fresh page faults for it.
 
 Accumulators per chunk are separate (one pytree per chunk, no chunk dimension), each
 updated under its own two-way cond; a stage's parameters for chunk ``c`` are picked by
@@ -45,7 +53,9 @@ from jax import lax
 from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.stage_split import StagePieces
 
-__all__ = ["KIND_OF", "TickSteps", "read_slot", "slot_buffers", "tick_steps", "write_slot"]
+__all__ = [
+    "KIND_OF", "TickStep", "TickSteps", "read_slot", "slot_buffers", "tick_steps", "write_slot",
+]
 
 #: Action kind of each branch name: 0 idle, 1 forward, 2 backward, 3 weight gradient.
 KIND_OF = {"idle": 0, "F": 1, "F_first": 1, "F_last": 1, "F_first_last": 1, "B": 2,
@@ -71,16 +81,25 @@ def slot_buffers(structs: Any, num_slots: int) -> Any:
     return jax.tree.map(lambda s: jnp.zeros((num_slots + 1, *s.shape), s.dtype), structs)
 
 
-class TickSteps(NamedTuple):
-    """``forward``, ``backward`` and ``weight``: each ``(state, op, flags) -> state``.
+class TickStep(NamedTuple):
+    """One step of a tick: ``run(state, op, flags) -> {key: value}`` for the keys in ``writes``.
 
-    ``state`` is ``(bufs, acc, message)``; ``op`` the rank's row of the buffer plan;
-    ``flags`` ``(first, last)``: whether the action runs the first or last model stage.
+    ``state`` is the executor's dict of slot buffers, accumulators and the message;
+    ``op`` the rank's row of the buffer plan; ``flags`` ``(first, last)``: whether the
+    action runs the first or last model stage. Only the ``writes`` entries are the
+    step's cond outputs: the rest are read-only operands, which XLA never copies.
     """
 
-    forward: Callable
-    backward: Callable
-    weight: Callable
+    run: Callable
+    writes: tuple[str, ...]
+
+
+class TickSteps(NamedTuple):
+    """The ``forward``, ``backward`` and ``weight`` :class:`TickStep` of a tick."""
+
+    forward: TickStep
+    backward: TickStep
+    weight: TickStep
 
 
 def tick_steps(
@@ -128,16 +147,20 @@ def tick_steps(
             return fn(chunks[0], *args)
         return lax.switch(c, [lambda *a, pc=pc: fn(pc, *a) for pc in chunks], *args)
 
-    def add_to_chunk(g_stages, c, grad_fn, *args):
+    def add_to_chunk(g_stages, c, grad_fn, *args, into=None):
         """``g_stages[c] += dp`` for ``(dp, extra) = grad_fn(chunk_params, *args)``.
 
-        Returns ``(g_stages, extra)``; each chunk's accumulator is updated under its own
-        two-way cond, so no weight-sized value is ever a switch output.
+        ``into(g, chunk_params, *args) -> (g + dp, extra)``, if given, does the addition
+        itself (``StagePieces.weight_into``). Returns ``(g_stages, extra)``; each chunk's
+        accumulator is updated under its own two-way cond, so no weight-sized value is
+        ever a switch output.
         """
         out, extra = list(g_stages), None
         for i, pc in enumerate(chunks):
 
             def update(g, *a, pc=pc):
+                if into is not None:
+                    return into(g, pc, *a)
                 dp, more = grad_fn(pc, *a)
                 return jax.tree.map(jnp.add, g, dp), more
 
@@ -160,8 +183,7 @@ def tick_steps(
         return x if first_fn is None else first_fn(first_p, x)
 
     def forward(state, op, flags):
-        bufs, acc, _ = state
-        bufs, acc = dict(bufs), dict(acc)
+        bufs, acc = dict(state), {}
         first, last = flags
         mb, c, a, g = op[cols.MB], op[cols.CHUNK], op[cols.ACT], op[cols.GRAD]
         if first_forward:
@@ -188,13 +210,12 @@ def tick_steps(
             def no_head(acc_last, y):
                 return acc_last, jax.tree.map(jnp.zeros_like, y)
 
-            acc["last"], dy = lax.cond(last, head, no_head, acc["last"], y)
+            acc["last"], dy = lax.cond(last, head, no_head, state["last"], y)
             bufs["grad"] = write_slot(bufs["grad"], jnp.where(last, g, -1), dy)
-        return bufs, acc, y
+        return _written(forward_writes, {**bufs, **acc, "message": y})
 
     def backward(state, op, flags):
-        bufs, acc, _ = state
-        bufs, acc = dict(bufs), dict(acc)
+        bufs = acc = dict(state)  # one dict: the step writes some of its entries
         first, _ = flags
         mb, c, a, g = op[cols.MB], op[cols.CHUNK], op[cols.ACT], op[cols.GRAD]
         x, dy = read_slot(bufs["act"], a), read_slot(bufs["grad"], g)
@@ -224,12 +245,12 @@ def tick_steps(
                 return jax.tree.map(jnp.add, g_first, de)
 
             acc["g_first"] = lax.cond(first, embed_grad, lambda g, _: g, acc["g_first"], dx)
-        return bufs, acc, dx
+        return _written(backward_writes, {**bufs, "message": dx})
 
     def weight(state, op, flags):
-        bufs, acc, message = state
-        acc = dict(acc)
+        bufs, acc = state, dict(state)
         c, a, g = op[cols.CHUNK], op[cols.ACT], op[cols.GRAD]
+        go = op[cols.BRANCH] >= 0  # always true, but traced: weight_into's conds stay conds
         x, dy = read_slot(bufs["act"], a), read_slot(bufs["grad"], g)
         if remat:
             acc["g_stages"], _ = add_to_chunk(
@@ -241,7 +262,22 @@ def tick_steps(
             acc["g_stages"], _ = add_to_chunk(
                 acc["g_stages"], c,
                 lambda pc, *a: (pieces.weight(pc, *a), None), x, dy, res, wres,
+                into=lambda g, pc, *a: (pieces.weight_into(g, pc, *a, go=go), None),
             )  # fmt: skip
-        return bufs, acc, message
+        return _written(("g_stages",), acc)
 
-    return TickSteps(forward, backward, weight)
+    forward_writes = ("message",) + ("act",) * first_forward + ("res",) * (not remat) + (
+        ("grad", "last") if last_forward else ()
+    )
+    backward_writes = ("message",) + ("wres",) * (split and not remat) + (
+        ("g_stages",) if not split else ()
+    ) + ("g_first",) * first_backward
+    return TickSteps(
+        TickStep(forward, forward_writes),
+        TickStep(backward, backward_writes),
+        TickStep(weight, ("g_stages",)),
+    )
+
+
+def _written(keys: tuple[str, ...], values: dict) -> dict:
+    return {k: values[k] for k in keys}

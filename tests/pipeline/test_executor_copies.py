@@ -6,6 +6,11 @@ every tick (and slicing the ``[v, ...]`` parameter stack per tick copied the wei
 The executor now runs a tick as two-way conds that update the accumulators in place;
 these tests read the optimized HLO of the loop body and assert that no copy of an
 array with the weights' shape is left in it, for every schedule and both remat modes.
+
+Nor of a slot buffer: a tick's steps return only what they write (the rest of the
+state is a read-only cond operand), and what a tick receives is stored at the start of
+the next one, before any step reads the buffers. Stored at the end of the tick, after
+``W`` read them, XLA copied both activation-slot buffers twice a tick in split schedules.
 """
 
 import re
@@ -54,11 +59,11 @@ def computations_in_loop(hlo: str) -> str:
     return loop_text(hlo)
 
 
-@pytest.mark.parametrize(
-    "name,v,remat",
-    [("1f1b", 1, False), ("1f1b", 1, True), ("zb_h1", 1, False), ("zb_h1", 1, True),
-     ("interleaved_1f1b", 2, False), ("zb_v", 2, False)],  # fmt: skip
-)
+CASES = [("1f1b", 1, False), ("1f1b", 1, True), ("zb_h1", 1, False), ("zb_h1", 1, True),
+         ("interleaved_1f1b", 2, False), ("zb_v", 2, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,v,remat", CASES)
 def test_no_weight_sized_copy_in_the_loop(name, v, remat):
     loop = computations_in_loop(loop_hlo(name, v, remat))
     assert " dot(" in loop or "fusion(" in loop  # the stage's work is in the loop
@@ -67,3 +72,13 @@ def test_no_weight_sized_copy_in_the_loop(name, v, remat):
         if " copy(" in line and re.search(rf"f32\[(?:\d+,)*(?:{D},{H}|{H},{D})\]", line)
     ]  # fmt: skip
     assert not weight_copies, weight_copies
+
+
+@pytest.mark.parametrize("name,v,remat", CASES)
+def test_no_slot_buffer_copy_in_the_loop(name, v, remat):
+    loop = computations_in_loop(loop_hlo(name, v, remat))
+    slot_copies = [  # a [slots, ROWS, D] activation or gradient slot buffer
+        line.strip() for line in loop.splitlines()
+        if " copy(" in line and re.search(rf"= f32\[\d+,{ROWS},{D}\]", line)
+    ]  # fmt: skip
+    assert not slot_copies, slot_copies

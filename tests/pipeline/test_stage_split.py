@@ -72,8 +72,12 @@ def test_split_divides_the_backward_without_repeating_it():
 
     # B and W share out the whole backward's non-elementwise work, none of it twice.
     assert sorted(heavy(prims["B"]) + heavy(prims["W"])) == sorted(heavy(whole["B"]))
-    # W reads the hidden-layer gradient B computed instead of recomputing it.
-    assert [s.shape for s in split.wres_structs] == [(3, 4 * D)]
+    # W is its two matmuls and nothing else: it reads what B already has at hand (the
+    # hidden-layer gradient, gelu's output, the bias gradients) instead of recomputing
+    # gelu (a tanh) or re-reading the hidden gradient for a bias sum.
+    assert [n for n in prims["W"] if n != "transpose"] == ["dot_general", "dot_general"]
+    assert prims["B"].count("tanh") == 1
+    assert sorted(s.shape for s in split.wres_structs) == [(3, 4 * D), (3, 4 * D), (D,), (4 * D,)]
     # F saves one matmul result (gelu's input before the bias); gelu is recomputed.
     # Residuals are activations only: no copy of a weight is saved per microbatch.
     assert [s.shape for s in split.res_structs] == [(3, 4 * D)]
@@ -97,3 +101,45 @@ def test_pytree_activation_and_unused_parameter():
     close(dx, want_dx)
     close(dp, want_dp)
     assert all(s.shape[0] == 2 for s in pieces.res_structs)
+
+
+def test_weight_into_adds_one_gradient_at_a_time():
+    """``weight_into`` gives ``g + weight(...)`` and, in a loop that accumulates in place
+    (as the executor's), keeps one weight-gradient temporary live at a time: XLA's temp
+    memory stays under two gradients, where ``g + weight(...)`` makes all six first."""
+    k = jax.random.split(jax.random.key(1), 8)
+    d, h, rows, layers = 64, 256, 4, 3
+    w = [{"w1": jax.random.normal(k[i], (d, h)) / 8, "w2": jax.random.normal(k[i + 3], (h, d)) / 16}
+         for i in range(layers)]  # fmt: skip
+    x, dy = jax.random.normal(k[6], (rows, d)), jax.random.normal(k[7], (rows, d))
+
+    def stage(w, x):
+        for p in w:
+            x = x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+        return x
+
+    pieces = split_stage(stage, w, x, True)
+    _, res = pieces.forward(w, x)
+    _, _, wres = pieces.backward(w, x, dy, res)
+    g = jax.tree.map(lambda a: jnp.full_like(a, 0.5), w)
+
+    def accumulate(update):
+        def run(g, w, x, dy, res, wres):
+            def tick(g, i):
+                return update(g, w, x * i, dy, res, wres, i), None
+
+            return jax.lax.scan(tick, g, jnp.arange(3.0))[0]
+
+        return jax.jit(run)
+
+    into = accumulate(lambda g, *a: pieces.weight_into(g, *a[:-1], go=a[-1] >= 0))
+    plain = accumulate(lambda g, *a: jax.tree.map(jnp.add, g, pieces.weight(*a[:-1])))
+    args = (g, w, x, dy, res, wres)
+    close(into(*args), plain(*args))
+
+    def temp_bytes(fn):
+        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    one_grad = d * h * 4
+    assert temp_bytes(plain) >= 4 * one_grad  # the reference: all gradients, then the adds
+    assert temp_bytes(into) < 2 * one_grad
