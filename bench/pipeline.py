@@ -47,6 +47,7 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -73,8 +74,8 @@ SPLIT_1F1B = "1f1b_split"
 # README advises; this suffix runs one on a model-order stack, resharded by every call.
 MODEL_ORDER = " (model order)"
 # (schedule, remat) run side by side in the step-time rounds.
-STEP_VARIANTS = [
-    ("gpipe", False), ("1f1b", True), ("1f1b", False), ("zb_h1", True), ("zb_h1", False),
+STEP_VARIANTS = [  # the first is every gradient check's reference
+    ("1f1b", True), ("gpipe", False), ("1f1b", False), ("zb_h1", True), ("zb_h1", False),
     ("interleaved_1f1b", False), ("zb_v", False), (SPLIT_1F1B, False),
     ("zb_v" + MODEL_ORDER, False),
 ]  # fmt: skip
@@ -245,15 +246,33 @@ def side_by_side(fns, rounds, cpu=None):
     return samples
 
 
+def minor_faults_per_call(fn, calls=3):
+    """Page faults (minor: fresh memory touched) per call of ``fn``, after a warm call.
+
+    XLA:CPU allocates a program's temp buffer on every call; a buffer glibc handed back
+    to the OS (a big block, or a thread arena's heap) is faulted in again page by page,
+    work that shows in the step time.
+    """
+    jax.block_until_ready(fn())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        jax.block_until_ready(fn())
+    return round((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls)
+
+
 def measure_steps(args, m=8):
     x, t = placed_batch(m, args.microbatch, args.dim, args.stages)
     fns, grads, names = {}, {}, {}
+    chosen = args.variants.split(",") if args.variants else None
     for name, remat in STEP_VARIANTS:
+        if chosen is not None and label(name, remat) not in chosen:
+            continue
         fn, params = setup(args, name, remat, m)
         fns[label(name, remat)] = functools.partial(fn, params, x, t)
         names[label(name, remat)] = name
     cpu = {}
     samples = side_by_side(fns, args.rounds, cpu)
+    faults = {key: minor_faults_per_call(fn) for key, fn in fns.items()}
     for key, fn in fns.items():
         loss, g = fn()
         if stage_order(names[key]) == "rank":
@@ -270,13 +289,13 @@ def measure_steps(args, m=8):
     rows = [
         {"framework": "jax (jaxpg)", "schedule": key, "m": m,
          "step_ms": 1e3 * statistics.median(s), "cpu_ms": 1e3 * statistics.median(cpu[key]),
-         "samples_ms": [round(1e3 * v, 2) for v in s],
+         "minor_faults": faults[key], "samples_ms": [round(1e3 * v, 2) for v in s],
          "cpu_samples_ms": [round(1e3 * v, 2) for v in cpu[key]]}
         for key, s in samples.items()
     ]  # fmt: skip
     for r in rows:
         print(f"step {r['schedule']} m={m}: {r['step_ms']:.1f} ms wall, "
-              f"{r['cpu_ms']:.1f} ms CPU", flush=True)  # fmt: skip
+              f"{r['cpu_ms']:.1f} ms CPU, {r['minor_faults']} page faults", flush=True)  # fmt: skip
     pairs = {
         "zb_h1 / 1f1b": ("zb_h1", "1f1b"),
         "1f1b / 1f1b remat": ("1f1b", "1f1b remat"),
@@ -286,16 +305,12 @@ def measure_steps(args, m=8):
         "1f1b_split / 1f1b": (SPLIT_1F1B, "1f1b"),
         "zb_v, model order / rank order": ("zb_v" + MODEL_ORDER, "zb_v"),
     }
+    pairs = {k: ab for k, ab in pairs.items() if set(ab) <= set(fns)}  # with --variants
     ratios = {k: ratio(a, b) for k, (a, b) in pairs.items()}
     ratios.update({f"{k} (CPU time)": ratio(a, b, cpu) for k, (a, b) in pairs.items()})
-    check = {
-        "1f1b vs 1f1b remat: max |grad diff|": max_diff("1f1b", "1f1b remat"),
-        "zb_h1 vs 1f1b remat: max |grad diff|": max_diff("zb_h1", "1f1b remat"),
-        "zb_v vs 1f1b remat: max |grad diff|": max_diff("zb_v", "1f1b remat"),
-        "zb_v model order vs 1f1b remat: max |grad diff|": max_diff("zb_v" + MODEL_ORDER,
-                                                                    "1f1b remat"),
-    }
-    check["max |grad|"] = max(float(np.max(np.abs(a))) for a in jax.tree.leaves(grads["1f1b"][1]))
+    first = next(iter(fns))
+    check = {f"{key} vs {first}: max |grad diff|": max_diff(key, first) for key in fns}
+    check["max |grad|"] = max(float(np.max(np.abs(a))) for a in jax.tree.leaves(grads[first][1]))
     print(json.dumps({"ratios (median of per-round ratios)": ratios, **check}, indent=1))
     return rows, ratios, check
 
@@ -550,6 +565,9 @@ def main():
     parser.add_argument("--efficiency", action="store_true", help="p=2 against the bound")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-remat", action="store_true", help="skip the 1 vs 2 block study")
+    parser.add_argument("--variants", default="",
+                        help="step-time variants to run, comma-separated labels such as "
+                             "'1f1b,zb_h1,1f1b remat' (default: all)")  # fmt: skip
     parser.add_argument("--efficiency-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.json"))
     args = parser.parse_args()
