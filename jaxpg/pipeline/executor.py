@@ -52,9 +52,8 @@ before any step reads the buffers, rather than at the end of the tick lets XLA u
 the slot buffers in place: stored after the conds, the store could be scheduled before
 ``W`` read the buffers, and XLA copied both buffers every tick to keep the old values.
 The ``ppermute``s run on every tick (a rank with nothing to send sends zeros), as SPMD
-collectives must. Stage inputs, output
-gradients and (without remat) residuals are kept in buffers of exactly the size the
-schedule needs (1F1B: about ``p`` slots, independent of ``m``).
+collectives must. Stage inputs, output gradients and (without remat) residuals are kept
+in buffers of exactly the size the schedule needs (1F1B: about ``p`` slots, independent of ``m``).
 
 With a data-parallel axis (``'dp'`` in the mesh), the batch is sharded over it; each
 replica splits its part into ``m`` microbatches, and ``grad_reducer`` (default:
@@ -222,7 +221,8 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
                     bufs[key] = write_slot(bufs[key], op[col], got)
         return bufs
 
-    acc, _ = lax.scan(tick, state, jnp.asarray(plan.table))  # the last inbox is empty
+    # The last tick's inbox is never stored: no tick is left to read it.
+    acc, _ = lax.scan(tick, state, jnp.asarray(plan.table))
     loss_acc, g_last = acc["last"]
     loss = lax.psum(loss_acc, cfg.pp_axis)
     grads = StagedParams(
