@@ -249,9 +249,8 @@ def side_by_side(fns, rounds, cpu=None):
 def minor_faults_per_call(fn, calls=3):
     """Page faults (minor: fresh memory touched) per call of ``fn``, after a warm call.
 
-    XLA:CPU allocates a program's temp buffer on every call; a buffer glibc handed back
-    to the OS (a big block, or a thread arena's heap) is faulted in again page by page,
-    work that shows in the step time.
+    XLA:CPU allocates a program's temp buffer on every call; memory that comes fresh
+    from the kernel is faulted in page by page, work that shows in the step time.
     """
     jax.block_until_ready(fn())
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

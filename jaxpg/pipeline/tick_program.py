@@ -88,7 +88,7 @@ class TickStep(NamedTuple):
     ``state`` is the executor's dict of slot buffers, accumulators and the message;
     ``op`` the rank's row of the buffer plan; ``flags`` ``(first, last)``: whether the
     action runs the first or last model stage. Only the ``writes`` entries are the
-    step's cond outputs: the rest are read-only operands, which XLA never copies.
+    step's cond outputs: the rest are read-only operands, which XLA need not copy.
     """
 
     run: Callable
@@ -184,7 +184,7 @@ def tick_steps(
         return x if first_fn is None else first_fn(first_p, x)
 
     def forward(state, op, flags):
-        bufs, acc = dict(state), {}
+        bufs = acc = dict(state)  # one dict: the step writes some of its entries
         first, last = flags
         mb, c, a, g = op[cols.MB], op[cols.CHUNK], op[cols.ACT], op[cols.GRAD]
         if first_forward:
@@ -213,7 +213,7 @@ def tick_steps(
 
             acc["last"], dy = lax.cond(last, head, no_head, state["last"], y)
             bufs["grad"] = write_slot(bufs["grad"], jnp.where(last, g, -1), dy)
-        return _written(forward_writes, {**bufs, **acc, "message": y})
+        return _written(forward_writes, {**bufs, "message": y})
 
     def backward(state, op, flags):
         bufs = acc = dict(state)  # one dict: the step writes some of its entries
@@ -249,7 +249,7 @@ def tick_steps(
         return _written(backward_writes, {**bufs, "message": dx})
 
     def weight(state, op, flags):
-        bufs, acc = state, dict(state)
+        bufs = acc = dict(state)  # one dict: the step writes some of its entries
         c, a, g = op[cols.CHUNK], op[cols.ACT], op[cols.GRAD]
         go = op[cols.BRANCH] >= 0  # always true, but traced: weight_into's conds stay conds
         x, dy = read_slot(bufs["act"], a), read_slot(bufs["grad"], g)
