@@ -1,7 +1,7 @@
-"""Writes the README's benchmark section from bench/results/*.json.
+"""Writes the benchmark page's generated tables from bench/results/*.json.
 
 Run after the benchmarks: ``python bench/report.py`` replaces the text between the
-``<!-- BENCHMARKS -->`` and ``<!-- /BENCHMARKS -->`` markers in README.md.
+``<!-- BENCHMARKS -->`` and ``<!-- /BENCHMARKS -->`` markers in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def ddp() -> list[str]:
     out += ["", "| N = 2, one process | buckets | samples/s |", "|---|---:|---:|"]
     for r in d["sweep"]:
         out.append(f"| {r['name']} | {r.get('buckets', '-')} | {r['samples_per_s']:.1f} |")
-    return out + ["", "![DDP](bench/results/ddp.png)", ""]
+    return out + ["", "![DDP](../bench/results/ddp.png)", ""]
 
 
 def pipeline() -> list[str]:
@@ -109,18 +109,18 @@ def pipeline() -> list[str]:
         out += ["", "| framework | schedule | m | step ms |", "|---|---|---:|---:|"]
         for r in d["steps"]:
             out.append(f"| {r['framework']} | {r['schedule']} | {r['m']} | {r['step_ms']:.0f} |")
-        out += ["", "![1F1B](bench/results/schedule_1f1b.png)", ""]
+        out += ["", "![1F1B](../bench/results/schedule_1f1b.png)", ""]
     return out
 
 
 def main() -> None:
     body = "\n".join(collectives() + collectives_mp() + ddp() + pipeline())
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    page = ROOT / "docs" / "benchmarks.md"
+    text = page.read_text()
     block = f"<!-- BENCHMARKS -->\n{body}\n<!-- /BENCHMARKS -->"
     text = re.sub(r"<!-- BENCHMARKS -->.*?(<!-- /BENCHMARKS -->|$)", lambda _: block, text,
                   count=1, flags=re.S)
-    readme.write_text(text)
+    page.write_text(text)
     print(body)
 
 
