@@ -37,7 +37,7 @@ def collectives() -> list[str]:
         out.append(f"| {fmt_size(r['size_bytes'])} | {r['collective']} | {m['handwritten']:.0f} | "
                    f"{m['eager_sharded']:.0f} | {o['eager_sharded']:+.1f}% | "
                    f"{m['eager_host']:.0f} | {r['busbw_GBps']['eager_sharded']:.3f} |")
-    return out + [""]
+    return out + ["", "![collectives](../bench/results/collectives.png)", ""]
 
 
 def collectives_mp() -> list[str]:
@@ -60,7 +60,7 @@ def collectives_mp() -> list[str]:
         xla = f"{b['xla']:.3f}" if b.get("xla") is not None else "-"
         out.append(f"| {r['n']} | {r['op']} | {fmt_size(r['size_bytes'])} | {b['jaxpg']:.3f} | "
                    f"{b.get('torch', float('nan')):.3f} | {xla} | {ratio:.2f} |")
-    return out + [""]
+    return out + ["", "![collectives across processes](../bench/results/collectives_mp.png)", ""]
 
 
 def ddp() -> list[str]:

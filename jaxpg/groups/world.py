@@ -34,6 +34,7 @@ __all__ = [
     "GroupMember",
 ]
 
+#: The default timeout of a process group (30 minutes), as torch's ``default_pg_timeout``.
 default_pg_timeout = datetime.timedelta(minutes=30)
 
 _NOT_INITIALIZED = (
