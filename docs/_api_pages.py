@@ -30,19 +30,33 @@ def public_names(package: str) -> list[str]:
 
 
 def write_api_pages(folder: pathlib.Path) -> dict[str, list[str]]:
-    """Writes ``folder/index.md`` and one page per package found; returns what each lists."""
+    """Writes ``folder/index.md`` and one page per package found; returns what each lists.
+
+    A name whose object an earlier page already documents (``jaxpg.stores.TCPStore`` is
+    ``jaxpg.TCPStore``) is listed as a link to that page's entry, not documented twice.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     listed: dict[str, list[str]] = {}
+    documented: dict[int, str] = {}  # id of an object -> its documented dotted name
     for package, summary in API_PACKAGES.items():
         try:
             names = public_names(package)
         except ImportError:  # a package this checkout does not have
             continue
+        module = importlib.import_module(package)
         listed[package] = names
+        own = [n for n in names if id(getattr(module, n)) not in documented]
         lines = [f"# `{package}`", "", summary, "", "```{eval-rst}",
                  f".. currentmodule:: {package}", "", ".. autosummary::",
                  "   :toctree: _autosummary", "   :nosignatures:", ""]
-        lines += [f"   {n}" for n in names] + ["```", ""]
+        lines += [f"   {n}" for n in own] + ["```", ""]
+        elsewhere = [n for n in names if n not in own]
+        if elsewhere:
+            lines += ["Also here, documented under another name:", ""]
+            lines += [f"* `{n}`: {{py:obj}}`{documented[id(getattr(module, n))]}`"
+                      for n in elsewhere] + [""]
+        for n in own:
+            documented.setdefault(id(getattr(module, n)), f"{package}.{n}")
         (folder / f"{package.replace('.', '_')}.md").write_text("\n".join(lines))
     index = ["# API reference", "", "Every public name, by package, from its docstring.", "",
              "```{toctree}", ":maxdepth: 1", "", *[p.replace(".", "_") for p in listed], "```",
