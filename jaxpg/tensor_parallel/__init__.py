@@ -2,6 +2,7 @@
 ``parallelize_module`` plans for Flax NNX modules (see docs/tensor_parallel.md)."""
 
 from jaxpg.tensor_parallel.cross_entropy import ParallelCrossEntropy, vocab_parallel_cross_entropy
+from jaxpg.tensor_parallel.hlo_counts import collective_bytes, collective_counts
 from jaxpg.tensor_parallel.mappings import (
     all_to_all_region,
     copy_to_tensor_parallel_region,
@@ -49,5 +50,5 @@ __all__ = [
     "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-    "all_to_all_region",
+    "all_to_all_region", "collective_counts", "collective_bytes",
 ]

@@ -13,6 +13,10 @@ Decisions where Paddle and JAX differ:
 * ``weight_attr`` is an initializer ``init(key, shape, dtype)`` (Paddle's ``ParamAttr``
   initializer), or the full weight as an array (Paddle's ``NumpyArrayInitializer``), which
   every rank slices (tp rank 0's copy wins). Default: flax's initializers.
+* Initialisation computes the full tensor on each process, as flax does (op by op), and
+  each device keeps its slice, so the layer is bit-equal to the unsharded one. Paddle draws
+  each rank's shard from its own seed instead; ``sharded_params.init_sharded`` computes
+  only each device's shard (same values up to rounding) where host memory is short.
 * ``fuse_matmul_bias`` is accepted and has no effect: XLA fuses the bias into the matmul.
 * The forward runs in SPMD code with Megatron's collectives, or in host code on global
   arrays (see :mod:`~jaxpg.tensor_parallel.functional`).
@@ -28,12 +32,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.linear import default_bias_init, default_embed_init, default_kernel_init
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.tensor_parallel import functional as F
 from jaxpg.tensor_parallel.placements import Replicate, Shard
-from jaxpg.tensor_parallel.sharded_params import check_divisible, distribute_tensor, init_sharded
+from jaxpg.tensor_parallel.sharded_params import check_divisible, distribute_tensor
 from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "make_param"]
@@ -54,8 +57,10 @@ def make_param(init: Any, default: Callable[..., Any], rngs: nnx.Rngs | None,
     if rngs is None:
         raise TypeError(f"{api}: pass rngs=nnx.Rngs(seed) to initialise {name}, or the full "
                         f"{name} as weight_attr.")
-    return nnx.Param(init_sharded(init or default, rngs.params(), shape, dtype,
-                                  NamedSharding(tp.mesh, spec)))
+    # The full tensor, computed as flax computes it (op by op; a jitted initializer can
+    # round differently), then each device keeps its slice: bit-equal to the unsharded layer.
+    full = (init or default)(rngs.params(), shape, dtype)
+    return nnx.Param(distribute_tensor(full, tp, spec, src_data_rank=None))
 
 
 class _ParallelLinear(nnx.Module):
