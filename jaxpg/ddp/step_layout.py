@@ -102,8 +102,12 @@ def step_layout(pg: Any, params: Any, rest: Any) -> StepLayout:
             dimension of, or is split over the data-parallel axes themselves.
     """
     leaves = jax.tree.leaves((params, rest))
-    meshes = {m for m in map(_leaf_mesh, leaves)
-              if m is not None and m.devices.size > pg.size() and m != pg.mesh}
+    def elsewhere(x):  # laid out on another mesh than the group's: larger, or split on it
+        m = _leaf_mesh(x)
+        split = m is not None and any(e is not None for e in x.sharding.spec)
+        return m is not None and m != pg.mesh and (m.devices.size > pg.size() or split)
+
+    meshes = {_leaf_mesh(x) for x in leaves if elsewhere(x)}
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
     if not meshes:
         return StepLayout(pg.mesh, (pg.axis_name,), replicated(params), replicated(rest), False)

@@ -71,9 +71,9 @@ def _host_out(y: jax.Array, layout: Placement, tp: TPMesh, use_local_output: boo
 
 
 def column_parallel_linear(
-    x: Any, kernel: Any, bias: Any, tp: TPMesh, *, input_layout: Placement = REPLICATE,
-    output_layout: Placement = LAST_DIM, use_local_output: bool = True,
-    matmul: Matmul = dense, api: str = "ColumnParallelLinear",
+    x: Any, kernel: Any, bias: Any, tp: TPMesh, *, shape: tuple[int, int],
+    input_layout: Placement = REPLICATE, output_layout: Placement = LAST_DIM,
+    use_local_output: bool = True, matmul: Matmul = dense, api: str = "ColumnParallelLinear",
 ) -> jax.Array:
     """``x @ kernel + bias`` with ``kernel`` ``[in, out]`` split on ``out``.
 
@@ -81,10 +81,10 @@ def column_parallel_linear(
     shared across the module's column-parallel layers under ``PrepareModuleInput``), a
     ``Shard(d)`` input (sequence parallelism) is all-gathered with a reduce-scattered
     gradient; the local matmul gives ``Shard(-1)``, moved to ``output_layout``
-    (``Replicate``: an all-gather).
+    (``Replicate``: an all-gather). ``shape`` is the kernel's full ``(in, out)``.
     """
     if in_spmd(tp, api):
-        n_in, n_out = kernel.shape[0], kernel.shape[1] * tp.size
+        n_in, n_out = shape
         check_local_shape(kernel, (n_in, n_out), (n_in, n_out // tp.size), "weight", api)
         if input_layout.is_replicate():
             twin = shared_twin(x)
@@ -98,19 +98,20 @@ def column_parallel_linear(
 
 
 def row_parallel_linear(
-    x: Any, kernel: Any, bias: Any, tp: TPMesh, *, input_layout: Placement = LAST_DIM,
-    output_layout: Placement = REPLICATE, use_local_output: bool = True,
-    matmul: Matmul = dense, api: str = "RowParallelLinear",
+    x: Any, kernel: Any, bias: Any, tp: TPMesh, *, shape: tuple[int, int],
+    input_layout: Placement = LAST_DIM, output_layout: Placement = REPLICATE,
+    use_local_output: bool = True, matmul: Matmul = dense, api: str = "RowParallelLinear",
 ) -> jax.Array:
     """``x @ kernel + bias`` with ``kernel`` ``[in, out]`` split on ``in``.
 
     In SPMD code: the input is moved to ``Shard(-1)`` (a ``Replicate`` one is split, its
     gradient all-gathered), the local matmul gives partial sums, which are all-reduced
     (Megatron's ``g``, for ``Replicate``) or reduce-scattered (``Shard(d)``, sequence
-    parallelism); the bias is added after the reduction.
+    parallelism); the bias is added after the reduction. ``shape`` is the kernel's full
+    ``(in, out)``.
     """
     if in_spmd(tp, api):
-        n_in, n_out = kernel.shape[0] * tp.size, kernel.shape[1]
+        n_in, n_out = shape
         check_local_shape(kernel, (n_in, n_out), (n_in // tp.size, n_out), "weight", api)
         x = redistribute_local(x, input_layout, Shard(-1), tp.axis)
         y = redistribute_local(matmul(x, kernel), Partial(), output_layout, tp.axis)
@@ -133,20 +134,22 @@ def _check_ids(ids: Any, api: str) -> None:
 
 
 def vocab_parallel_embedding(
-    ids: Any, table: Any, tp: TPMesh, *, input_layout: Placement = REPLICATE,
-    output_layout: Placement = REPLICATE, use_local_output: bool = True, dtype: Any = None,
-    api: str = "VocabParallelEmbedding",
+    ids: Any, table: Any, tp: TPMesh, *, shape: tuple[int, int],
+    input_layout: Placement = REPLICATE, output_layout: Placement = REPLICATE,
+    use_local_output: bool = True, dtype: Any = None, api: str = "VocabParallelEmbedding",
 ) -> jax.Array:
     """Embedding lookup with ``table`` ``[vocab, dim]`` split on the vocabulary.
 
     In SPMD code each rank looks up the ids in its range ``[rank * V/tp, (rank + 1) * V/tp)``
     and zeros the rest; the partial results are all-reduced (``Replicate``) or
-    reduce-scattered (``Shard(d)``, sequence parallelism).
+    reduce-scattered (``Shard(d)``, sequence parallelism). ``shape`` is the table's full
+    ``(vocab, dim)``.
     """
     _check_ids(ids, api)
     if in_spmd(tp, api):
-        per_part, dim = table.shape
-        check_local_shape(table, (per_part * tp.size, dim), (per_part, dim), "weight", api)
+        vocab, dim = shape
+        per_part = vocab // tp.size
+        check_local_shape(table, (vocab, dim), (per_part, dim), "weight", api)
         ids = redistribute_local(ids, input_layout, Replicate(), tp.axis)
         start = lax.axis_index(tp.axis) * per_part
         outside = (ids < start) | (ids >= start + per_part)
@@ -158,15 +161,16 @@ def vocab_parallel_embedding(
 
 
 def column_parallel_embedding(
-    ids: Any, table: Any, tp: TPMesh, *, input_layout: Placement = REPLICATE,
-    output_layout: Placement = LAST_DIM, use_local_output: bool = True, dtype: Any = None,
-    api: str = "ColwiseParallel(Embed)",
+    ids: Any, table: Any, tp: TPMesh, *, shape: tuple[int, int],
+    input_layout: Placement = REPLICATE, output_layout: Placement = LAST_DIM,
+    use_local_output: bool = True, dtype: Any = None, api: str = "ColwiseParallel(Embed)",
 ) -> jax.Array:
-    """Embedding lookup with ``table`` ``[vocab, dim]`` split on the embedding dimension."""
+    """Embedding lookup with ``table`` ``[vocab, dim]`` (``shape``) split on the embedding
+    dimension."""
     _check_ids(ids, api)
     if in_spmd(tp, api):
-        vocab, part = table.shape
-        check_local_shape(table, (vocab, part * tp.size), (vocab, part), "weight", api)
+        vocab, dim = shape
+        check_local_shape(table, (vocab, dim), (vocab, dim // tp.size), "weight", api)
         ids = redistribute_local(ids, input_layout, Replicate(), tp.axis)
         return redistribute_local(_take(table, ids, dtype), Shard(-1), output_layout, tp.axis)
     ids = to_global(ids, input_layout, tp)

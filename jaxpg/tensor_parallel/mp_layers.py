@@ -102,6 +102,9 @@ class _ParallelLinear(nnx.Module):
     def _bias(self) -> jax.Array | None:
         return None if self.bias is None else self.bias[...]
 
+    def _shape(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
 
 class ColumnParallelLinear(_ParallelLinear):
     """Linear layer with the weight ``[in, out]`` split on ``out`` (Paddle's columns).
@@ -144,7 +147,8 @@ class ColumnParallelLinear(_ParallelLinear):
     def __call__(self, x: Any) -> jax.Array:
         input_layout, output_layout = self._layouts()
         return F.column_parallel_linear(
-            x, self.weight[...], self._bias(), self.tp, input_layout=input_layout,
+            x, self.weight[...], self._bias(), self.tp, shape=self._shape(),
+            input_layout=input_layout,
             output_layout=output_layout, matmul=self._matmul(), api=type(self).__name__)
 
 
@@ -189,7 +193,8 @@ class RowParallelLinear(_ParallelLinear):
     def __call__(self, x: Any) -> jax.Array:
         input_layout, output_layout = self._layouts()
         return F.row_parallel_linear(
-            x, self.weight[...], self._bias(), self.tp, input_layout=input_layout,
+            x, self.weight[...], self._bias(), self.tp, shape=self._shape(),
+            input_layout=input_layout,
             output_layout=output_layout, matmul=self._matmul(), api=type(self).__name__)
 
 
@@ -244,5 +249,6 @@ class VocabParallelEmbedding(nnx.Module):
         return self.rank * self.per_part_size
 
     def __call__(self, x: Any) -> jax.Array:
-        return F.vocab_parallel_embedding(x, self.weight[...], self.tp, dtype=self.dtype,
-                                          api="VocabParallelEmbedding")
+        return F.vocab_parallel_embedding(
+            x, self.weight[...], self.tp, shape=(self.origin_num_embeddings, self.embedding_dim),
+            dtype=self.dtype, api="VocabParallelEmbedding")

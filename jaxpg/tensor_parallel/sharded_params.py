@@ -72,6 +72,10 @@ def distribute_tensor(full: Any, tp: TPMesh, spec: P, *, src_data_rank: int | No
     Returns:
         A fresh global array (never an alias of ``full``).
     """
+    if src_data_rank is not None and not 0 <= src_data_rank < tp.size:
+        raise ValueError(f"distribute_tensor: src_data_rank={src_data_rank} is not a rank of "
+                         f"the tensor-parallel group of size {tp.size}; pass 0..{tp.size - 1} "
+                         "or None.")
     if isinstance(full, jax.Array) and jnp.issubdtype(full.dtype, jax.dtypes.prng_key):
         impl = jax.random.key_impl(full)
         data = distribute_tensor(jax.random.key_data(full), tp, spec, src_data_rank=src_data_rank)
@@ -89,9 +93,6 @@ def distribute_tensor(full: Any, tp: TPMesh, spec: P, *, src_data_rank: int | No
 def _scatter_from_rank(host: np.ndarray, tp: TPMesh, spec: P, src: int) -> jax.Array:
     """Every rank's shard of tp rank ``src``'s copy (one all-to-all or broadcast)."""
     axis, n = tp.axis, tp.size
-    if not 0 <= src < n:
-        raise ValueError(f"distribute_tensor: src_data_rank={src} is not a rank of the "
-                         f"tensor-parallel group of size {n}.")
     split_dim = next((d for d, e in enumerate(spec) if e == axis), None)
     coords = _local_coords(tp)
     stacked_sharding = NamedSharding(tp.mesh, P(axis))

@@ -144,8 +144,10 @@ class ColwiseParallel(_LinearStyle):
         if isinstance(module, nnx.Linear):
             bias = None if module.bias is None else module.bias[...]
             return F.column_parallel_linear(x, module.kernel[...], bias, tp,
+                                            shape=(module.in_features, module.out_features),
                                             matmul=_linear_matmul(module), **common)
         return F.column_parallel_embedding(x, module.embedding[...], tp, dtype=module.dtype,
+                                           shape=(module.num_embeddings, module.features),
                                            **common)
 
 
@@ -180,8 +182,10 @@ class RowwiseParallel(_LinearStyle):
         if isinstance(module, nnx.Linear):
             bias = None if module.bias is None else module.bias[...]
             return F.row_parallel_linear(x, module.kernel[...], bias, tp,
+                                         shape=(module.in_features, module.out_features),
                                          matmul=_linear_matmul(module), **common)
         return F.vocab_parallel_embedding(x, module.embedding[...], tp, dtype=module.dtype,
+                                          shape=(module.num_embeddings, module.features),
                                           **common)
 
 
