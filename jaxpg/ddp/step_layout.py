@@ -156,51 +156,64 @@ def place_on_layout(tree: Any, specs: Any, layout: StepLayout, *, broadcast: boo
 
     In one process this is a copy. Across processes, with ``broadcast``, each leaf takes the
     values of data-parallel rank 0 (a leaf already on the mesh) or of mesh position 0 (a
-    process-local leaf), over the axes it is replicated on.
+    process-local leaf), over the axes it is replicated on; one kernel does every leaf.
     """
     mesh = layout.mesh
+    leaves, treedef = jax.tree.flatten(tree)
+    spec_leaves = treedef.flatten_up_to(specs)
+    impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+    raw = [jax.random.key_data(x) if i is not None else x for x, i in zip(leaves, impls)]
+    if _all_local(mesh):
+        out = [jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, P(*s)))
+               for x, s in zip(raw, spec_leaves)]
+    else:
+        out = [None] * len(raw)
+        on_mesh = [i for i, x in enumerate(raw) if _leaf_mesh(x) == mesh]
+        local = [i for i in range(len(raw)) if _leaf_mesh(raw[i]) != mesh]
+        if on_mesh:
+            moved = _from_first([raw[i] for i in on_mesh], [P(*spec_leaves[i]) for i in on_mesh],
+                                layout.dp_axes, mesh, broadcast)
+            for i, x in zip(on_mesh, moved):
+                out[i] = x
+        if local and not broadcast:
+            for i in local:
+                out[i] = jax.make_array_from_process_local_data(
+                    NamedSharding(mesh, P()), np.asarray(raw[i]))
+        elif local:
+            for i, x in zip(local, _stacked_from_first([np.asarray(raw[i]) for i in local],
+                                                       mesh)):
+                out[i] = x
+    out = [jax.random.wrap_key_data(x, impl=i) if i is not None else x
+           for x, i in zip(out, impls)]
+    return treedef.unflatten(out)
 
-    def one(x, spec):
-        key_impl = jax.random.key_impl(x) if _is_key(x) else None
-        raw = jax.random.key_data(x) if key_impl is not None else x
-        sharding = NamedSharding(mesh, spec if key_impl is None else P(*spec))
-        if _all_local(mesh):
-            out = jax.device_put(jnp.array(raw, copy=True), sharding)
-        elif _leaf_mesh(raw) == mesh:
-            out = _from_first(jnp.array(raw, copy=True), spec, layout.dp_axes, mesh, broadcast)
-        elif not broadcast:
-            out = jax.make_array_from_process_local_data(sharding, np.asarray(raw))
-        else:
-            out = _stacked_from_first(np.asarray(raw), mesh)
-        return jax.random.wrap_key_data(out, impl=key_impl) if key_impl is not None else out
 
-    return jax.tree.map(one, tree, specs)
-
-
-def _from_first(x: jax.Array, spec: P, axes: tuple[str, ...], mesh: Mesh,
-                broadcast: bool) -> jax.Array:
-    if not broadcast:
-        return x
-
-    def body(v):
+def _from_first(xs: list, specs: list, axes: tuple[str, ...], mesh: Mesh,
+                broadcast: bool) -> list:
+    """Fresh copies of global arrays; with ``broadcast``, data-parallel rank 0's values."""
+    def body(vs):
+        if not broadcast:
+            return [v * jnp.ones((), v.dtype) for v in vs]  # a computed (fresh) buffer
         first = jax.lax.axis_index(axes) == 0
-        return jax.lax.psum(jnp.where(first, v, jnp.zeros_like(v)), axes)
+        return [jax.lax.psum(jnp.where(first, v, jnp.zeros_like(v)), axes) for v in vs]
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
-    return jax.jit(fn)(x)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs, check_vma=False)
+    return jax.jit(fn)(xs)
 
 
-def _stacked_from_first(local: np.ndarray, mesh: Mesh) -> jax.Array:
+def _stacked_from_first(locals_: list, mesh: Mesh) -> list:
+    """Process-local values, replicated on the mesh with mesh position 0's values."""
     axes = tuple(mesh.axis_names)
     n_local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    stacked = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P(axes)), np.broadcast_to(local[None], (n_local, *local.shape)))
+    stacked = [jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P(axes)), np.broadcast_to(x[None], (n_local, *x.shape)))
+        for x in locals_]
 
-    def body(v):
+    def body(vs):
         first = jax.lax.axis_index(axes) == 0
-        return jax.lax.psum(jnp.where(first, v[0], jnp.zeros_like(v[0])), axes)
+        return [jax.lax.psum(jnp.where(first, v[0], jnp.zeros_like(v[0])), axes) for v in vs]
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(), check_vma=False)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes),), out_specs=P(), check_vma=False)
     return jax.jit(fn)(stacked)
 
 

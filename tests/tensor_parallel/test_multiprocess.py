@@ -1,7 +1,8 @@
 """Tensor parallelism with one rank per process: 4 real processes under jaxpg-run.
 
-One launch serves both tests (module fixture): the layers, a sequence-parallel block, the
-vocabulary-parallel loss and DDP on a ("dp", "tp") mesh against local references, and,
+One launch serves both tests (module fixture): the Paddle layers at tp=4, the
+vocabulary-parallel loss at tp=2, and DDP over "dp" of a sequence-parallel block over "tp"
+on a 2 x 2 mesh, against local references, and,
 with torch installed, torch's parallelize_module trained on the same weights and data.
 """
 
@@ -16,7 +17,7 @@ import pytest
 
 WORKER = Path(__file__).parent / "workers" / "tp_worker.py"
 CHECKS = {"init_slices_tp4", "paddle_mlp_spmd_tp4", "paddle_host_local_output",
-          "vocab_parallel_cross_entropy_tp2", "block_sequence_parallel_tp2", "ddp_dp2_tp2"}
+          "vocab_parallel_cross_entropy_tp2", "ddp_dp2_sequence_parallel_block_tp2"}
 TORCH_CHECK = "torch_parallelize_module_6_sgd_steps_tp4"
 
 
