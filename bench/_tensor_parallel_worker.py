@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import parallelize_module as torch_parall
 
 import jaxpg
 from jaxpg import tensor_parallel as tp
+from jaxpg.ddp.train_step import CPU_COMPILER_OPTIONS
 from jaxpg.tensor_parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -139,7 +140,7 @@ def copy_weights(jmodel: nnx.Module, tmodel: torch.nn.Module) -> None:
             module.bias.copy_(torch.from_numpy(np.asarray(jm.bias[...]).copy()))
 
 
-def jax_step(model: nnx.Module, mesh, x_spec: P):
+def jax_step(model: nnx.Module, mesh, x_spec: P, compiler_options=None):
     """jit(shard_map): loss (a per-rank sum, summed over tp for SP), gradients of the
     parameters and the input, and the SGD update; donates the parameters."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -159,7 +160,8 @@ def jax_step(model: nnx.Module, mesh, x_spec: P):
         total = float(np.prod(x.shape))
         fn = jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=(specs, rest_specs, x_spec),
                            out_specs=(specs, P("tp"), x_spec), check_vma=False)
-        return jax.jit(fn, donate_argnums=(0,))
+        # as DDP's step: donated parameters, updated in place (docs/design.md)
+        return jax.jit(fn, donate_argnums=(0,), compiler_options=compiler_options)
 
     return make, params, rest
 
@@ -198,7 +200,7 @@ def run_model(name: str, args, rank: int, n: int) -> dict:
     chunk = args.seq // n
     x_local = x[:, rank * chunk:(rank + 1) * chunk] if sp else x
     x_spec = P(None, "tp") if sp else P()
-    make, params, rest = jax_step(jmodel, mesh, x_spec)
+    make, params, rest = jax_step(jmodel, mesh, x_spec, CPU_COMPILER_OPTIONS)
     jx = jax.device_put(x, NamedSharding(mesh.jax_mesh, x_spec))
     step = make(x)
     compiled = step.lower(params, rest, jx).compile()
@@ -228,6 +230,25 @@ def run_model(name: str, args, rank: int, n: int) -> dict:
         dist.all_reduce(tl)
     first["jaxpg"], first["torch"] = float(jl), float(tl)
     fns = {"torch": torch_step, "jaxpg": jaxpg_step}
+    if args.variants:  # the same step compiled with XLA's default copy insertion
+        make2, params2, _ = jax_step(jmodel, mesh, x_spec)
+        step2 = make2(x)
+        state2 = {"params": jax.tree.map(lambda a: a.copy(), state["params"])}
+
+        def jaxpg_default_copies():
+            state2["params"], loss, _ = step2(state2["params"], rest, jx)
+            jax.block_until_ready(state2["params"])
+            return loss
+
+        fns["jaxpg_default_copies"] = jaxpg_default_copies
+        # the unit of tensor-parallel communication: one all-reduce of an activation
+        act = torch.ones(x.shape)
+        jact = jax.device_put(np.ones((n, *x.shape), np.float32),
+                              NamedSharding(mesh.jax_mesh, P("tp")))
+        psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "tp"), mesh=mesh.jax_mesh,
+                                     in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+        fns["torch_allreduce_activation"] = lambda: dist.all_reduce(act)
+        fns["jaxpg_allreduce_activation"] = lambda: jax.block_until_ready(psum(jact))
     for f in fns.values():
         for _ in range(args.warmup):
             dist.barrier()
@@ -238,6 +259,8 @@ def run_model(name: str, args, rank: int, n: int) -> dict:
         "step_ms": {v: 1e3 * t for v, t in med.items()},
         "round_ms": {v: [1e3 * t for t in ts] for v, ts in per_round.items()},
         "jaxpg_over_torch_speed": med["torch"] / med["jaxpg"],
+        "jaxpg_over_torch_speed_per_round_median": statistics.median(
+            t / j for t, j in zip(per_round["torch"], per_round["jaxpg"], strict=True)),
         "first_loss": first,
         "collectives": collective_counts(compiled),
         "collective_bytes": collective_bytes(compiled),
@@ -255,7 +278,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--variants", action="store_true",
+                   help="also time jaxpg's step without the CPU copy-insertion option")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rank, n = join_both_worlds(args.torch_port, int(os.environ.get("OMP_NUM_THREADS", "1")))

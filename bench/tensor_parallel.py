@@ -54,7 +54,7 @@ def run(n: int, args, tmp: str) -> dict:
            str(ROOT / "bench" / "_tensor_parallel_worker.py"), "--torch-port",
            str(free_port()), "--rounds", str(args.rounds), "--models", args.models,
            "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(args.batch),
-           "--out", out]
+           "--out", out] + (["--variants"] if args.variants else [])
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not os.path.exists(out):
@@ -63,8 +63,9 @@ def run(n: int, args, tmp: str) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = ["| tp | model | torch step | jaxpg step | jaxpg speed / torch | first loss (torch, "
-            "jaxpg) | jaxpg collectives (compiled step) | params per rank / full |",
+    rows = ["| tp | model | torch step | jaxpg step | jaxpg speed / torch (medians; per round) "
+            "| first loss (torch, jaxpg) | jaxpg collectives (compiled step) "
+            "| params per rank / full |",
             "|---:|---|---:|---:|---:|---|---|---:|"]
     for n, res in results.items():
         for m, r in res["models"].items():
@@ -72,7 +73,9 @@ def table(results: dict) -> str:
             pb = r["param_bytes_per_rank"]
             rows.append(
                 f"| {n} | {m} | {r['step_ms']['torch']:.1f} ms | {r['step_ms']['jaxpg']:.1f} ms "
-                f"| {r['jaxpg_over_torch_speed']:.2f}x | {r['first_loss']['torch']:.6f}, "
+                f"| {r['jaxpg_over_torch_speed']:.2f}x; "
+                f"{r['jaxpg_over_torch_speed_per_round_median']:.2f}x "
+                f"| {r['first_loss']['torch']:.6f}, "
                 f"{r['first_loss']['jaxpg']:.6f} | "
                 f"{', '.join(f'{v} {k}' for k, v in c.items())} | "
                 f"{pb['jaxpg'] / pb['full']:.3f} (torch {pb['torch'] / pb['full']:.3f}) |")
@@ -83,10 +86,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", default="2,4", help="comma-separated tensor-parallel degrees")
     p.add_argument("--models", default="mlp,block,block_sp")
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--variants", action="store_true",
+                   help="also time jaxpg's step with XLA's default copy insertion")
     p.add_argument("--out", default=str(RESULTS / "tensor_parallel.json"))
     args = p.parse_args()
     load_before = os.getloadavg()
