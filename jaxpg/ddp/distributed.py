@@ -19,6 +19,10 @@ Decisions (the full table is in ``docs/ddp.md``):
 - **no_sync** sums local gradients over micro-steps (torch's ``.grad`` accumulation); the
   first step outside reduces once and steps the optimizer.
 - :attr:`module` is a new NNX module with a *copy* of the state (steps donate buffers).
+- **Tensor-parallel models** (arrays laid out on a larger mesh, e.g. by
+  ``jaxpg.tensor_parallel.parallelize_module`` on a ``("dp", "tp")`` DeviceMesh): the group
+  must be one dimension of that mesh, and the step runs over the whole mesh with the arrays'
+  layouts (:mod:`jaxpg.ddp.step_layout`).
 
 Example:
     >>> ddp = DistributedDataParallel(model, optax.adam(1e-3))
