@@ -45,7 +45,9 @@ from jaxpg.ddp import param_sync
 from jaxpg.ddp.bucket_plan import BucketPlan, make_bucket_plan
 from jaxpg.ddp.comm_hooks import make_comm_hook
 from jaxpg.ddp.join import Join
-from jaxpg.ddp.train_step import REDUCTIONS, StepMode, build_train_step
+from jaxpg.ddp.shard_layout import make_layouts
+from jaxpg.ddp.train_step import REDUCTIONS, StepMode, ZeroSharding, build_train_step
+from jaxpg.ddp.zero import init_sharded_opt_state
 
 __all__ = ["DistributedDataParallel"]
 
@@ -70,6 +72,11 @@ class DistributedDataParallel:
         donate: let the step reuse the state's buffers (on CPU the step is compiled with
             XLA's region-based copy insertion, so donated parameters are updated in place
             instead of copied first).
+        shard_optimizer_state: ZeRO-1, as torch's ``ZeroRedundancyOptimizer``: the
+            optimizer state is split on dim 0 over the group (padded to a multiple of the
+            rank count, :mod:`jaxpg.ddp.zero`), the gradients are still reduced by the
+            bucketed reducer and its hook, each rank steps its shard, and the new
+            parameters are all-gathered. ``opt_state`` then holds sharded global arrays.
 
     Raises:
         TypeError: for a module or optimizer of the wrong kind.
@@ -89,6 +96,7 @@ class DistributedDataParallel:
         broadcast_params: bool = True,
         reduction: str = "buckets",
         donate: bool = True,
+        shard_optimizer_state: bool = False,
     ) -> None:
         from jaxpg.groups import world
 
@@ -119,8 +127,19 @@ class DistributedDataParallel:
         self.params = param_sync.replicate_from_rank0(params, self.group,
                                                       broadcast=broadcast_params)
         self.rest = param_sync.replicate_from_rank0(rest, self.group, broadcast=broadcast_params)
-        replicated = NamedSharding(self.group.mesh, P())
-        self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
+        if not isinstance(shard_optimizer_state, bool):
+            raise TypeError(f"DistributedDataParallel: {shard_optimizer_state=} must be a bool.")
+        self._zero: ZeroSharding | None = None
+        if shard_optimizer_state:
+            axes = (self.group.axis_name,)
+            layouts = make_layouts(self.params, self.group.size())
+            self.opt_state, shardings = init_sharded_opt_state(
+                optimizer, self.params, layouts, self.group.mesh, axes, params_padded=False)
+            self._zero = ZeroSharding(layouts=layouts, mesh=self.group.mesh, axes=axes,
+                                      opt_shardings=shardings)
+        else:
+            replicated = NamedSharding(self.group.mesh, P())
+            self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
         self._comm_hook, init_state = make_comm_hook(comm_hook or "allreduce",
                                                      **(comm_hook_config or {}))
         self.hook_state = self._per_rank(init_state(self.bucket_plan))
@@ -206,7 +225,7 @@ class DistributedDataParallel:
             fn = build_train_step(
                 loss_fn, graphdef=self._graphdef, optimizer=self.optimizer,
                 plan=self.bucket_plan, comm_hook=self._comm_hook, pg=self.group, mode=mode,
-                reduction=self.reduction, donate=self.donate,
+                reduction=self.reduction, donate=self.donate, zero=self._zero,
             )  # fmt: skip
             self._compiled[key] = fn
         return fn
@@ -330,5 +349,6 @@ class DistributedDataParallel:
     def __repr__(self) -> str:
         return (
             f"DistributedDataParallel(group={self.group!r}, buckets={len(self.bucket_plan)}, "
-            f"reduction={self.reduction!r}, step={self.step})"
+            f"reduction={self.reduction!r}, shard_optimizer_state={self._zero is not None}, "
+            f"step={self.step})"
         )

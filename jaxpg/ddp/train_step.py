@@ -49,8 +49,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.ddp.bucket_plan import BucketPlan
 from jaxpg.ddp.comm_hooks import CommHook
 from jaxpg.ddp.reducer import fused_pmean, reduce_gradients
+from jaxpg.ddp.zero import sharded_update
 
-__all__ = ["StepMode", "build_train_step", "REDUCTIONS"]
+__all__ = ["StepMode", "ZeroSharding", "build_train_step", "REDUCTIONS"]
 
 REDUCTIONS = ("buckets", "fused_pmean")
 
@@ -132,6 +133,7 @@ def build_train_step(
     mode: StepMode,
     reduction: str = "buckets",
     donate: bool = True,
+    zero: ZeroSharding | None = None,
 ) -> Callable[..., Any]:
     """Returns the jitted step.
 
@@ -159,6 +161,11 @@ def build_train_step(
             with the default analysis XLA:CPU copies every donated parameter the backward
             still reads (80 MB a step for the 25M-parameter benchmark MLP) so that the
             update can write in place (docs/design.md, "CPU all_reduce: where the time goes").
+        zero: ZeRO-1 (``shard_optimizer_state=True``): the optimizer state is split over
+            the group (:mod:`jaxpg.ddp.zero`) and never enters the ``shard_map``; the
+            per-rank function returns the reduced gradients, and the update runs on the
+            global arrays after it, each rank stepping its shard, then the new parameters
+            are all-gathered.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}.")
@@ -171,6 +178,7 @@ def build_train_step(
     on_cpu = pg.mesh.devices.flat[0].platform == "cpu"
 
     def body(params, rest, opt_state, hook_state, acc, batch, active):
+        # opt_state is None under ZeRO-1: the update then runs after the shard_map.
         hook_state = jax.tree.map(lambda x: x[0], hook_state)
         acc = jax.tree.map(lambda x: x[0], acc)
         if mode.join:
@@ -210,10 +218,15 @@ def build_train_step(
         if mode.join and not mode.divide_by_initial_world_size:
             scale = n / denom
             reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
+        apply = n_active >= (n if mode.throw_on_early_termination else 1)
+        if zero is not None:  # ZeRO-1: the caller steps the sharded state
+            if mode.join:
+                new_hook = _select(apply, new_hook, hook_state)
+            new_hook = jax.tree.map(lambda x: x[None], new_hook)
+            return reduced, new_rest, apply, new_hook, None, metrics
         updates, new_opt = optimizer.update(reduced, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if mode.join:
-            apply = n_active >= (n if mode.throw_on_early_termination else 1)
             new_params = _select(apply, new_params, params)
             new_opt = _select(apply, new_opt, opt_state)
             new_hook = _select(apply, new_hook, hook_state)
@@ -235,5 +248,45 @@ def build_train_step(
         out_specs=(P(), P(), P(), rank_axis, rank_axis, P()),
         check_vma=False,
     )
+    if zero is not None:
+        mapped = _zero_step(mapped, optimizer, zero, mode)
     return jax.jit(mapped, donate_argnums=(0, 1, 2, 3, 4) if donate else (),
                    compiler_options=CPU_COMPILER_OPTIONS if on_cpu and donate else None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class ZeroSharding:
+    """Where DDP's ZeRO-1 optimizer state lives (see :mod:`jaxpg.ddp.zero`).
+
+    Attributes:
+        layouts: a ``ShardLayout`` per parameter.
+        mesh: the group's mesh.
+        axes: the mesh axes the state is split over.
+        opt_shardings: the optimizer state's shardings.
+    """
+
+    layouts: Any
+    mesh: Any
+    axes: tuple[Any, ...]
+    opt_shardings: Any
+
+
+def _zero_step(mapped: Callable[..., Any], optimizer: optax.GradientTransformation,
+               zero: ZeroSharding, mode: StepMode) -> Callable[..., Any]:
+    """The ZeRO-1 step: the per-rank reduction, then the update on the sharded state."""
+
+    def step(params, rest, opt_state, hook_state, acc, batch, active):
+        out = mapped(params, rest, None, hook_state, acc, batch, active)
+        if not mode.sync:
+            return (params, out[1], opt_state, *out[3:])
+        reduced, new_rest, apply, new_hook, new_acc, metrics = out
+        new_params, new_opt = sharded_update(
+            optimizer, reduced, opt_state, params, zero.layouts, mesh=zero.mesh,
+            axes=zero.axes, opt_shardings=zero.opt_shardings, grads_padded=False,
+            params_padded=False)
+        if mode.join:
+            new_params = _select(apply, new_params, params)
+            new_opt = _select(apply, new_opt, opt_state)
+        return new_params, new_rest, new_opt, new_hook, new_acc, metrics
+
+    return step
