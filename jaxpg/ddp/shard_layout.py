@@ -14,7 +14,9 @@ row-parallel kernel ``P("tp", None)``) is described by ``dim0_blocks`` (the numb
 those blocks) and ``base_spec``: each block is padded on its own, and the sharding
 axes are appended to dim 0's entry of the spec (``P(("tp", "dp"), None)``), so gathering
 over the sharding axes inside ``shard_map`` gives back the block the tensor-parallel code
-expects.
+expects. ``dim`` picks another dimension to split (a pipeline's stage stack ``[S, ...]``,
+already split over ``pp`` on dim 0, is split over ``dp`` on dim 1); "dim 0" below means
+that dimension.
 
 Example:
     >>> layout = ShardLayout.of((10, 3), "float32", num_shards=4)
@@ -68,31 +70,32 @@ class ShardLayout:
     num_shards: int
     dim0_blocks: int = 1
     base_spec: P = P()
+    dim: int = 0
 
     @classmethod
     def of(cls, shape: Any, dtype: Any, num_shards: int, *, dim0_blocks: int = 1,
-           base_spec: P | None = None) -> ShardLayout:
+           base_spec: P | None = None, dim: int = 0) -> ShardLayout:
         """The layout of a leaf of ``shape`` and ``dtype`` over ``num_shards`` ranks."""
         base_spec = P() if base_spec is None else base_spec
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"ShardLayout: {num_shards=} must be an int >= 1.")
         shape = tuple(int(d) for d in shape)
-        if shape and shape[0] % dim0_blocks:
+        if len(shape) > dim and shape[dim] % dim0_blocks:
             raise ValueError(
-                f"ShardLayout: dim 0 of shape {shape} does not split into {dim0_blocks=} "
-                "tensor-parallel blocks."
+                f"ShardLayout: dimension {dim} of shape {shape} does not split into "
+                f"{dim0_blocks=} tensor-parallel blocks."
             )
-        return cls(shape, np.dtype(dtype), num_shards, dim0_blocks, base_spec)
+        return cls(shape, np.dtype(dtype), num_shards, dim0_blocks, base_spec, dim)
 
     @property
     def sharded(self) -> bool:
-        """Whether the leaf is split (every leaf with at least one dimension)."""
-        return bool(self.shape)
+        """Whether the leaf is split (every leaf that has dimension ``dim``)."""
+        return len(self.shape) > self.dim
 
     @property
     def block_dim0(self) -> int:
         """Rows of one tensor-parallel block (all of dim 0 without tensor parallelism)."""
-        return self.shape[0] // self.dim0_blocks if self.shape else 0
+        return self.shape[self.dim] // self.dim0_blocks if self.sharded else 0
 
     @property
     def padded_block_dim0(self) -> int:
@@ -104,27 +107,30 @@ class ShardLayout:
         """The stored global shape: dim 0 padded (per block) to a multiple of ``n``."""
         if not self.sharded:
             return self.shape
-        return (self.padded_block_dim0 * self.dim0_blocks, *self.shape[1:])
+        return self._with_dim(self.padded_block_dim0 * self.dim0_blocks)
+
+    def _with_dim(self, size: int) -> tuple[int, ...]:
+        return (*self.shape[: self.dim], size, *self.shape[self.dim + 1:])
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
         """One rank's block of the padded leaf, before any other-axis sharding."""
         if not self.sharded:
             return self.shape
-        return (self.padded_shape[0] // self.num_shards, *self.shape[1:])
+        return self._with_dim(self.padded_shape[self.dim] // self.num_shards)
 
     @property
     def padding(self) -> int:
         """Zero rows added to dim 0 (over all blocks)."""
-        return self.padded_shape[0] - self.shape[0] if self.sharded else 0
+        return self.padded_shape[self.dim] - self.shape[self.dim] if self.sharded else 0
 
     def spec(self, axes: tuple[Hashable, ...]) -> P:
         """The ``PartitionSpec`` of the stored leaf when sharded over mesh ``axes``."""
         if not self.sharded:
             return self.base_spec
         entries = _spec_entries(self.base_spec, len(self.shape))
-        dim0 = (*_as_tuple(entries[0]), *axes)
-        entries[0] = dim0[0] if len(dim0) == 1 else dim0
+        dim0 = (*_as_tuple(entries[self.dim]), *axes)
+        entries[self.dim] = dim0[0] if len(dim0) == 1 else dim0
         return P(*entries)
 
     @property
@@ -159,26 +165,34 @@ def make_layouts(tree: Any, num_shards: int, base_specs: Any = None,
                         is_leaf=lambda s: s is None or isinstance(s, P))
 
 
+def _pad_width(layout: ShardLayout, ndim: int, amount: int) -> list[tuple[int, int]]:
+    width = [(0, 0)] * ndim
+    width[layout.dim] = (0, amount)
+    return width
+
+
 def pad_leaf(x: jax.Array, layout: ShardLayout) -> jax.Array:
     """``x`` (true shape) with zero rows appended to each dim-0 block (any context)."""
     if not layout.sharded or not layout.padding:
         return x
-    t, b, pb = layout.dim0_blocks, layout.block_dim0, layout.padded_block_dim0
+    t, b, pb, d = layout.dim0_blocks, layout.block_dim0, layout.padded_block_dim0, layout.dim
     if t == 1:
-        return jnp.pad(x, [(0, pb - b)] + [(0, 0)] * (x.ndim - 1))
-    blocks = x.reshape(t, b, *x.shape[1:])
-    blocks = jnp.pad(blocks, [(0, 0), (0, pb - b)] + [(0, 0)] * (x.ndim - 1))
-    return blocks.reshape(t * pb, *x.shape[1:])
+        return jnp.pad(x, _pad_width(layout, x.ndim, pb - b))
+    blocks = x.reshape(*x.shape[:d], t, b, *x.shape[d + 1:])
+    width = [(0, 0)] * blocks.ndim
+    width[d + 1] = (0, pb - b)
+    return jnp.pad(blocks, width).reshape(layout.padded_shape)
 
 
 def unpad_leaf(x: jax.Array, layout: ShardLayout) -> jax.Array:
     """The true-shape leaf from its padded form (drops each block's zero rows)."""
     if not layout.sharded or not layout.padding:
         return x
-    t, b, pb = layout.dim0_blocks, layout.block_dim0, layout.padded_block_dim0
+    t, b, pb, d = layout.dim0_blocks, layout.block_dim0, layout.padded_block_dim0, layout.dim
     if t == 1:
-        return x[:b]
-    return x.reshape(t, pb, *x.shape[1:])[:, :b].reshape(t * b, *x.shape[1:])
+        return jax.lax.slice_in_dim(x, 0, b, axis=d)
+    blocks = x.reshape(*x.shape[:d], t, pb, *x.shape[d + 1:])
+    return jax.lax.slice_in_dim(blocks, 0, b, axis=d + 1).reshape(layout.shape)
 
 
 def layout_bytes(layouts: Any, *, per_rank: bool) -> int:

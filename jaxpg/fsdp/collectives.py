@@ -72,8 +72,10 @@ def gather_leaf(shard: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
     x = shard.astype(comm.policy.compute_dtype_for(layout.dtype))
     if not layout.sharded:
         return x
-    x = jax.lax.all_gather(x, comm.shard_axes, axis=0, tiled=True)
-    return x[: layout.block_dim0] if layout.padding else x
+    x = jax.lax.all_gather(x, comm.shard_axes, axis=layout.dim, tiled=True)
+    if layout.padding:
+        x = jax.lax.slice_in_dim(x, 0, layout.block_dim0, axis=layout.dim)
+    return x
 
 
 def reduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
@@ -87,9 +89,11 @@ def reduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
         g = jax.lax.psum(g, comm.all_axes)
     else:
         if layout.padding:
-            g = jnp.pad(g, [(0, layout.padded_block_dim0 - layout.block_dim0)]
-                        + [(0, 0)] * (g.ndim - 1))
-        g = jax.lax.psum_scatter(g, comm.shard_axes, scatter_dimension=0, tiled=True)
+            width = [(0, 0)] * g.ndim
+            width[layout.dim] = (0, layout.padded_block_dim0 - layout.block_dim0)
+            g = jnp.pad(g, width)
+        g = jax.lax.psum_scatter(g, comm.shard_axes, scatter_dimension=layout.dim,
+                                 tiled=True)
         if comm.replicate_axes:
             g = jax.lax.psum(g, comm.replicate_axes)
     if post is not None:
