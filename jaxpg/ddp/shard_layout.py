@@ -131,6 +131,8 @@ class ShardLayout:
         entries = _spec_entries(self.base_spec, len(self.shape))
         dim0 = (*_as_tuple(entries[self.dim]), *axes)
         entries[self.dim] = dim0[0] if len(dim0) == 1 else dim0
+        while entries and entries[-1] is None:
+            entries.pop()
         return P(*entries)
 
     @property

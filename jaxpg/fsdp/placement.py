@@ -10,30 +10,50 @@ and sharding, which is how a state saved at another world size or stage is loade
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpg.ddp.shard_layout import pad_leaf, unpad_leaf
 
 __all__ = ["shard_params", "gather_params", "fit_leaf", "check_fits", "shard_bytes"]
 
 
+@functools.lru_cache(maxsize=64)
+def _pad_and_split(layouts: tuple[Any, ...], shardings: tuple[Any, ...]) -> Any:
+    def pad(*leaves):
+        return tuple(pad_leaf(x, lay) for x, lay in zip(leaves, layouts, strict=True))
+
+    return jax.jit(pad, out_shardings=shardings)
+
+
+@functools.lru_cache(maxsize=64)
+def _unpad_and_join(layouts: tuple[Any, ...], shardings: tuple[Any, ...]) -> Any:
+    def unpad(*leaves):
+        return tuple(unpad_leaf(x, lay) for x, lay in zip(leaves, layouts, strict=True))
+
+    return jax.jit(unpad, out_shardings=shardings)
+
+
 def shard_params(params: Any, layouts: Any, mesh: Any, axes: tuple[Any, ...]) -> Any:
     """Whole parameters (global arrays on ``mesh``) -> padded, split over ``axes``."""
-    shardings = jax.tree.map(lambda lay: NamedSharding(mesh, lay.spec(axes)), layouts)
-    return jax.jit(lambda p: jax.tree.map(pad_leaf, p, layouts),
-                   out_shardings=shardings)(params)
+    leaves, treedef = jax.tree.flatten(params)
+    lays = tuple(treedef.flatten_up_to(layouts))
+    shardings = tuple(NamedSharding(mesh, lay.spec(axes)) for lay in lays)
+    return jax.tree.unflatten(treedef, _pad_and_split(lays, shardings)(*leaves))
 
 
 def gather_params(params: Any, layouts: Any, mesh: Any) -> Any:
     """Stored parameters -> whole (unpadded) arrays, replicated over ``mesh``."""
-    shardings = jax.tree.map(lambda lay: NamedSharding(mesh, lay.base_spec), layouts)
-    return jax.jit(lambda p: jax.tree.map(unpad_leaf, p, layouts),
-                   out_shardings=shardings)(params)
+    leaves, treedef = jax.tree.flatten(params)
+    lays = tuple(treedef.flatten_up_to(layouts))
+    shardings = tuple(NamedSharding(mesh, lay.base_spec) for lay in lays)
+    return jax.tree.unflatten(treedef, _unpad_and_join(lays, shardings)(*leaves))
 
 
 def check_fits(path: str, shape: tuple[int, ...], true_shape: tuple[int, ...] | None,
@@ -72,11 +92,17 @@ def fit_leaf(value: Any, target: jax.Array) -> jax.Array:
         value = np.asarray(value, dtype=target.dtype)
         fitted = _fit_numpy(value, shape)
         return jax.make_array_from_callback(shape, sharding, lambda idx: fitted[idx])
-    if jnp.issubdtype(target.dtype, jax.dtypes.prng_key):
-        return jax.device_put(value, sharding)
+    if jnp.issubdtype(target.dtype, jax.dtypes.prng_key):  # through the key data
+        impl = jax.random.key_impl(target)
+        data = jax.random.key_data(value)
+        struct = jax.ShapeDtypeStruct((*shape, *data.shape[len(shape):]), data.dtype,
+                                      sharding=sharding)
+        return jax.random.wrap_key_data(fit_leaf(data, struct), impl=impl)
+    if value.sharding.device_set != sharding.device_set:  # another mesh: bring it over
+        value = jax.device_put(value, NamedSharding(sharding.mesh, P()))
 
-    def fit(x):
-        x = x.astype(target.dtype)
+    def fit(x):  # always a fresh buffer: the caller's array may be donated later
+        x = jnp.copy(x.astype(target.dtype))
         if x.shape == shape:
             return x
         if x.shape[0] < shape[0]:
