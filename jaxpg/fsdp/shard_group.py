@@ -197,7 +197,8 @@ def resolve_shard_group(group: Any, api: str) -> ShardGroup:
     if not _world.is_initialized():
         _world.init_process_group()
     state = _world.current()
-    if group is None or isinstance(group, ProcessGroup):
+    if group is None or isinstance(group, ProcessGroup) \
+            or group is _world.GroupMember.NON_GROUP_MEMBER:  # refused, named, by the world
         pg = _world._resolve_group(group, api)
         if not pg.local_members():
             raise ValueError(
