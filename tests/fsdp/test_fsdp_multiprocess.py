@@ -15,10 +15,11 @@ from jaxpg.fsdp import FullyShardedDataParallel
 from jaxpg.fsdp.checkpoint import restore_checkpoint, save_checkpoint
 
 WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
+TORCH_WORKER = Path(__file__).parent / "workers" / "torch_fsdp2_worker.py"
 CHECKS = {"stage1_reshard_fp32", "stage2_reshard_fp32", "stage3_reshard_fp32",
           "stage3_keep_fp32", "stage3_reshard_bf16",
           "resume_from_4_ranks", "holds_its_shard", "saved_sharded",
-          "group_without_this_process", "shape_mismatch_named"}
+          "pipeline_zero2_over_dp", "group_without_this_process", "shape_mismatch_named"}
 OPT = optax.adam(1e-2)
 
 
@@ -54,3 +55,19 @@ def test_fsdp_across_two_processes(world, tmp_path):
     for batch in make_batches(3, 16) + make_batches(2, 8, seed=7) + last:
         ref.step(batch)
     assert_trees_close(resumed.full_params(), ref.params)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_parameters_equal_torch_fsdp2_after_6_adam_steps():
+    pytest.importorskip("torch", reason="torch (CPU) is the reference FSDP2 implementation")
+    found, out = launch(TORCH_WORKER, str(_free_port()), timeout=280)
+    assert found == {0: {"equal_to_torch_fsdp2"}, 1: {"equal_to_torch_fsdp2"}}, out[-4000:]

@@ -206,3 +206,38 @@ def test_reshard_after_forward_frees_each_unit(world):
     assert temp[6, True] - temp[2, True] < unit
     # kept from forward to backward, the gathered units the backward reads are live at once
     assert temp[6, False] - temp[6, True] > 2 * unit
+
+
+class Noisy(nnx.Module):
+    """A unit with module state: BatchNorm statistics and a dropout RNG stream."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(7, 7, rngs=rngs)
+        self.bn = nnx.BatchNorm(7, momentum=0.5, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.bn(self.lin(x)))
+
+
+class NoisyNet(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0, dropout=1)
+        self.unit = Noisy(rngs)
+        self.head = nnx.Linear(7, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.unit(x))
+
+
+def test_module_state_inside_units_matches_ddp(world):
+    opt = optax.adam(1e-2)
+    fsdp = FullyShardedDataParallel(NoisyNet(), opt, group=group(N), units=["unit"])
+    ddp = DistributedDataParallel(NoisyNet(), opt, group=group(N))
+    for batch in make_batches(STEPS, 4 * N):
+        fsdp.train_step(loss_fn, batch)
+        ddp.train_step(loss_fn, batch)
+    assert_trees_close(fsdp.full_params(), ddp.params)
+    assert_trees_close(fsdp.rest["unit"]["bn"], ddp.rest["unit"]["bn"])  # rank 0's statistics
+    for d in (fsdp, ddp):
+        assert int(d.rest["unit"]["drop"]["rngs"]["count"][...]) == STEPS

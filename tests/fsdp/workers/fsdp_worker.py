@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "pipeline"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -86,7 +87,29 @@ def main(scratch):
     save_checkpoint(scratch / "ckpt2", resumed, data_state={"batch": 5})
     check("saved_sharded")
 
-    # 4. a group that holds no rank of this process
+    # 4. ZeRO-2 over dp inside a pipeline stage (dp=2 across the processes, pp=1)
+    from jax.sharding import Mesh
+    from test_executor import block, embed, head_loss, make_batch, make_params
+
+    from jaxpg.fsdp.pipeline import init_zero_train_state, make_zero_train_step
+    from jaxpg.pipeline.train_step import init_train_state, make_train_step
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 1), ("dp", "pp"))
+    x, t = (np.asarray(a) for a in make_batch(8))
+    results = []
+    for zero in (0, 2):
+        init = init_zero_train_state if zero else init_train_state
+        params, opt_state = init(make_params(1), OPT, mesh)
+        kwargs = {"schedule": "gpipe", "num_microbatches": 2, "first_fn": embed}
+        step = (make_zero_train_step(block, head_loss, OPT, params, mesh=mesh, zero_stage=2,
+                                     **kwargs) if zero else
+                make_train_step(block, head_loss, OPT, mesh=mesh, **kwargs))
+        for _ in range(2):
+            params, opt_state, _ = step(params, opt_state, x, t)
+        results.append([np.asarray(a.addressable_shards[0].data) for a in jax.tree.leaves(params)])
+    check("pipeline_zero2_over_dp", close(results[0], results[1]))
+
+    # 5. a group that holds no rank of this process
     only0 = jaxpg.new_group([0])
     if rank == 1:
         try:
@@ -98,7 +121,7 @@ def main(scratch):
     else:
         check("group_without_this_process")
 
-    # 5. a rank with another layer size: the named error on every rank
+    # 6. a rank with another layer size: the named error on every rank
     class Wider(Net):
         def __init__(self):
             super().__init__(0)
