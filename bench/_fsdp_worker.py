@@ -166,24 +166,30 @@ def main() -> None:
     memory = {k: step_memory(w, loss_fn, batch).as_dict() for k, w in wrappers.items()}
     if "torch_fsdp2" in fns:
         memory["torch_fsdp2"] = {"state": torch_state_bytes(tmodel, topt)}
-    # every variant trained the same steps from the same weights: compare them
+    # every variant trained the same steps from the same weights: compare them with
+    # jaxpg's DDP (same numerics: should agree to float32 rounding) and torch's with it
+    # (different kernels: Adam's first steps, m / sqrt(v) ~ sign(g), turn rounding-level
+    # differences of near-zero gradients into differences of up to lr per step)
+    def first_layer(w):
+        full = w.full_params() if hasattr(w, "full_params") else w.params
+        return [np.asarray(full["inp"]["kernel"]), np.asarray(full["inp"]["bias"])]
+
     agree = {}
-    if "torch_fsdp2" in fns:
-        ref = [t.full_tensor().detach().numpy() if hasattr(t, "full_tensor") else
-               t.detach().numpy() for t in tmodel.parameters()]
-        ref_max = max(float(np.abs(r).max()) for r in ref)
-        for k, w in wrappers.items():
-            full = w.full_params() if hasattr(w, "full_params") else w.params
-            mine = [np.asarray(full["inp"]["kernel"]).T, np.asarray(full["inp"]["bias"])]
-            agree[k] = float(max(np.abs(a - b).max() for a, b in zip(mine, ref[:2], strict=True))
-                             / ref_max)
+    if "jaxpg_ddp" in wrappers:
+        ref = first_layer(wrappers["jaxpg_ddp"])
+        scale = max(float(np.abs(r).max()) for r in ref)
+        diff = lambda mine: max(float(np.abs(a - b).max()) for a, b in zip(mine, ref)) / scale
+        agree = {k: diff(first_layer(w)) for k, w in wrappers.items() if k != "jaxpg_ddp"}
+        if "torch_fsdp2" in fns:
+            weight, bias = (t.full_tensor().detach().numpy() for t in list(tmodel.parameters())[:2])
+            agree["torch_fsdp2"] = diff([weight.T, bias])
     if rank == 0:
         med = {v: statistics.median(x) * 1e3 for v, x in per_round.items()}
         out = {
             "n": n, "depth": args.depth, "batch_per_rank": args.batch, "rounds": args.rounds,
             "params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
             "step_ms": med, "round_ms": {v: [1e3 * t for t in x] for v, x in per_round.items()},
-            "memory_bytes": memory, "inp_kernel_rel_diff_vs_torch": agree,
+            "memory_bytes": memory, "first_layer_rel_diff_vs_jaxpg_ddp": agree,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         }
         with open(args.out, "w") as f:

@@ -173,6 +173,15 @@ def main():
     print()
     print(table([fmt(r) for r in depth_rows],
                 ["depth", "n", "variant", "state", "temp", "peak"]))
+    depths = sorted({r["depth"] for r in depth_rows})
+    if len(depths) == 2:
+        temp = {(r["depth"], r["variant"]): r["temp"] for r in depth_rows}
+        grow = {v: (temp[depths[1], v] - temp[depths[0], v]) / (depths[1] - depths[0])
+                for v in ("stage3", "stage3_keep", "ddp")}
+        out["temp_growth_per_block_mib"] = grow
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print("temp growth per block (MiB): " + ", ".join(f"{k} {v:.1f}" for k, v in grow.items())
+              + f"; a block's parameters: {unit / MIB:.1f}")
 
 
 if __name__ == "__main__":
