@@ -132,7 +132,7 @@ class FullyShardedDataParallel:
             wrapped = wrap_model(graphdef, (params, rest), self.units, wrap_root)
         self._plan = StepPlan(
             graphdef=wrapped, layouts=self.layouts, owners=owners,
-            unit_paths={u: tuple(u.split(".")) for u in self.units}, stage=stage,
+            units=self.units, stage=stage,
             reshard_after_forward=reshard_after_forward,
             comm=Comm(axes, self.group.replicate_axes, self.group.size, self.mp_policy),
             group=self.group, optimizer=optimizer, opt_shardings=opt_shardings)

@@ -65,7 +65,7 @@ class StepPlan:
             parameter pytree).
         layouts: a ``ShardLayout`` per parameter (the parameters' pytree structure).
         owners: per flattened parameter, the unit path that owns it ('' for the root).
-        unit_paths: unit path -> its path elements in the state (``('blocks', 0)``).
+        units: the units' dotted paths.
         stage: 1, 2 or 3.
         reshard_after_forward: see ``FullyShardedDataParallel``.
         comm: the collectives' static facts.
@@ -77,7 +77,7 @@ class StepPlan:
     graphdef: Any
     layouts: Any
     owners: tuple[str, ...]
-    unit_paths: dict[str, tuple[Any, ...]]
+    units: tuple[str, ...]
     stage: int
     reshard_after_forward: bool
     comm: Comm
@@ -102,7 +102,7 @@ class StepPlan:
     def unit_subtrees(self, tree: Any) -> dict[str, list[Any]]:
         """``tree`` (shaped like the parameters) cut into each unit's leaves."""
         leaves = jax.tree.leaves(tree, is_leaf=lambda x: x is None)
-        out: dict[str, list[Any]] = {u: [] for u in self.unit_paths}
+        out: dict[str, list[Any]] = {u: [] for u in self.units}
         for owner, leaf in zip(self.owners, leaves, strict=True):
             if owner:
                 out[owner].append(leaf)
