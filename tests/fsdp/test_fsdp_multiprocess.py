@@ -17,7 +17,7 @@ from jaxpg.fsdp.checkpoint import restore_checkpoint, save_checkpoint
 WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
 TORCH_WORKER = Path(__file__).parent / "workers" / "torch_fsdp2_worker.py"
 CHECKS = {"stage1_reshard_fp32", "stage2_reshard_fp32", "stage3_reshard_fp32",
-          "stage3_keep_fp32", "stage3_reshard_bf16",
+          "stage3_keep_bf16",
           "resume_from_4_ranks", "holds_its_shard", "saved_sharded",
           "pipeline_zero2_over_dp", "group_without_this_process", "shape_mismatch_named"}
 OPT = optax.adam(1e-2)
