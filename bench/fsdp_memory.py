@@ -20,7 +20,8 @@ rank) so that parameters dominate.
 
     flock /tmp/jaxpg-bench.lock python bench/fsdp_memory.py      # about 10 minutes
 
-Writes ``bench/results/fsdp_memory.json`` and prints markdown tables.
+Writes ``bench/results/fsdp_memory.json`` and ``.png`` and prints markdown tables
+(``--plot-only`` redraws the PNG from the JSON).
 """
 
 import os
@@ -113,6 +114,36 @@ VARIANTS = {
 }
 
 
+def plot(results: dict, path: Path) -> None:
+    """Stacked bars per rank for each variant and N (as the ZeRO paper's Figure 1):
+    parameters, optimizer state and XLA's temporaries (which hold the gradients, the
+    gathered units and the activations), together about the step's peak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    sizes = sorted({r["n"] for r in rows})
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4 * len(sizes), 4), sharey=True)
+    for ax, n in zip(axes, sizes, strict=True):
+        by = {r["variant"]: r for r in rows if r["n"] == n}
+        bottom = [0.0] * len(variants)
+        for part, label in (("params", "parameters"), ("opt_state", "optimizer state"),
+                            ("temp", "temporaries (gradients, gathered units, activations)")):
+            vals = [by[v][part] / 1024 for v in variants]
+            ax.bar(variants, vals, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set_title(f"N = {n}")
+        ax.tick_params(axis="x", rotation=60)
+    axes[0].set_ylabel("GiB per rank")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"{results['params'] / 1e6:.0f}M-parameter GPT, Adam (XLA memory analysis)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def table(rows, columns):
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     out += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
@@ -125,7 +156,12 @@ def main():
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--depths", default="12,24", help="stage-3 depths for the depth table")
     p.add_argument("--out", default=str(RESULTS / "fsdp_memory.json"))
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
     args = p.parse_args()
+    png = Path(args.out).with_suffix(".png")
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), png)
+        return
     jaxpg.init_process_group()
     optimizer = optax.adam(1e-4)
     model = nnx.eval_shape(lambda: GPT())
@@ -167,6 +203,7 @@ def main():
                                                         "state", "temp", "peak")},
                      "state_over_ddp": (f"{r['state_over_ddp']:.2f}"
                                         if r.get("state_over_ddp") else "")}
+    plot(out, png)
     print(f"\n{count / 1e6:.1f}M parameters, unit (block) {unit / MIB:.1f} MiB, MiB per rank")
     print(table([fmt(r) for r in rows], ["n", "variant", "params", "grads", "opt_state",
                                          "state", "state_over_ddp", "temp", "peak"]))
