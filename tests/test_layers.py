@@ -1,7 +1,7 @@
 """jaxpg's layers, bottom-up, and no import cycles: read from the source with ``ast``.
 
 Layers (docs/design.md): errors/reduce_op -> stores -> rendezvous -> groups ->
-collectives (and spmd) -> tensor_parallel -> ddp/pipeline -> run -> the ``jaxpg`` package's own
+collectives (and spmd) -> tensor_parallel -> ddp/fsdp/pipeline -> run -> the ``jaxpg`` package's own
 ``__init__`` (the torch.distributed-style surface, which re-exports everything).
 
 Every ``import`` and ``from ... import`` counts, wherever it is: at module level, inside a
@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("groups", ("jaxpg.groups",)),
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),
     ("tensor_parallel", ("jaxpg.tensor_parallel",)),
-    ("ddp/pipeline", ("jaxpg.ddp", "jaxpg.pipeline")),
+    ("ddp/fsdp/pipeline", ("jaxpg.ddp", "jaxpg.fsdp", "jaxpg.pipeline")),
     ("run", ("jaxpg.run",)),
     ("surface", ("jaxpg",)),
 ]

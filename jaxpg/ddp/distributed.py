@@ -49,6 +49,7 @@ from jaxpg.ddp import param_sync
 from jaxpg.ddp.bucket_plan import BucketPlan, make_bucket_plan
 from jaxpg.ddp.comm_hooks import make_comm_hook
 from jaxpg.ddp.join import Join
+from jaxpg.ddp.shard_layout import make_layouts
 from jaxpg.ddp.step_layout import (
     StepLayout,
     layout_batch,
@@ -56,7 +57,8 @@ from jaxpg.ddp.step_layout import (
     place_on_layout,
     step_layout,
 )
-from jaxpg.ddp.train_step import REDUCTIONS, StepMode, build_train_step
+from jaxpg.ddp.train_step import REDUCTIONS, StepMode, ZeroSharding, build_train_step
+from jaxpg.ddp.zero import init_sharded_opt_state
 
 __all__ = ["DistributedDataParallel"]
 
@@ -81,6 +83,11 @@ class DistributedDataParallel:
         donate: let the step reuse the state's buffers (on CPU the step is compiled with
             XLA's region-based copy insertion, so donated parameters are updated in place
             instead of copied first).
+        shard_optimizer_state: ZeRO-1, as torch's ``ZeroRedundancyOptimizer``: the
+            optimizer state is split on dim 0 over the group (padded to a multiple of the
+            rank count, :mod:`jaxpg.ddp.zero`), the gradients are still reduced by the
+            bucketed reducer and its hook, each rank steps its shard, and the new
+            parameters are all-gathered. ``opt_state`` then holds sharded global arrays.
 
     Raises:
         TypeError: for a module or optimizer of the wrong kind.
@@ -100,6 +107,7 @@ class DistributedDataParallel:
         broadcast_params: bool = True,
         reduction: str = "buckets",
         donate: bool = True,
+        shard_optimizer_state: bool = False,
     ) -> None:
         from jaxpg.groups import world
 
@@ -120,6 +128,8 @@ class DistributedDataParallel:
             raise ValueError(
                 f"DistributedDataParallel: reduction='fused_pmean' uses no hook; got {comm_hook=}."
             )
+        if not isinstance(shard_optimizer_state, bool):
+            raise TypeError(f"DistributedDataParallel: {shard_optimizer_state=} must be a bool.")
         self.optimizer = optimizer
         self.reduction = reduction
         self.donate = donate
@@ -135,12 +145,17 @@ class DistributedDataParallel:
                                           broadcast=broadcast_params)
             self.rest = place_on_layout(rest, self.layout.rest_specs, self.layout,
                                         broadcast=broadcast_params)
-            self.opt_state, self._opt_specs = self._init_sharded_opt_state()
         else:
             self.params = param_sync.replicate_from_rank0(params, self.group,
                                                           broadcast=broadcast_params)
             self.rest = param_sync.replicate_from_rank0(rest, self.group,
                                                         broadcast=broadcast_params)
+        self._zero: ZeroSharding | None = None
+        if shard_optimizer_state:
+            self.opt_state, self._zero = self._init_zero_opt_state()
+        elif self.layout.sharded:
+            self.opt_state, self._opt_specs = self._init_sharded_opt_state()
+        else:
             replicated = NamedSharding(self.group.mesh, P())
             self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
         self._comm_hook, init_state = make_comm_hook(comm_hook or "allreduce",
@@ -153,6 +168,21 @@ class DistributedDataParallel:
         self._last_batch: Any = None
         self._last_loss: tuple[Callable[..., Any], bool] | None = None
         self._compiled: dict[tuple[Any, StepMode], Callable[..., Any]] = {}
+
+    def _init_zero_opt_state(self) -> tuple[Any, ZeroSharding]:
+        """ZeRO-1's optimizer state: split on dim 0 over the data-parallel axes, on top of
+        any tensor-parallel split of the parameter it follows (:mod:`jaxpg.ddp.zero`)."""
+        lay = self.layout
+        axes = lay.dp_axes
+        if lay.sharded:
+            layouts = make_layouts(self.params, self.group.size(), lay.param_specs,
+                                   dict(lay.mesh.shape))
+        else:
+            layouts = make_layouts(self.params, self.group.size())
+        opt_state, shardings = init_sharded_opt_state(
+            self.optimizer, self.params, layouts, lay.mesh, axes, params_padded=False)
+        return opt_state, ZeroSharding(layouts=layouts, mesh=lay.mesh, axes=axes,
+                                       opt_shardings=shardings)
 
     def _init_sharded_opt_state(self) -> tuple[Any, Any]:
         """The optimizer state laid out as the parameters it follows (the rest replicated)."""
@@ -268,6 +298,7 @@ class DistributedDataParallel:
                 plan=self.bucket_plan, comm_hook=self._comm_hook, pg=self.group, mode=mode,
                 reduction=self.reduction, donate=self.donate,
                 layout=self.layout if self.layout.sharded else None, opt_specs=self._opt_specs,
+                zero=self._zero,
             )  # fmt: skip
             self._compiled[key] = fn
         return fn
@@ -391,5 +422,6 @@ class DistributedDataParallel:
     def __repr__(self) -> str:
         return (
             f"DistributedDataParallel(group={self.group!r}, buckets={len(self.bucket_plan)}, "
-            f"reduction={self.reduction!r}, step={self.step})"
+            f"reduction={self.reduction!r}, shard_optimizer_state={self._zero is not None}, "
+            f"step={self.step})"
         )

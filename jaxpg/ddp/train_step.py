@@ -49,8 +49,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.ddp.bucket_plan import BucketPlan
 from jaxpg.ddp.comm_hooks import CommHook
 from jaxpg.ddp.reducer import fused_pmean, reduce_gradients
+from jaxpg.ddp.zero import sharded_update
 
-__all__ = ["StepMode", "build_train_step", "REDUCTIONS"]
+__all__ = ["StepMode", "ZeroSharding", "build_train_step", "REDUCTIONS"]
 
 REDUCTIONS = ("buckets", "fused_pmean")
 
@@ -134,6 +135,7 @@ def build_train_step(
     donate: bool = True,
     layout: Any = None,
     opt_specs: Any = None,
+    zero: ZeroSharding | None = None,
 ) -> Callable[..., Any]:
     """Returns the jitted step.
 
@@ -166,6 +168,12 @@ def build_train_step(
             specs, and gradients are reduced over its data-parallel axes. None: the group's
             own mesh, everything replicated.
         opt_specs: the optimizer state's ``PartitionSpec`` tree, with ``layout``.
+        zero: ZeRO-1 (``shard_optimizer_state=True``): the optimizer state is split over
+            the group (:mod:`jaxpg.ddp.zero`; with ``layout``, over its data-parallel axes on
+            top of each parameter's tensor-parallel split) and never enters the ``shard_map``; the
+            per-rank function returns the reduced gradients, and the update runs on the
+            global arrays after it, each rank stepping its shard, then the new parameters
+            are all-gathered.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}.")
@@ -179,6 +187,7 @@ def build_train_step(
     on_cpu = pg.mesh.devices.flat[0].platform == "cpu"
 
     def body(params, rest, opt_state, hook_state, acc, batch, active):
+        # opt_state is None under ZeRO-1: the update then runs after the shard_map.
         hook_state = jax.tree.map(lambda x: x[0], hook_state)
         acc = jax.tree.map(lambda x: x[0], acc)
         if mode.join:
@@ -218,10 +227,15 @@ def build_train_step(
         if mode.join and not mode.divide_by_initial_world_size:
             scale = n / denom
             reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
+        apply = n_active >= (n if mode.throw_on_early_termination else 1)
+        if zero is not None:  # ZeRO-1: the caller steps the sharded state
+            if mode.join:
+                new_hook = _select(apply, new_hook, hook_state)
+            new_hook = jax.tree.map(lambda x: x[None], new_hook)
+            return reduced, new_rest, apply, new_hook, None, metrics
         updates, new_opt = optimizer.update(reduced, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if mode.join:
-            apply = n_active >= (n if mode.throw_on_early_termination else 1)
             new_params = _select(apply, new_params, params)
             new_opt = _select(apply, new_opt, opt_state)
             new_hook = _select(apply, new_hook, hook_state)
@@ -238,7 +252,7 @@ def build_train_step(
     rank_axis = P(axis) if layout is None else layout.rank_spec
     params_spec = P() if layout is None else layout.param_specs
     rest_spec = P() if layout is None else layout.rest_specs
-    opt_spec = P() if opt_specs is None else opt_specs
+    opt_spec = P() if opt_specs is None or zero is not None else opt_specs
     mapped = jax.shard_map(
         body_in_context,
         mesh=mesh,
@@ -246,5 +260,45 @@ def build_train_step(
         out_specs=(params_spec, rest_spec, opt_spec, rank_axis, rank_axis, P()),
         check_vma=False,
     )
+    if zero is not None:
+        mapped = _zero_step(mapped, optimizer, zero, mode)
     return jax.jit(mapped, donate_argnums=(0, 1, 2, 3, 4) if donate else (),
                    compiler_options=CPU_COMPILER_OPTIONS if on_cpu and donate else None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class ZeroSharding:
+    """Where DDP's ZeRO-1 optimizer state lives (see :mod:`jaxpg.ddp.zero`).
+
+    Attributes:
+        layouts: a ``ShardLayout`` per parameter.
+        mesh: the group's mesh.
+        axes: the mesh axes the state is split over.
+        opt_shardings: the optimizer state's shardings.
+    """
+
+    layouts: Any
+    mesh: Any
+    axes: tuple[Any, ...]
+    opt_shardings: Any
+
+
+def _zero_step(mapped: Callable[..., Any], optimizer: optax.GradientTransformation,
+               zero: ZeroSharding, mode: StepMode) -> Callable[..., Any]:
+    """The ZeRO-1 step: the per-rank reduction, then the update on the sharded state."""
+
+    def step(params, rest, opt_state, hook_state, acc, batch, active):
+        out = mapped(params, rest, None, hook_state, acc, batch, active)
+        if not mode.sync:
+            return (params, out[1], opt_state, *out[3:])
+        reduced, new_rest, apply, new_hook, new_acc, metrics = out
+        new_params, new_opt = sharded_update(
+            optimizer, reduced, opt_state, params, zero.layouts, mesh=zero.mesh,
+            axes=zero.axes, opt_shardings=zero.opt_shardings, grads_padded=False,
+            params_padded=False)
+        if mode.join:
+            new_params = _select(apply, new_params, params)
+            new_opt = _select(apply, new_opt, opt_state)
+        return new_params, new_rest, new_opt, new_hook, new_acc, metrics
+
+    return step

@@ -1,4 +1,5 @@
-"""HybridCommunicateGroup: data-, pipeline- and model-parallel groups, as Paddle's hcg."""
+"""HybridCommunicateGroup: data-, pipeline-, sharding- and model-parallel groups, as Paddle's
+hcg."""
 
 from __future__ import annotations
 
@@ -10,18 +11,24 @@ __all__ = ["HybridCommunicateGroup", "get_hybrid_communicate_group"]
 
 
 class HybridCommunicateGroup:
-    """The hybrid topology: ranks arranged as ``(dp, pp, mp)``, model parallelism innermost.
+    """The hybrid topology: ranks arranged as ``(dp, pp, sharding, mp)``, model parallelism
+    innermost.
 
-    The same order as Paddle's ``CommunicateTopology(["data", "pipe", "model"])``: ranks that
-    differ only in their model-parallel coordinate are neighbours. The stage id is the
-    pipeline coordinate; the previous and next pipeline ranks wrap around, as in Paddle.
+    The same order as Paddle's ``CommunicateTopology(["data", "pipe", "sharding", "model"])``:
+    ranks that differ only in their model-parallel coordinate are neighbours. The stage id
+    is the pipeline coordinate; the previous and next pipeline ranks wrap around, as in
+    Paddle. The sharding group is the one ZeRO / FSDP splits parameters, gradients and
+    optimizer state over (``jaxpg.fsdp.FullyShardedDataParallel(group=hcg)`` replicates
+    over ``dp`` and shards over ``sharding``); like ``dp`` ranks, sharding ranks train on
+    different samples.
 
     Args:
         dp_degree: data-parallel degree.
         pp_degree: pipeline-parallel degree.
         mp_degree: model-parallel degree.
-        mesh: an existing DeviceMesh with dimensions "dp", "pp", "mp" (any subset), instead
-            of the degrees.
+        sharding_degree: sharding (ZeRO) degree.
+        mesh: an existing DeviceMesh with dimensions "dp", "pp", "sharding", "mp" (any
+            subset), instead of the degrees.
 
     Example:
         >>> hcg = HybridCommunicateGroup(dp_degree=2, pp_degree=4)
@@ -30,25 +37,28 @@ class HybridCommunicateGroup:
     """
 
     def __init__(self, dp_degree: int = 1, pp_degree: int = 1, mp_degree: int = 1,
-                 *, mesh: DeviceMesh | None = None):
+                 *, sharding_degree: int = 1, mesh: DeviceMesh | None = None):
         if mesh is None:
-            for name, v in (("dp_degree", dp_degree), ("pp_degree", pp_degree),
-                            ("mp_degree", mp_degree)):
-                if not isinstance(v, int) or v < 1:
+            degrees = (("dp_degree", dp_degree), ("pp_degree", pp_degree),
+                       ("sharding_degree", sharding_degree), ("mp_degree", mp_degree))
+            for name, v in degrees:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ValueError(f"HybridCommunicateGroup: {name}={v!r} must be an int >= 1.")
             world = _world.current().world_group.size() if _world.is_initialized() else None
-            if world is not None and dp_degree * pp_degree * mp_degree != world:
+            total = dp_degree * pp_degree * sharding_degree * mp_degree
+            if world is not None and total != world:
+                shown = " x ".join(f"{n}={v}" for n, v in degrees)
                 raise ValueError(
-                    f"HybridCommunicateGroup: dp_degree={dp_degree} x pp_degree={pp_degree} x "
-                    f"mp_degree={mp_degree} = {dp_degree * pp_degree * mp_degree} must equal "
-                    f"the world size {world}."
+                    f"HybridCommunicateGroup: {shown} = {total} must equal the world size "
+                    f"{world}."
                 )
-            mesh = init_device_mesh((dp_degree, pp_degree, mp_degree), ("dp", "pp", "mp"))
+            mesh = init_device_mesh((dp_degree, pp_degree, sharding_degree, mp_degree),
+                                    ("dp", "pp", "sharding", "mp"))
         else:
-            unknown = set(mesh.mesh_dim_names) - {"dp", "pp", "mp"}
+            unknown = set(mesh.mesh_dim_names) - {"dp", "pp", "sharding", "mp"}
             if unknown:
                 raise ValueError(f"HybridCommunicateGroup: mesh dimensions {sorted(unknown)} are "
-                                 "not dp, pp or mp.")
+                                 "not dp, pp, sharding or mp.")
         self.mesh = mesh
         _world.current().hybrid_group = self  # the default of Paddle's mp layers
 
@@ -93,6 +103,21 @@ class HybridCommunicateGroup:
     def get_pipe_parallel_group(self) -> ProcessGroup:
         return self._group("pp")
 
+    def get_sharding_parallel_world_size(self) -> int:
+        return self._degree("sharding")
+
+    @property
+    def sharding_degree(self) -> int:
+        """The sharding (ZeRO) degree, as Paddle's ``hcg.sharding_degree`` / strategy."""
+        return self._degree("sharding")
+
+    def get_sharding_parallel_rank(self) -> int:
+        return self._rank("sharding")
+
+    def get_sharding_parallel_group(self) -> ProcessGroup:
+        """The acting rank's sharding group (a one-rank group with sharding_degree 1)."""
+        return self._group("sharding")
+
     def get_stage_id(self) -> int:
         return self._rank("pp")
 
@@ -118,8 +143,10 @@ class HybridCommunicateGroup:
         return self._pp_neighbour(+1)
 
     def __repr__(self) -> str:
+        sharding = self._degree("sharding")  # shown when used (ZeRO / FSDP)
+        shown = f"sharding={sharding}, " if sharding > 1 else ""
         return (f"HybridCommunicateGroup(dp={self._degree('dp')}, pp={self._degree('pp')}, "
-                f"mp={self._degree('mp')})")
+                f"{shown}mp={self._degree('mp')})")
 
 
 def get_hybrid_communicate_group() -> HybridCommunicateGroup:

@@ -269,12 +269,15 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
     stages = jax.tree.map(lambda a: loop_view(a, tt, cfg.stage_order), params.stages)
     batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
     param_spec = _param_spec(cfg)
+    # a reducer that reduce-scatters over dp (ZeRO-2, jaxpg.fsdp.pipeline) says how
+    # its output is laid out, in this [v, p, ...] view
+    grad_spec = getattr(cfg.grad_reducer, "grad_spec", None) or param_spec
     body = functools.partial(_body, cfg, plan, metas[0].input)
     loss, grads = jax.shard_map(
         body,
         mesh=cfg.mesh,
         in_specs=(param_spec, batch_spec, batch_spec),
-        out_specs=(P(), param_spec),
+        out_specs=(P(), grad_spec),
         check_vma=False,
     )(params._replace(stages=stages), inputs, targets)
     return loss, grads._replace(
@@ -371,7 +374,10 @@ def pipeline_value_and_grad(
         grad_reducer: reduces each rank's gradients (a ``StagedParams`` of its local
             stage gradients ``[v, ...]`` and the replicated first/last gradients) over the
             data-parallel axis; default ``pmean`` over ``dp_axis``. Without a ``dp_axis``
-            it is applied as given (default: none).
+            it is applied as given (default: none). A reducer whose output is split over
+            ``dp`` (ZeRO-2, ``jaxpg.fsdp.pipeline``) carries a ``grad_spec`` attribute: a
+            ``StagedParams`` of ``PartitionSpec`` trees for its output, stage leaves in
+            the loop's ``[v, p, ...]`` view.
         remat: ``False`` (default) keeps each microbatch's vjp residuals from its
             forward until its backward, so no forward runs twice (and a split backward's
             ``B`` and ``W`` together do the work of one backward); ``True`` keeps only the

@@ -1,0 +1,31 @@
+"""Sharded data parallelism: ZeRO stages 1 to 3 and torch FSDP2's ``fully_shard`` for
+Flax NNX and optax, HSDP, mixed precision, sharded checkpoints that reshard on load, and
+ZeRO-1/2 inside pipeline stages.
+
+See ``docs/fsdp.md``. DDP's ZeRO-1 switch is ``DistributedDataParallel(...,
+shard_optimizer_state=True)`` (:mod:`jaxpg.ddp.zero`).
+"""
+
+from jaxpg.fsdp.checkpoint import (
+    consolidate_checkpoint,
+    latest_step,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from jaxpg.fsdp.fully_sharded import FullyShardedDataParallel
+from jaxpg.fsdp.memory import StepMemory, step_memory
+from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
+from jaxpg.fsdp.pipeline import init_zero_train_state, make_zero_train_step
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "MixedPrecisionPolicy",
+    "StepMemory",
+    "consolidate_checkpoint",
+    "init_zero_train_state",
+    "latest_step",
+    "make_zero_train_step",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "step_memory",
+]

@@ -1,0 +1,240 @@
+"""The ranks FSDP shards over (and, for HSDP, replicates over), and placing data on them.
+
+``group`` may be:
+
+* ``None`` (the world) or a ``ProcessGroup``: every rank holds a shard (FSDP);
+* a 1-D ``DeviceMesh``: the same, over its dimension;
+* a 2-D ``DeviceMesh``: HSDP, as torch's ``fully_shard(mesh=...)`` with a 2-D mesh: the
+  first dimension replicates, the second shards (torch's ``("replicate", "shard")``);
+* a ``HybridCommunicateGroup``: Paddle's hybrid group, replicated over ``dp`` and sharded
+  over ``sharding`` (``sharding_degree``); its ``pp`` and ``mp`` degrees must be 1 here
+  (for a pipeline use :mod:`jaxpg.fsdp.pipeline`).
+
+The batch is split over all ranks, replicas first (row-major over the mesh, which is
+global-rank order for meshes made by ``init_device_mesh`` and the hybrid group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["ShardGroup", "resolve_shard_group"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardGroup:
+    """The mesh and axes of one FSDP wrapper.
+
+    Attributes:
+        mesh: the ``jax.sharding.Mesh`` the step runs on.
+        shard_axes: the axes parameters, gradients and optimizer state are split over.
+        replicate_axes: the HSDP replica axes (empty for plain FSDP).
+        world: the jaxpg world the mesh's devices belong to.
+        process_group: a group holding every rank of the mesh (to compare the ranks'
+            models at construction).
+    """
+
+    mesh: Mesh
+    shard_axes: tuple[Hashable, ...]
+    replicate_axes: tuple[Hashable, ...]
+    world: Any
+    process_group: Any
+
+    @property
+    def batch_axes(self) -> tuple[Hashable, ...]:
+        """Every axis of the group: the batch is split over all of them."""
+        return (*self.replicate_axes, *self.shard_axes)
+
+    @property
+    def num_shards(self) -> int:
+        """Ranks sharing one copy of the parameters."""
+        return math.prod(self.mesh.shape[a] for a in self.shard_axes)
+
+    @property
+    def num_replicas(self) -> int:
+        """Copies of the sharded parameters (1 without HSDP)."""
+        return math.prod(self.mesh.shape[a] for a in self.replicate_axes)
+
+    @property
+    def size(self) -> int:
+        """All ranks of the group."""
+        return self.num_shards * self.num_replicas
+
+    def local_count(self) -> int:
+        """Ranks of the group held by this process."""
+        pid = jax.process_index()
+        return sum(d.process_index == pid for d in self.mesh.devices.flat)
+
+    @property
+    def all_local(self) -> bool:
+        """Whether this process holds every rank (the one-process case)."""
+        return self.local_count() == self.size
+
+    def sharding(self, spec: P) -> NamedSharding:
+        """``NamedSharding(self.mesh, spec)``."""
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def batch_spec(self) -> P:
+        """Dim 0 split over every axis of the group."""
+        axes = self.batch_axes
+        return P(axes[0] if len(axes) == 1 else axes)
+
+    # ------------------------------------------------------------------ placing data
+    def place_batch(self, batch: Any) -> Any:
+        """This process's part of the global batch, split over the group on dim 0.
+
+        Raises:
+            ValueError: if a leaf has no leading dimension or it does not divide among
+                this process's ranks.
+        """
+        sharding = self.sharding(self.batch_spec)
+        n_local = self.local_count()
+
+        def place(path, x):
+            if isinstance(x, jax.Array) and x.sharding == sharding:
+                return x
+            shape = np.shape(x)
+            if not shape or shape[0] % n_local:
+                raise ValueError(
+                    f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}; its "
+                    f"leading (sample) dimension must divide evenly among this process's "
+                    f"{n_local} rank(s) of the FSDP group. Drop or pad the last batch."
+                )
+            if self.all_local:
+                return jax.device_put(x, sharding)
+            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+        return jax.tree_util.tree_map_with_path(place, batch)
+
+    def per_rank(self, tree: Any) -> Any:
+        """One copy of ``tree`` per rank, stacked on a leading axis split over the group."""
+        n_local = self.local_count()
+        sharding = self.sharding(self.batch_spec)
+
+        def place(x):
+            stacked = jnp.broadcast_to(jnp.asarray(x)[None], (n_local, *np.shape(x)))
+            if self.all_local:
+                return jax.device_put(jnp.array(stacked, copy=True), sharding)
+            return jax.make_array_from_process_local_data(sharding, np.asarray(stacked))
+
+        return jax.tree.map(place, tree)
+
+    def replicate_from_rank0(self, tree: Any) -> Any:
+        """``tree`` as fresh arrays replicated over the mesh, with rank 0's values."""
+        replicated = self.sharding(P())
+        if self.all_local:
+            return jax.tree.map(
+                lambda x: jax.device_put(jnp.array(x, copy=True), replicated), tree)
+        from jaxpg.ddp.param_sync import _unkey
+
+        raw, rekey = _unkey(tree)
+        stacked = self.sharding(self.batch_spec)
+        local = jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(stacked, np.asarray(x)[None]),
+            raw)
+        return rekey(self._rank0_kernel()(local))
+
+    def _rank0_kernel(self) -> Any:
+        axes = self.batch_axes
+
+        def body(local):
+            return jax.tree.map(lambda x: from_rank0(x[0], axes), local)
+
+        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=self.batch_spec,
+                                     out_specs=P(), check_vma=False))
+
+    def describe(self) -> str:
+        """``'shard over dp (4)'`` or ``'replicate over r (2) x shard over s (4)'``."""
+        shard = f"shard over {'x'.join(map(str, self.shard_axes))} ({self.num_shards})"
+        if not self.replicate_axes:
+            return shard
+        rep = "x".join(map(str, self.replicate_axes))
+        return f"replicate over {rep} ({self.num_replicas}) x {shard}"
+
+
+def from_rank0(x: jax.Array, axes: tuple[Hashable, ...]) -> jax.Array:
+    """Inside ``shard_map``: the value of the rank at position 0 of every axis."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or x.dtype == jnp.bool_:
+        return x
+    first = jnp.bool_(True)
+    for a in axes:
+        first = first & (jax.lax.axis_index(a) == 0)
+    return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), axes)
+
+
+def _check_members(mesh: Mesh, what: str, api: str) -> None:
+    pid = jax.process_index()
+    if not any(d.process_index == pid for d in mesh.devices.flat):
+        raise ValueError(
+            f"{api}: {what} holds no rank of this process (process {pid}); only processes "
+            "with ranks in the group may wrap a model for it."
+        )
+
+
+def resolve_shard_group(group: Any, api: str) -> ShardGroup:
+    """The :class:`ShardGroup` for ``group`` (see the module docstring).
+
+    Raises:
+        TypeError: for a ``group`` of another kind.
+        ValueError: for a mesh of more than two dimensions, a hybrid group with pipeline
+            or model parallelism, or a group that holds no rank of this process.
+    """
+    from jaxpg.groups import world as _world
+    from jaxpg.groups.device_mesh import DeviceMesh
+    from jaxpg.groups.hybrid import HybridCommunicateGroup
+    from jaxpg.groups.process_group import ProcessGroup
+
+    if not _world.is_initialized():
+        _world.init_process_group()
+    state = _world.current()
+    if group is None or isinstance(group, ProcessGroup) \
+            or group is _world.GroupMember.NON_GROUP_MEMBER:  # refused, named, by the world
+        pg = _world._resolve_group(group, api)
+        if not pg.local_members():
+            raise ValueError(
+                f"{api}: this process holds no rank of {pg!r} (group ranks {list(pg.ranks)}); "
+                "only members of the group may wrap a model for it."
+            )
+        return ShardGroup(pg.mesh, (pg.axis_name,), (), state, pg)
+    if isinstance(group, HybridCommunicateGroup):
+        bad = {d: group._degree(d) for d in ("pp", "mp") if group._degree(d) != 1}
+        if bad:
+            raise ValueError(
+                f"{api}: group={group!r} has {bad}; FullyShardedDataParallel shards over its "
+                "'sharding' dimension and replicates over 'dp' only. For a pipeline use "
+                "jaxpg.fsdp.pipeline (ZeRO-1/2 over dp inside each stage)."
+            )
+        mesh = group.mesh.jax_mesh
+        _check_members(mesh, f"group={group!r}", api)
+        return ShardGroup(mesh, ("sharding",), ("dp",), state, state.world_group)
+    if isinstance(group, DeviceMesh):
+        if group.ndim not in (1, 2):
+            raise ValueError(
+                f"{api}: group={group!r} has {group.ndim} dimensions; pass a 1-D mesh (FSDP) "
+                "or a 2-D mesh (HSDP: replicate over the first dimension, shard over the "
+                "second), e.g. mesh['dp'] or mesh[('replicate', 'shard')]."
+            )
+        mesh = group.jax_mesh
+        _check_members(mesh, f"group={group!r}", api)
+        names = group.mesh_dim_names
+        if len(set(group.mesh.flat)) != len(state.devices):
+            raise ValueError(
+                f"{api}: group={group!r} covers {group.mesh.size} of the world's "
+                f"{len(state.devices)} ranks; index a world-sized mesh by its dimension "
+                "names (mesh[('replicate', 'shard')]) so every rank runs the same step."
+            )
+        return ShardGroup(mesh, (names[-1],), tuple(names[:-1]), state, state.world_group)
+    raise TypeError(
+        f"{api}: group must be None, a ProcessGroup, a 1-D or 2-D DeviceMesh or a "
+        f"HybridCommunicateGroup; got {type(group).__name__}."
+    )
