@@ -197,9 +197,17 @@ def unpad_leaf(x: jax.Array, layout: ShardLayout) -> jax.Array:
     return jax.lax.slice_in_dim(blocks, 0, b, axis=d + 1).reshape(layout.shape)
 
 
-def layout_bytes(layouts: Any, *, per_rank: bool) -> int:
-    """Bytes of every leaf's padded form: all of it, or one rank's share."""
+def layout_bytes(layouts: Any, *, per_rank: bool,
+                 mesh_shape: dict[Hashable, int] | None = None) -> int:
+    """Bytes of every leaf's padded form: all of it, or one rank's share.
+
+    With ``mesh_shape``, one rank's share also divides by the leaf's split over other mesh
+    axes (its ``base_spec``: tensor parallelism).
+    """
     total = 0
     for lay in jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, ShardLayout)):
-        total += lay.nbytes // (lay.num_shards if per_rank and lay.sharded else 1)
+        split = 1
+        if per_rank and mesh_shape:
+            split = math.prod(mesh_shape[a] for e in lay.base_spec for a in _as_tuple(e))
+        total += lay.nbytes // (lay.num_shards if per_rank and lay.sharded else 1) // split
     return total

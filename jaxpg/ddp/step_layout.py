@@ -94,8 +94,10 @@ def _group_axes(mesh: Mesh, pg: Any) -> tuple[str, ...] | None:
     return None
 
 
-def step_layout(pg: Any, params: Any, rest: Any) -> StepLayout:
-    """The layout of DDP's step for a model whose state is ``params`` and ``rest``.
+def step_layout(pg: Any, params: Any, rest: Any, *,
+                api: str = "DistributedDataParallel") -> StepLayout:
+    """The layout of DDP's (or FSDP's, ``api``) step for a model whose state is ``params``
+    and ``rest``.
 
     Raises:
         ValueError: if the state lives on several larger meshes, on one the group is not a
@@ -113,14 +115,14 @@ def step_layout(pg: Any, params: Any, rest: Any) -> StepLayout:
         return StepLayout(pg.mesh, (pg.axis_name,), replicated(params), replicated(rest), False)
     if len(meshes) > 1:
         raise ValueError(
-            f"DistributedDataParallel: the model's arrays live on {len(meshes)} different "
+            f"{api}: the model's arrays live on {len(meshes)} different "
             f"meshes ({[dict(m.shape) for m in meshes]}); lay them all out on one mesh."
         )
     mesh = meshes.pop()
     axes = _group_axes(mesh, pg)
     if axes is None:
         raise ValueError(
-            f"DistributedDataParallel: the model's arrays are laid out on a mesh with axes "
+            f"{api}: the model's arrays are laid out on a mesh with axes "
             f"{dict(mesh.shape)} (tensor parallel), but group {pg!r} is not one dimension of "
             "it; pass the data-parallel dimension's group, e.g. group=mesh.get_group('dp')."
         )
@@ -131,10 +133,13 @@ def step_layout(pg: Any, params: Any, rest: Any) -> StepLayout:
         s = x.sharding.spec
         named = {a for e in s if e is not None for a in (e if isinstance(e, tuple) else (e,))}
         if named & set(axes):
+            why = ("DDP replicates parameters over them (sharded data parallelism is FSDP's)"
+                   if api == "DistributedDataParallel" else
+                   f"{api} shards them over those axes itself; pass the data-parallel "
+                   "dimension's group, e.g. group=mesh.get_group('dp')")
             raise ValueError(
-                f"DistributedDataParallel: {jax.tree_util.keystr(path)} is split over the "
-                f"data-parallel axes {sorted(named & set(axes))} ({s}); DDP replicates "
-                "parameters over them (sharded data parallelism is FSDP's)."
+                f"{api}: {jax.tree_util.keystr(path)} is split over the "
+                f"data-parallel axes {sorted(named & set(axes))} ({s}); {why}."
             )
         return s
 

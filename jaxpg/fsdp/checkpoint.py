@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpg.ddp.checkpoint import latest_step
+from jaxpg.fsdp.model_parallel import has_block_padding
 from jaxpg.fsdp.placement import check_fits
 from jaxpg.fsdp.state_shapes import state_paths, true_shapes
 
@@ -93,7 +94,8 @@ def save_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
     meta = {"step": fsdp.step, "data_state": data_state or {}, "paths": state_paths(tree),
             "fsdp": {"full": full, "true_shapes": [list(s) for s in shapes],
                      "stage": fsdp.stage, "num_shards": fsdp.group.num_shards,
-                     "world_size": fsdp.group.size}}
+                     "world_size": fsdp.group.size,
+                     "block_padded": not full and has_block_padding(fsdp.layouts)}}
     _write(directory, fsdp.step, _flat(tree), meta)
     return fsdp.step
 
@@ -154,6 +156,8 @@ def restore_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
             stored, true = stored[: x.ndim], tuple(true)
         check_fits(path, stored, tuple(saved_true[i]) if saved_true else stored, true,
                    "restore_checkpoint")
+        if tuple(stored) != tuple(raw.shape[:len(stored)]):
+            _check_block_padding(fsdp, meta, "restore_checkpoint")
         abstract[key] = jax.ShapeDtypeStruct(raw.shape, raw.dtype, sharding=raw.sharding)
     with _manager(directory) as mngr:
         restored = mngr.restore(step, args=ocp.args.Composite(
@@ -167,6 +171,17 @@ def restore_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
     loaded = jax.tree.unflatten(treedef, new)
     fsdp.load_state_dict({**{k: loaded[k] for k in _PARTS}, "step": meta["step"]})
     return int(meta["step"]), dict(meta["data_state"])
+
+
+def _check_block_padding(fsdp: Any, meta: dict[str, Any], what: str) -> None:
+    """Raises if a resharding load involves block-padded tensor-parallel parameters."""
+    if meta.get("fsdp", {}).get("block_padded"):
+        raise ValueError(
+            f"{what}: the checkpoint holds tensor-parallel parameters whose blocks are "
+            "padded inside the array (saved at another dp size); it loads only onto the "
+            "same layout (the same dp and tp sizes)."
+        )
+    fsdp.check_resharding(what)
 
 
 def consolidate_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *,
@@ -185,6 +200,12 @@ def consolidate_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *,
     if step is None:
         raise FileNotFoundError(f"consolidate_checkpoint: no checkpoint under {src!r}.")
     meta, saved_shapes = _saved(src, step)
+    if meta.get("fsdp", {}).get("block_padded"):
+        raise ValueError(
+            f"consolidate_checkpoint: the checkpoint at {os.fspath(src)!r} step {step} holds "
+            "tensor-parallel parameters whose blocks are padded inside the array; it "
+            "cannot be cut into whole arrays. Restore it onto the same layout instead."
+        )
     true = meta.get("fsdp", {}).get("true_shapes")
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     with _manager(src, item_handlers={"state": ocp.StandardCheckpointHandler()}) as m:

@@ -28,6 +28,7 @@ from jaxpg.ddp.zero import abstract_sharded_opt_state, init_sharded_opt_state
 from jaxpg.fsdp import placement
 from jaxpg.fsdp.collectives import Comm
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
+from jaxpg.fsdp.model_parallel import compose_with_model_mesh, has_block_padding
 from jaxpg.fsdp.shard_group import resolve_shard_group
 from jaxpg.fsdp.train_step import StepMode, StepPlan, build_train_step
 from jaxpg.fsdp.units import path_str, resolve_units, wrap_model
@@ -103,11 +104,15 @@ class FullyShardedDataParallel:
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         graphdef, params, rest = param_sync.split_model(module)
+        self.group, self._model_layout = compose_with_model_mesh(self.group, group, params,
+                                                                 rest, _API)
         signatures = param_sync.gather_param_signatures(params, self.group.process_group)
         param_sync.verify_param_shapes(signatures, list(self.group.process_group.ranks))
         self.units = resolve_units(module, units)
         self._graphdef = graphdef
-        self.layouts = make_layouts(params, self.group.num_shards)
+        tp = self._model_layout
+        self.layouts = make_layouts(params, self.group.num_shards) if tp is None else \
+            make_layouts(params, self.group.num_shards, tp.param_specs, dict(tp.mesh.shape))
         owners = _owners(params, self.units)
         for unit in self.units:
             if unit not in owners:
@@ -118,12 +123,20 @@ class FullyShardedDataParallel:
         if self.abstract:  # nnx.eval_shape's model: plan and measure, nothing allocated
             self.params, self.rest, self.opt_state, opt_shardings = self._abstract_state(
                 params, rest)
+        elif tp is not None:  # tensor parallel: each leaf keeps its layout on the mesh
+            from jaxpg.ddp.step_layout import place_on_layout
+
+            whole = place_on_layout(params, tp.param_specs, tp, broadcast=broadcast_params)
+            self.params = placement.shard_params(whole, self.layouts, mesh, axes) \
+                if stage == 3 else whole
+            self.rest = place_on_layout(rest, tp.rest_specs, tp, broadcast=broadcast_params)
         else:
             whole = (self.group.replicate_from_rank0(params) if broadcast_params
                      else self._place_whole(params))
             self.params = placement.shard_params(whole, self.layouts, mesh, axes) \
                 if stage == 3 else whole
             self.rest = self.group.replicate_from_rank0(rest)
+        if not self.abstract:
             self.opt_state, opt_shardings = init_sharded_opt_state(
                 optimizer, self.params, self.layouts, mesh, axes, params_padded=stage == 3)
         wrapped = None
@@ -135,7 +148,8 @@ class FullyShardedDataParallel:
             units=self.units, stage=stage,
             reshard_after_forward=reshard_after_forward,
             comm=Comm(axes, self.group.replicate_axes, self.group.size, self.mp_policy),
-            group=self.group, optimizer=optimizer, opt_shardings=opt_shardings)
+            group=self.group, optimizer=optimizer, opt_shardings=opt_shardings,
+            rest_specs=None if tp is None else tp.rest_specs)
         self.step = 0
         self._acc: Any = None
         self._no_sync = False
@@ -177,10 +191,15 @@ class FullyShardedDataParallel:
         from flax import nnx
 
         rest = jax.tree.map(lambda x: x.copy(), self.rest)
-        return nnx.merge(self._graphdef, self.full_params(), rest)
+        params = self.full_params()
+        if self._model_layout is not None:  # the full, unsharded model (as DDP's)
+            whole = self.group.sharding(jax.sharding.PartitionSpec())
+            params, rest = jax.tree.map(lambda x: jax.device_put(x, whole), (params, rest))
+        return nnx.merge(self._graphdef, params, rest)
 
     def full_params(self) -> Any:
-        """The parameters as whole arrays (unpadded), replicated over the group."""
+        """The parameters as whole arrays (unpadded), replicated over the group (a
+        tensor-parallel model's keep their tensor-parallel split)."""
         if self.stage == 3:
             return placement.gather_params(self.params, self.layouts, self.group.mesh)
         return jax.tree.map(lambda x: x.copy(), self.params)
@@ -190,13 +209,15 @@ class FullyShardedDataParallel:
         leaves = jax.tree_util.tree_flatten_with_path(self.layouts)[0]
         rows = [f"{_API}: stage {self.stage}, {self.group.describe()}, "
                 f"reshard_after_forward={self.reshard_after_forward}"]
+        shape = dict(self.group.mesh.shape)
         by_unit: dict[str, list[ShardLayout]] = {}
         for owner, (_, lay) in zip(self._plan.owners, leaves, strict=True):
             by_unit.setdefault(owner or "<root>", []).append(lay)
         for unit, lays in by_unit.items():
             pad = sum(lay.padding for lay in lays)
             rows.append(f"  {unit}: {len(lays)} params, {layout_bytes(lays, per_rank=False)} "
-                        f"bytes, {layout_bytes(lays, per_rank=True)} per rank, "
+                        f"bytes, {layout_bytes(lays, per_rank=True, mesh_shape=shape)} per "
+                        "rank, "
                         f"{pad} padding rows")
         return "\n".join(rows)
 
@@ -262,6 +283,7 @@ class FullyShardedDataParallel:
         ``DistributedDataParallel`` of the same model and optimizer."""
         from jaxpg.fsdp.state_shapes import true_shapes, unpad_to
 
+        self.check_resharding("full_state_dict")
         state = self.state_dict()
         shapes = true_shapes(self)
         parts = {k: state[k] for k in STATE_PARTS}
@@ -302,6 +324,8 @@ class FullyShardedDataParallel:
         new = []
         for (path, target), (_, value), true in zip(t_leaves, g_leaves, shapes, strict=True):
             got = tuple(np.shape(value))
+            if got != tuple(target.shape):
+                self.check_resharding("load_state_dict")
             placement.check_fits(jax.tree_util.keystr(path), got,
                                  true if got == tuple(target.shape) else None, true,
                                  "load_state_dict")
@@ -310,6 +334,27 @@ class FullyShardedDataParallel:
         self.params, self.rest, self.opt_state = (loaded[k] for k in STATE_PARTS)
         self.step = int(state["step"])
         self._acc = None
+
+    def check_resharding(self, what: str) -> None:
+        """Raises if the stored form cannot be converted to whole arrays by cutting dim 0.
+
+        A tensor-parallel parameter split on its sharded dimension (a row-parallel
+        kernel) whose blocks do not divide by the shard count holds zero rows *inside*
+        the array, one run per block; whole-array checkpoints and loading at another
+        world size only cut or pad the end.
+
+        Raises:
+            ValueError: naming ``what`` and the way out.
+        """
+        if has_block_padding(self.layouts):
+            raise ValueError(
+                f"{what}: this tensor-parallel model has parameters whose tensor-parallel "
+                f"blocks are padded to a multiple of the {self.group.num_shards} shards "
+                "(a row-parallel dimension / tp not divisible by the dp size); converting "
+                "them to whole arrays or another world size is not supported. Save with "
+                "state_dict() / save_checkpoint(full=False) and load onto the same layout, "
+                "or choose sizes whose tensor-parallel blocks divide by the dp size."
+            )
 
     def __repr__(self) -> str:
         return (f"{_API}(stage={self.stage}, {self.group.describe()}, units={len(self.units)}, "

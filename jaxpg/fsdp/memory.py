@@ -107,12 +107,13 @@ def step_memory(wrapper: Any, loss_fn: Any, batch: Any) -> StepMemory:
 
         fn = wrapper._step_fn(loss_fn, StepMode())
         spec = wrapper.group.sharding(wrapper.group.batch_spec)
-        scale = wrapper.group.size // wrapper.group.local_count()
+        scale = wrapper.group.size // wrapper.group.local_batch_positions()
         args = (wrapper.params, wrapper.rest, wrapper.opt_state, None,
                 _batch_struct(batch, spec, scale))
         from jaxpg.ddp.shard_layout import layout_bytes
 
-        grads = layout_bytes(wrapper.layouts, per_rank=wrapper.stage >= 2)
+        grads = layout_bytes(wrapper.layouts, per_rank=wrapper.stage >= 2,
+                             mesh_shape=dict(wrapper.group.mesh.shape))
     compiled = fn.lower(*_abstract(args)).compile()
     ma = compiled.memory_analysis()
     return StepMemory(

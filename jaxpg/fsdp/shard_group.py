@@ -41,6 +41,9 @@ class ShardGroup:
         world: the jaxpg world the mesh's devices belong to.
         process_group: a group holding every rank of the mesh (to compare the ranks'
             models at construction).
+        model_axes: the mesh axes the model itself is split over (tensor parallelism on
+            a ``("dp", "tp")`` mesh; empty otherwise). Every rank of one data-parallel
+            position along them trains on the same samples.
     """
 
     mesh: Mesh
@@ -48,6 +51,7 @@ class ShardGroup:
     replicate_axes: tuple[Hashable, ...]
     world: Any
     process_group: Any
+    model_axes: tuple[Hashable, ...] = ()
 
     @property
     def batch_axes(self) -> tuple[Hashable, ...]:
@@ -66,18 +70,34 @@ class ShardGroup:
 
     @property
     def size(self) -> int:
-        """All ranks of the group."""
+        """All data-parallel ranks of the group (shards x replicas)."""
         return self.num_shards * self.num_replicas
 
     def local_count(self) -> int:
-        """Ranks of the group held by this process."""
+        """Devices of the mesh held by this process."""
         pid = jax.process_index()
         return sum(d.process_index == pid for d in self.mesh.devices.flat)
 
+    def local_batch_positions(self) -> int:
+        """Data-parallel positions of this process (its share of the batch's splits)."""
+        if not self.model_axes:
+            return self.local_count()
+        index = [self.mesh.axis_names.index(a) for a in self.batch_axes]
+        local = np.vectorize(lambda d: d.process_index == jax.process_index())(
+            self.mesh.devices)
+        return len({tuple(int(c[i]) for i in index) for c in np.argwhere(local)})
+
     @property
     def all_local(self) -> bool:
-        """Whether this process holds every rank (the one-process case)."""
-        return self.local_count() == self.size
+        """Whether this process holds every device of the mesh (the one-process case)."""
+        return self.local_count() == self.mesh.devices.size
+
+    @property
+    def rank_spec(self) -> P:
+        """Per-rank state (``no_sync`` accumulators): one row per device of the mesh."""
+        if not self.model_axes:
+            return self.batch_spec
+        return P(tuple(self.mesh.axis_names))
 
     def sharding(self, spec: P) -> NamedSharding:
         """``NamedSharding(self.mesh, spec)``."""
@@ -98,7 +118,7 @@ class ShardGroup:
                 this process's ranks.
         """
         sharding = self.sharding(self.batch_spec)
-        n_local = self.local_count()
+        n_local = self.local_batch_positions()
 
         def place(path, x):
             if isinstance(x, jax.Array) and x.sharding == sharding:
@@ -119,7 +139,7 @@ class ShardGroup:
     def per_rank(self, tree: Any) -> Any:
         """One copy of ``tree`` per rank, stacked on a leading axis split over the group."""
         n_local = self.local_count()
-        sharding = self.sharding(self.batch_spec)
+        sharding = self.sharding(self.rank_spec)
 
         def place(x):
             stacked = jnp.broadcast_to(jnp.asarray(x)[None], (n_local, *np.shape(x)))
@@ -154,12 +174,16 @@ class ShardGroup:
                                      out_specs=P(), check_vma=False))
 
     def describe(self) -> str:
-        """``'shard over dp (4)'`` or ``'replicate over r (2) x shard over s (4)'``."""
+        """``'shard over dp (4)'`` or ``'replicate over r (2) x shard over s (4)'``, and
+        ``', model split over tp (2)'`` for a tensor-parallel model."""
         shard = f"shard over {'x'.join(map(str, self.shard_axes))} ({self.num_shards})"
-        if not self.replicate_axes:
-            return shard
-        rep = "x".join(map(str, self.replicate_axes))
-        return f"replicate over {rep} ({self.num_replicas}) x {shard}"
+        if self.replicate_axes:
+            rep = "x".join(map(str, self.replicate_axes))
+            shard = f"replicate over {rep} ({self.num_replicas}) x {shard}"
+        if self.model_axes:
+            sizes = math.prod(self.mesh.shape[a] for a in self.model_axes)
+            shard += f", model split over {'x'.join(map(str, self.model_axes))} ({sizes})"
+        return shard
 
 
 def from_rank0(x: jax.Array, axes: tuple[Hashable, ...]) -> jax.Array:

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.ddp.zero import sharded_update
 from jaxpg.fsdp import units as _units
 from jaxpg.fsdp.collectives import Comm, accumulate, allreduce_leaf, gather_param, reduce_leaf
+from jaxpg.fsdp.model_parallel import local_block_shape
 from jaxpg.fsdp.shard_group import ShardGroup, from_rank0
 from jaxpg.fsdp.unit_call import StepContext
 
@@ -72,6 +73,8 @@ class StepPlan:
         group: the shard group.
         optimizer: the optax transformation.
         opt_shardings: the optimizer state's shardings.
+        rest_specs: the ``PartitionSpec`` of each leaf of the rest of the module state
+            (a tensor-parallel model's; None: replicated).
     """
 
     graphdef: Any
@@ -84,6 +87,7 @@ class StepPlan:
     group: ShardGroup
     optimizer: optax.GradientTransformation
     opt_shardings: Any
+    rest_specs: Any = None
 
     def param_specs(self) -> Any:
         """How the stored parameters enter the ``shard_map``."""
@@ -181,9 +185,11 @@ def _stage12_grads(loss_fn, plan: StepPlan, mode: StepMode, params, rest, acc, b
 
 
 def _zero_acc(plan: StepPlan) -> Any:
-    """Zero ``no_sync`` accumulators (unsharded, in each parameter's reduce dtype)."""
+    """Zero ``no_sync`` accumulators (each device's unsharded block, in each parameter's
+    reduce dtype)."""
+    mesh_shape = dict(plan.group.mesh.shape)
     return jax.tree.map(
-        lambda lay: jnp.zeros(lay.shape[:1] and (lay.block_dim0, *lay.shape[1:]),
+        lambda lay: jnp.zeros(local_block_shape(lay, mesh_shape),
                               plan.comm.policy.reduce_dtype_for(lay.dtype)),
         plan.layouts)
 
@@ -199,7 +205,8 @@ def build_train_step(loss_fn: Callable[..., Any], plan: StepPlan, mode: StepMode
     """
     group = plan.group
     axes = group.batch_axes
-    rank_spec = group.batch_spec
+    rank_spec = group.rank_spec
+    rest_spec = P() if plan.rest_specs is None else plan.rest_specs
 
     def body(params, rest, acc, batch):
         acc = jax.tree.map(lambda x: x[0], acc)
@@ -224,8 +231,8 @@ def build_train_step(loss_fn: Callable[..., Any], plan: StepPlan, mode: StepMode
 
     mapped = jax.shard_map(
         body_in_context, mesh=group.mesh,
-        in_specs=(plan.param_specs(), P(), rank_spec, rank_spec),
-        out_specs=(plan.grad_specs() if mode.sync else None, P(), rank_spec, P()),
+        in_specs=(plan.param_specs(), rest_spec, rank_spec, group.batch_spec),
+        out_specs=(plan.grad_specs() if mode.sync else None, rest_spec, rank_spec, P()),
         check_vma=False,
     )
 
