@@ -91,6 +91,8 @@ class ServiceProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 _child: ServiceProcess | None = None
@@ -102,9 +104,13 @@ def running() -> ServiceProcess | None:
 
 
 def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
-          startup_timeout: float = 120.0) -> ServiceProcess:
+          startup_timeout: float = 120.0, register_timeout: int = 3600) -> ServiceProcess:
     """Starts the child hosting a recoverable service on ``bind_address`` and waits until
     it listens.
+
+    ``register_timeout`` is how long the service waits for every process to register; then
+    it answers the waiting ones with the names of the missing
+    (:mod:`jaxpg.service_client`).
 
     Raises:
         OSError: the child could not start the service (its message, e.g. the port is
@@ -118,7 +124,7 @@ def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     proc = subprocess.Popen(
         [sys.executable, "-c", code, os.path.abspath(__file__), bind_address,
-         str(num_processes), str(heartbeat_timeout), str(linger)],
+         str(num_processes), str(heartbeat_timeout), str(linger), str(register_timeout)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + startup_timeout
@@ -128,6 +134,8 @@ def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
         if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
             proc.kill()
             proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
             raise OSError(f"the coordination service child did not start within "
                           f"{startup_timeout:.0f} s")
         chunk = os.read(proc.stdout.fileno(), 4096)
@@ -137,6 +145,8 @@ def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
     text = line.decode(errors="replace").strip()
     if text != _READY:
         proc.wait(10)
+        proc.stdin.close()
+        proc.stdout.close()
         raise OSError(text or f"the coordination service child exited with {proc.returncode}")
     _child = ServiceProcess(proc, bind_address)
     atexit.register(_at_exit)
@@ -207,7 +217,7 @@ def _at_exit() -> None:
 
 
 def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
-           linger: float) -> int:
+           linger: float, register_timeout: int) -> int:
     """The child: hosts the service until told to stop, or ``linger`` s after EOF."""
     import socket
 
@@ -231,7 +241,7 @@ def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
     try:
         service = distributed_runtime_service(
             bind_address, num_processes, heartbeat_timeout=heartbeat_timeout,
-            shutdown_timeout=5, recoverable=True)
+            cluster_register_timeout=register_timeout, shutdown_timeout=5, recoverable=True)
     except Exception as exc:  # noqa: BLE001
         print(f"the coordination service could not start on {bind_address}: {exc}",
               flush=True)
@@ -248,4 +258,5 @@ def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])))
+    sys.exit(_serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]),
+                    int(sys.argv[5])))
