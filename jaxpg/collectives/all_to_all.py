@@ -67,7 +67,9 @@ def _exchange(pg: Any, chunks: list[list[Any]], api: str) -> list[list[Any]]:
 @returns_work_at_once
 def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
                async_op: bool = False) -> Any:
-    """Rank ``j`` sends ``input_tensor_list[i]`` to rank ``i``; returns the received list.
+    """Rank ``j`` sends ``input_tensor_list[i]`` to rank ``i``; **returns** the received list
+    (torch's ``all_to_all(output_tensor_list, input_tensor_list)`` fills the first list:
+    here ``output_tensor_list = jaxpg.all_to_all(input_tensor_list)``).
 
     Chunks may differ in dim 0 per pair (eager). In a process holding several ranks, each
     list entry stacks those ranks' chunks along a leading axis (same shapes), or pass a list
@@ -124,7 +126,8 @@ def all_to_all_single(input: Any, output_split_sizes: Sequence[int] | None = Non
                       input_split_sizes: Sequence[int] | None = None, group: Any = None,
                       async_op: bool = False) -> Any:
     """Splits ``input`` along dim 0 by ``input_split_sizes`` (even if None), sends split ``i``
-    to rank ``i``, and concatenates what arrives.
+    to rank ``i``, and **returns** the concatenation of what arrives (torch writes it into
+    its first argument, ``output``).
 
     ``output_split_sizes`` is optional (jaxpg learns the sizes); when given it is checked.
     In a process holding several ranks, ``input`` is a list of per-rank arrays and the
@@ -133,8 +136,8 @@ def all_to_all_single(input: Any, output_split_sizes: Sequence[int] | None = Non
     api = "all_to_all_single"
     if _is_data(output_split_sizes) and not _is_sizes(output_split_sizes):
         raise torch_form_error(api)  # torch's (output, input, ...): an array in the sizes' place
-    check_inputs(input, api, "input")
     pg, ctx = resolve(group, api)
+    check_inputs(input, api, "input")
     k = pg.size()
     if ctx is not None:
         x = jnp.asarray(input)

@@ -11,7 +11,7 @@ discarded, the statement being nothing but the call, warns
 
 How it knows: CPython compiles an expression statement to the call followed by
 ``POP_TOP``, which drops the value; the wrapper looks at the instruction after the caller's
-current one (``dis``, cached per code object and offset, about half a microsecond per call).
+current one (``dis``, cached per code object and offset: a microsecond or two per call).
 What it does not see, and so never warns about: a result dropped by a function in between
 (``def f(x): jaxpg.all_reduce(x)`` warns at that line, but a wrapper that returns the result
 to a caller who drops it does not), a result stored and never read, SPMD code (a traced

@@ -140,8 +140,8 @@ def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: 
     ``t = jaxpg.broadcast(t, src)`` here).
     """
     api = "broadcast"
-    check_input(tensor, api)
     pg, ctx = resolve(group, api)
+    check_input(tensor, api)
     s = group_rank_of(pg, src, group_src, api, "src")
     if ctx is not None:
         return completed(ctx.layout(pg).broadcast(jnp.asarray(tensor), s), async_op, api)
@@ -163,8 +163,8 @@ def gather(tensor: Any, dst: int | None = None, group: Any = None, async_op: boo
     api = "gather"
     if gather_list is not None or isinstance(dst, (list, tuple)):
         raise torch_form_error(api)
-    check_input(tensor, api)
     pg, ctx = resolve(group, api)
+    check_input(tensor, api)
     d = group_rank_of(pg, dst, group_dst, api, "dst")
     if ctx is not None:
         stack = ctx.layout(pg).gather(jnp.asarray(tensor))
@@ -189,11 +189,11 @@ def scatter(tensor: Any = None, scatter_list: list[Any] | None = None, src: int 
     and the part is **returned** (``tensor = jaxpg.scatter(tensor, scatter_list, src=0)``).
     """
     api = "scatter"
+    pg, ctx = resolve(group, api)
     if tensor is not None:
         check_input(tensor, api)
     for i, x in enumerate(scatter_list or []):
         check_input(x, api, f"scatter_list[{i}]")
-    pg, ctx = resolve(group, api)
     s = group_rank_of(pg, src, group_src, api, "src")
     k = pg.size()
     if ctx is not None:

@@ -143,8 +143,8 @@ def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
         None (in SPMD code, ``tensor``: the send itself happens at the matching ``recv``).
     """
     api = "send"
-    check_inputs(tensor, api)
     pg, ctx = resolve(group, api)
+    check_inputs(tensor, api)
     dst_rank = _peer(pg, dst, group_dst, api, "dst")
     if ctx is not None:
         if src is None:
@@ -198,9 +198,9 @@ def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int
     header (the default). In SPMD code pass ``dst=`` too; non-receivers get ``tensor`` back.
     """
     api = "recv"
+    pg, ctx = resolve(group, api)
     if tensor is not None:
         check_inputs(tensor, api)
-    pg, ctx = resolve(group, api)
     src_rank = _peer(pg, src, group_src, api, "src")
     if ctx is not None:
         if dst is None or tensor is None:
@@ -324,8 +324,8 @@ def permute(tensor: Any, pairs: Sequence[tuple[int, int]], group: Any = None) ->
     This is ``lax.ppermute`` over the group; the pipeline's stage transfer is built on it.
     """
     api = "permute"
-    check_input(tensor, api)
     pg, ctx = resolve(group, api)
+    check_input(tensor, api)
     srcs = [a for a, _ in pairs]
     dsts = [b for _, b in pairs]
     k = pg.size()

@@ -45,8 +45,8 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
         >>> jaxpg.all_reduce(jnp.arange(8.0)[:, None])   # 8 local ranks, stacked
     """
     api = "all_reduce"
-    check_input(tensor, api)
     pg, ctx = resolve(group, api)
+    check_input(tensor, api)
     op = checked_op(op, tensor, api)
     if ctx is not None:
         return completed(ctx.layout(pg).all_reduce(jnp.asarray(tensor), op), async_op, api)
@@ -63,8 +63,8 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, gro
     **Returns the result** (torch writes it into ``tensor`` on ``dst``).
     """
     api = "reduce"
-    check_input(tensor, api)
     pg, ctx = resolve(group, api)
+    check_input(tensor, api)
     op = checked_op(op, tensor, api)
     d = group_rank_of(pg, dst, group_dst, api, "dst")
 
@@ -88,8 +88,8 @@ def reduce_scatter_tensor(input: Any, op: ReduceOp = ReduceOp.SUM, group: Any = 
     api = "reduce_scatter_tensor"
     if _is_array_like(op):
         raise torch_form_error(api)
-    check_input(input, api, "input")
     pg, ctx = resolve(group, api)
+    check_input(input, api, "input")
     op = checked_op(op, input, api)
     k = pg.size()
     shape = np.shape(input)

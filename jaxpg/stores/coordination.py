@@ -120,7 +120,7 @@ def start_jax_distributed(
             state.service = _jax_compat.distributed_runtime_service(
                 bind, num_processes, heartbeat_timeout=heartbeat,
                 cluster_register_timeout=register_timeout, shutdown_timeout=300)
-        if launcher_hosted and lobby is None:
+        if lobby is None:  # jaxpg-run's lobby folder, if the launcher made one
             lobby = service_client.lobby_arrivals
         hosted_coordinator.connect(
             coordinator_address,

@@ -52,7 +52,7 @@ def _raised(text: str) -> tuple[float, str, str]:
 @pytest.mark.timeout(150)
 def test_missing_ranks_are_named_for_every_rendezvous_form(tmp_path):
     """Each case starts only some processes of its world, all cases at once."""
-    tcp0, tcp1, env0, fs0 = (_free_port() for _ in range(4))
+    tcp0, tcp1, env0, fs0, store0 = (_free_port() for _ in range(5))
     cases = {  # name: (process, what the error must say)
         "tcp, a non-coordinator missing": (
             _start(f"tcp://127.0.0.1:{tcp0}", 0, 2),
@@ -68,6 +68,9 @@ def test_missing_ranks_are_named_for_every_rendezvous_form(tmp_path):
         "env, in-process service, one missing": (
             _start("env://", 0, 2, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(fs0), JAXPG_COORDINATOR_PROCESS="0"),
+            ["DistTimeoutError", "1 of 2 processes joined", "ranks that never joined: [1]"]),
+        "store=TCPStore, a non-coordinator missing": (
+            _start(f"store:127.0.0.1:{store0}", 0, 2),
             ["DistTimeoutError", "1 of 2 processes joined", "ranks that never joined: [1]"]),
         "file, a non-coordinator missing": (
             _start(f"file://{tmp_path / 'a'}", 0, 2),
