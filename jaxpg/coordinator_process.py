@@ -104,13 +104,14 @@ def running() -> ServiceProcess | None:
 
 
 def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
-          startup_timeout: float = 120.0, register_timeout: int = 3600) -> ServiceProcess:
+          startup_timeout: float = 120.0, register_by: float | None = None) -> ServiceProcess:
     """Starts the child hosting a recoverable service on ``bind_address`` and waits until
     it listens.
 
-    ``register_timeout`` is how long the service waits for every process to register; then
-    it answers the waiting ones with the names of the missing
-    (:mod:`jaxpg.service_client`).
+    ``register_by`` (``time.time()``; default an hour from now) is until when the service
+    waits for every process to register; then it answers the waiting ones with the names
+    of the missing (:mod:`jaxpg.service_client`). It is a point in time, not a duration, so
+    that the child's own start-up (seconds on a loaded machine) does not lengthen it.
 
     Raises:
         OSError: the child could not start the service (its message, e.g. the port is
@@ -124,7 +125,8 @@ def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     proc = subprocess.Popen(
         [sys.executable, "-c", code, os.path.abspath(__file__), bind_address,
-         str(num_processes), str(heartbeat_timeout), str(linger), str(register_timeout)],
+         str(num_processes), str(heartbeat_timeout), str(linger),
+         repr(time.time() + 3600 if register_by is None else register_by)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + startup_timeout
@@ -217,7 +219,7 @@ def _at_exit() -> None:
 
 
 def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
-           linger: float, register_timeout: int) -> int:
+           linger: float, register_by: float) -> int:
     """The child: hosts the service until told to stop, or ``linger`` s after EOF."""
     import socket
 
@@ -241,7 +243,8 @@ def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
     try:
         service = distributed_runtime_service(
             bind_address, num_processes, heartbeat_timeout=heartbeat_timeout,
-            cluster_register_timeout=register_timeout, shutdown_timeout=5, recoverable=True)
+            cluster_register_timeout=max(1, int(register_by - time.time())),
+            shutdown_timeout=5, recoverable=True)
     except Exception as exc:  # noqa: BLE001
         print(f"the coordination service could not start on {bind_address}: {exc}",
               flush=True)
@@ -259,4 +262,4 @@ def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
 
 if __name__ == "__main__":
     sys.exit(_serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]),
-                    int(sys.argv[5])))
+                    float(sys.argv[5])))

@@ -163,6 +163,57 @@ class _CapturedStderr:
         os.close(self._saved)
 
 
+REMIND_AFTER_S = 60.0
+REMIND_EVERY_S = 300.0
+
+
+class _Reminder:
+    """While a long startup wait lasts, says so on stderr: after ``REMIND_AFTER_S`` and then
+    every ``REMIND_EVERY_S`` (a timeout of 30 minutes should not mean 30 silent minutes)."""
+
+    def __init__(self, what: Callable[[float], str]):
+        self._what = what
+        self._fd = os.dup(2)  # the real stderr: the connect collects what goes to fd 2
+        self._done = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        wait = REMIND_AFTER_S
+        while not self._done.wait(wait):
+            text = f"[jaxpg] {self._what(time.monotonic() - self._start)}\n".encode()
+            try:
+                os.write(self._fd, text)
+            except OSError:
+                return
+            wait = REMIND_EVERY_S
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(1.0)
+        os.close(self._fd)
+
+
+def _waiting_text(address: str, rank: int, world: int, timeout: float,
+                  lobby: Callable[[], Iterable[int] | None] | None) -> Callable[[float], str]:
+    def text(waited: float) -> str:
+        missing = ""
+        if lobby is not None:
+            try:
+                arrived = lobby()
+            except Exception:  # noqa: BLE001
+                arrived = None
+            if arrived is not None:
+                missing = (f"; not arrived yet: ranks "
+                           f"{sorted(set(range(world)) - set(arrived) - {rank})}")
+        return (f"init_process_group (rank {rank} of {world}): still waiting after "
+                f"{waited:.0f} s for all {world} processes to join the coordination service at "
+                f"{address}{missing}; DistTimeoutError at the timeout ({timeout:.0f} s).")
+
+    return text
+
+
 def _registration_facts(log: str) -> tuple[int | None, int | None, list[int] | None]:
     """From the service's barrier error in ``log``: (joined, expected, missing task ids)."""
     count = re.search(r"# of tasks that reached the barrier: (\d+)/(\d+)", log)
@@ -248,6 +299,18 @@ def connect(
     if deadline is None:
         deadline = time.monotonic() + timeout
     who = f"rank {process_id} of {num_processes}"
+    reminder = _Reminder(_waiting_text(address, process_id, num_processes, timeout, lobby))
+    try:
+        return _connect(address, process_id, num_processes, timeout, heartbeat_timeout, host,
+                        hosts_service, shutdown_timeout, lobby, deadline, who)
+    finally:
+        reminder.stop()
+
+
+def _connect(address: str, process_id: int, num_processes: int, timeout: float,
+             heartbeat_timeout: int, host: str, hosts_service: bool, shutdown_timeout: int,
+             lobby: Callable[[], Iterable[int] | None] | None, deadline: float,
+             who: str) -> Any:
     if not hosts_service and not wait_until_listening(address, deadline):
         raise DistTimeoutError(
             f"init_process_group: could not reach the coordinator at {address} within "

@@ -111,15 +111,15 @@ def start_jax_distributed(
     try:
         launcher_hosted = hosted_coordinator.hosted_address() == coordinator_address
         child_hosted = not launcher_hosted and coordinator_process.enabled()
-        register_timeout = max(1, math.ceil(deadline - time.monotonic()))
         if child_hosted and process_id == 0:
             coordinator_process.start(bind, num_processes, heartbeat,
-                                      register_timeout=register_timeout)
+                                      register_by=time.time() + deadline - time.monotonic())
         elif not launcher_hosted and process_id == 0:  # JAXPG_COORDINATOR_PROCESS=0
             service_client.check_port_free(bind)
             state.service = _jax_compat.distributed_runtime_service(
                 bind, num_processes, heartbeat_timeout=heartbeat,
-                cluster_register_timeout=register_timeout, shutdown_timeout=300)
+                cluster_register_timeout=max(1, int(deadline - time.monotonic())),
+                shutdown_timeout=300)
         if lobby is None:  # jaxpg-run's lobby folder, if the launcher made one
             lobby = service_client.lobby_arrivals
         hosted_coordinator.connect(
