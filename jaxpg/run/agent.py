@@ -125,7 +125,8 @@ def _quiet_services() -> None:
     console, unless ``JAXPG_DEBUG`` is set: the launcher's Python output (its messages,
     the workers' stderr, a traceback) moves to a copy of stderr, and file descriptor 2,
     where only C++ code still writes, goes through a thread that drops everything up to a
-    fatal line (``F....``, ``terminate called``), which it passes on with what follows."""
+    fatal line (``F....``, ``terminate called``, ``Fatal Python error``), which it passes on
+    with what follows."""
     if show_cpp_logs() or getattr(sys.stderr, "_jaxpg_launcher", False):
         return
     try:
@@ -133,8 +134,9 @@ def _quiet_services() -> None:
         real = os.dup(2)
     except (AttributeError, OSError, ValueError):
         return
-    stream = io.TextIOWrapper(open(real, "wb", buffering=0, closefd=False),  # noqa: SIM115
-                              write_through=True, errors="backslashreplace")
+    stream = io.TextIOWrapper(open(real, "wb", closefd=False),  # noqa: SIM115
+                              write_through=True, line_buffering=True,
+                              errors="backslashreplace")
     stream._jaxpg_launcher = True  # type: ignore[attr-defined]
     read_end, write_end = os.pipe()
     os.dup2(write_end, 2)
@@ -145,7 +147,8 @@ def _quiet_services() -> None:
         passing = False
         while chunk := os.read(read_end, 65536):
             if not passing:
-                found = re.search(rb"^F\d{4} |terminate called", chunk, re.M)
+                found = re.search(rb"^F\d{4} |terminate called|Fatal Python error", chunk,
+                                  re.M)
                 if found is None:
                     continue
                 passing, chunk = True, chunk[found.start():]
