@@ -7,6 +7,11 @@ workers through ``JAXPG_COORDINATOR_HOSTED=<host:port>``; :func:`connect` then s
 ``jax.distributed`` in every process, process 0 included, as a client only. Afterwards
 ``jax.distributed`` is in the same state as after ``initialize`` (``jax.process_index()``,
 the CPU client's gloo collectives, ``jax.distributed.shutdown()`` all work as usual).
+
+Every jaxpg world joins this way, whoever hosts the service (the launcher, rank 0's child
+process, or rank 0's own process with ``JAXPG_COORDINATOR_PROCESS=0``): the client is
+connected by :mod:`jaxpg.service_client`, so a process that never comes is a named
+``DistTimeoutError`` within the timeout instead of JAX's C++ abort.
 """
 
 from __future__ import annotations
