@@ -28,7 +28,7 @@ __all__ = ["Console", "LineFilter", "Prefixer", "Tail", "consoles", "pump", "IDL
 IDLE_S = 0.3
 _GLOO_CHATTER = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 _CPP_LOG = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w./+-]+:\d+\] ")
-_JAXPG_ERROR = re.compile(rb"^(jaxpg\.errors\.)?Dist\w*Error: |^\[jaxpg")
+_JAXPG_ERROR = re.compile(rb"^(jaxpg\.errors\.)?Dist\w*Error: |^\[jaxpg[^\]]*\].*Dist\w*Error")
 _PYTHON_LINE = re.compile(rb"^(Traceback |  File \"|\[jaxpg|[\w.]+(Error|Exception|Warning|"
                           rb"Interrupt|Exit)\b)")
 
