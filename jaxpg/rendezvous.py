@@ -30,7 +30,7 @@ import socket
 import uuid
 from urllib.parse import parse_qs, urlparse
 
-from jaxpg.errors import DistError
+from jaxpg.errors import DistError, DistStoreError, DistTimeoutError
 from jaxpg.stores import DEFAULT_TIMEOUT, FileStore, HashStore, PrefixStore, Store, TCPStore
 from jaxpg.stores.coordination import start_jax_distributed
 from jaxpg.stores.store import Timeout, to_seconds
@@ -162,12 +162,16 @@ def _from_env(rank: int | None, world_size: int | None) -> RendezvousInfo:
     )
 
 
+def _base(store: Store) -> Store:
+    return store.underlying_store if isinstance(store, PrefixStore) else store
+
+
 def _through_store(
     store: Store, rank: int, world_size: int, init_method: str | None
 ) -> RendezvousInfo:
     """Claims ``rank`` in ``store``; rank 0 publishes a coordinator address."""
     local_rank, local_world_size = _locals(rank, world_size)
-    base = store.underlying_store if isinstance(store, PrefixStore) else store
+    base = _base(store)
     if isinstance(base, TCPStore):
         address = f"{base.host}:{base.port}"
     elif world_size == 1:
@@ -186,7 +190,7 @@ def _through_store(
             address = f"{host}:{free_port(host)}"
             store.set(f"{_RDZV}coordinator", address)
         else:
-            address = store.get(f"{_RDZV}coordinator").decode()
+            address = _coordinator_from_store(store, rank, world_size)
     return RendezvousInfo(
         coordinator_address=address,
         rank=rank,
@@ -196,6 +200,29 @@ def _through_store(
         store=store,
         init_method=init_method,
     )
+
+
+def _claimed_ranks(store: Store, world_size: int) -> list[int]:
+    """The ranks claimed in ``store``'s rendezvous so far (each process claims its own)."""
+    return [r for r in range(world_size) if store.check([f"{_RDZV}rank/{r}"])]
+
+
+def _coordinator_from_store(store: Store, rank: int, world_size: int) -> str:
+    """The coordinator address rank 0 publishes in ``store``; a named DistTimeoutError if
+    it does not come within the store's timeout."""
+    key = f"{_RDZV}coordinator"
+    try:
+        store.wait([key])
+    except DistStoreError:
+        seconds = store.timeout.total_seconds()
+        claimed = _claimed_ranks(store, world_size)
+        raise DistTimeoutError(
+            f"init_process_group: rank 0 did not publish the coordinator's address in the "
+            f"rendezvous store within {seconds:.1f} s (this is rank {rank} of {world_size}); "
+            f"{len(claimed)} of {world_size} processes joined; ranks that never joined: "
+            f"{[r for r in range(world_size) if r not in claimed]}."
+        ) from None
+    return store.get(key).decode()
 
 
 def rendezvous(
@@ -312,11 +339,12 @@ def initialize_jax_distributed(
         ``info.store`` if the rendezvous had one; else a :class:`TCPStore` on the
         coordination service, or a :class:`HashStore` in a one-process world.
 
-    If a peer never connects, JAX's coordination client aborts the process after
-    ``timeout`` (a fatal error, not an exception); ``jaxpg-run`` then reports that
-    worker's failure and stops the others.
+    If a peer never connects, or the coordinator cannot be reached, it raises
+    ``DistTimeoutError`` within ``timeout`` (plus the few seconds JAX's client adds), naming
+    the ranks that never joined or the address (:mod:`jaxpg.service_client`).
 
     Raises:
+        DistTimeoutError: not every process joined within ``timeout``.
         DistBackendError: if JAX's backends already started, or
             ``jax.distributed.initialize`` raised.
         ValueError: if a running ``jax.distributed`` disagrees with ``info``, or
@@ -329,9 +357,13 @@ def initialize_jax_distributed(
         return info.store if info.store is not None else HashStore(timeout=seconds)
     address = info.coordinator_address
     assert address is not None or distributed_state().client is not None
+    lobby = None
+    if info.store is not None and not isinstance(_base(info.store), TCPStore):
+        lobby = lambda: _claimed_ranks(info.store, info.world_size)  # noqa: E731
     client = start_jax_distributed(
         address or "", info.world_size, info.rank, timeout=seconds,
-        heartbeat_timeout=to_seconds(heartbeat_timeout), local_device_ids=local_device_ids)
+        heartbeat_timeout=to_seconds(heartbeat_timeout), local_device_ids=local_device_ids,
+        lobby=lobby)
     if info.store is not None:
         return info.store
     return TCPStore._from_client(client, timeout=seconds)

@@ -25,9 +25,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # _jax_compat holds every private jax API jaxpg uses; it imports only jaxpg.errors.
     ("errors", ("jaxpg.errors", "jaxpg.reduce_op", "jaxpg._jax_compat")),
     # gloo_device, hosted_coordinator and coordinator_process (rank 0's service child) start
-    # gloo and JAX's coordination service for the rendezvous, and import nothing from jaxpg.
+    # gloo and JAX's coordination service for the rendezvous; service_client joins it within
+    # the timeout with named errors. They import nothing from jaxpg above the errors layer.
     ("stores", ("jaxpg.stores", "jaxpg.gloo_device", "jaxpg.hosted_coordinator",
-                "jaxpg.coordinator_process")),
+                "jaxpg.coordinator_process", "jaxpg.service_client")),
     ("rendezvous", ("jaxpg.rendezvous",)),
     ("groups", ("jaxpg.groups",)),
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),

@@ -127,7 +127,7 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
                        ranks_of=lambda procs: _ranks_of_processes(state, procs,
                                                                   range(len(devices))))
     _store_barrier(state, state.world_group.store, "init", list(range(state.process_count)),
-                   timeout)
+                   timeout, "init_process_group")
     return state
 
 
@@ -180,13 +180,17 @@ def _arrive_and_wait(store: Any, prefix: str, me: int, procs: list[int],
 
 
 def _store_barrier(state: Any, store: Any, name: str, procs: list[int],
-                   timeout: datetime.timedelta) -> None:
-    """The seed's ``_store_based_barrier``: every process checks in, then waits for all."""
+                   timeout: datetime.timedelta, api: str = "") -> None:
+    """The seed's ``_store_based_barrier``: every process checks in, then waits for all;
+    raises ``DistTimeoutError`` naming the ranks that did not arrive and how many did."""
     missing = _arrive_and_wait(store, f"barrier/{name}", state.process_index, procs, timeout)
     if missing:
+        ranks = _ranks_of_processes(state, missing, range(len(state.devices)))
         raise DistTimeoutError(
-            f"store barrier {name!r}: processes {missing} did not arrive within "
-            f"{timeout.total_seconds():.1f} s."
+            f"{api or 'store barrier'} (store barrier {name!r}): {len(procs) - len(missing)} "
+            f"of {len(procs)} processes arrived within {timeout.total_seconds():.1f} s; ranks "
+            f"that did not arrive: {ranks} (processes {missing}). Every process must call it, "
+            "in the same order."
         )
 
 
@@ -198,7 +202,8 @@ def on_groups_created(state: Any, groups: Sequence[Any]) -> None:
         _group_store(g)
     first = groups[0]
     _store_barrier(state, PrefixStore(first.group_name, state.store), "created",
-                   list(range(state.process_count)), first.timeout)
+                   list(range(state.process_count)), first.timeout,
+                   f"new_group {first.group_name!r}")
 
 
 def _group_store(group: Any) -> Any:
