@@ -90,9 +90,15 @@ def blocks_of(path: Path) -> list[Block]:
     return out
 
 
+# what the docs build writes (ignored by git): built pages, copies, generated API pages
+_GENERATED = {"_build", "_generated", "api"}
+
+
 def _pages() -> list[Path]:
-    return [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-            if p.is_file()]
+    docs = ROOT / "docs"
+    written = [p for p in sorted(docs.rglob("*.md"))
+               if not _GENERATED & set(p.relative_to(docs).parts[:-1])]
+    return [p for p in [ROOT / "README.md", *written] if p.is_file()]
 
 
 def _cases() -> list:
