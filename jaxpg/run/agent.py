@@ -111,6 +111,9 @@ def _watch(group: WorkerGroup, nodes, attempt: int) -> tuple[str | None, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the launcher; returns its exit code (see :mod:`jaxpg.run`)."""
     args = parse_args(argv)
+    if args.cluster is not None:
+        _say(f"started by {args.cluster.launcher} ({args.cluster.variables}): node "
+             f"{args.node_rank} of {args.nnodes}, node 0 at {args.master_addr}:{args.master_port}")
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise _Terminated

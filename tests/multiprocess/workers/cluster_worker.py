@@ -4,15 +4,17 @@
 
 ``init_process_group(backend=BACKEND)`` with no other argument (``default``: None), so the
 world comes from the launcher's variables alone. Then, by ``PARTS`` (comma-separated,
-default ``collectives,ddp,pipeline``): every collective against numpy over all ranks'
-inputs, a DDP step against one-process training on the whole batch, a pipeline step against
-the un-pipelined model. Prints ``WORLD <rank> <size> <backend>``, ``CHECK <name> ok`` per
-check, ``UNSUPPORTED <name>`` where the backend raised the NotImplementedError it must raise,
-and ``DONE``; any mismatch raises (the process exits non-zero).
+default ``collectives,ddp,pipeline``; ``world`` is one all_reduce): every collective
+against numpy over all ranks' inputs, a DDP step against one-process training on the
+whole batch, a pipeline step against the un-pipelined model. Prints ``WORLD <rank> <size>
+<backend>``, ``CHECK <name> ok`` per check, ``UNSUPPORTED <name>`` where the backend raised
+the NotImplementedError it must raise, ``TIME <part>`` and ``DONE``; any mismatch raises
+(the process exits non-zero).
 """
 
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,11 @@ def expect_unsupported(name, fn):
         print(f"UNSUPPORTED {name}: {str(err)[:80]}", flush=True)
         return
     raise AssertionError(f"{name} should raise NotImplementedError with backend='mpi'")
+
+
+def world_sum(me: int, n: int, mpi: bool) -> None:
+    """One all_reduce: enough to show the launcher's world works."""
+    check("world_all_reduce", close(jaxpg.all_reduce(data(me)), sum(data(r) for r in range(n))))
 
 
 def collectives(me: int, n: int, mpi: bool) -> None:
@@ -155,7 +162,7 @@ def loss_fn(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def ddp_step(me: int, n: int) -> None:
+def ddp_step(me: int, n: int, mpi: bool) -> None:
     """Two DDP steps on this rank's quarter of the batch == two steps on the whole batch."""
     from jaxpg.ddp import DistributedDataParallel
 
@@ -168,17 +175,22 @@ def ddp_step(me: int, n: int) -> None:
     got = nnx.state(ddp.module, nnx.Param)
 
     ref = Net(nnx.Rngs(0))
-    for _ in range(2):  # plain gradient descent on the whole batch, in this process
-        grads = nnx.grad(loss_fn)(ref, {"x": x, "y": y})
-        params = nnx.state(ref, nnx.Param)
-        nnx.update(ref, jax.tree.map(lambda p, d: p - 0.1 * d, params, grads))
-    want = nnx.state(ref, nnx.Param)
+    graph, params, rest = nnx.split(ref, nnx.Param, ...)
+
+    @jax.jit
+    def sgd(params, batch):  # plain gradient descent on the whole batch, in this process
+        grads = jax.grad(lambda p: loss_fn(nnx.merge(graph, p, rest), batch))(params)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, params, grads)
+
+    want = params
+    for _ in range(2):
+        want = sgd(want, {"x": x, "y": y})
     ok = all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     check("ddp_step", ok)
 
 
-def pipeline_step(me: int, n: int) -> None:
+def pipeline_step(me: int, n: int, mpi: bool) -> None:
     """A 1F1B step over every process (one stage each) == the un-pipelined model."""
     import pipeline_worker as w
     from jax.experimental import multihost_utils
@@ -188,7 +200,8 @@ def pipeline_step(me: int, n: int) -> None:
     loss, grads = w.run(mesh, "1f1b")
     grads = multihost_utils.process_allgather(grads, tiled=True)
     params, x, t = w.data()
-    ref_loss, ref_grads = jax.value_and_grad(lambda p: w.mse(None, w.stage(p, x), t))(params)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(
+        lambda p: w.mse(None, w.stage(p, x), t)))(params)
     ok = np.allclose(np.asarray(loss), ref_loss, rtol=1e-5) and all(
         np.allclose(np.asarray(grads[k]).reshape(ref.shape), ref, rtol=1e-4, atol=1e-5)
         for k, ref in ref_grads.items())
@@ -198,17 +211,19 @@ def pipeline_step(me: int, n: int) -> None:
 def main() -> None:
     backend = None if sys.argv[1] == "default" else sys.argv[1]
     parts = (sys.argv[2] if len(sys.argv) > 2 else "collectives,ddp,pipeline").split(",")
+    start = time.monotonic()
     jaxpg.init_process_group(backend=backend)
     me, n = jaxpg.get_rank(), jaxpg.get_world_size()
+    print(f"TIME init {time.monotonic() - start:.1f} s", flush=True)
     print(f"WORLD {me} {n} {jaxpg.get_backend()} local_rank="
           f"{os.environ.get('LOCAL_RANK', os.environ.get('SLURM_LOCALID', '-'))}", flush=True)
     mpi = jaxpg.get_backend() == "mpi"
-    if "collectives" in parts:
-        collectives(me, n, mpi)
-    if "ddp" in parts:
-        ddp_step(me, n)
-    if "pipeline" in parts:
-        pipeline_step(me, n)
+    for name, part in (("world", world_sum), ("collectives", collectives), ("ddp", ddp_step),
+                       ("pipeline", pipeline_step)):
+        if name in parts:
+            start = time.monotonic()
+            part(me, n, mpi)
+            print(f"TIME {name} {time.monotonic() - start:.1f} s", flush=True)
     jaxpg.destroy_process_group()
     print("DONE", flush=True)
 
