@@ -13,7 +13,9 @@ side in the same processes; MPI against jaxpg's gloo is the ratio of those ratio
 
 ``busbw = S x 2(N-1)/N / time`` (nccl-tests). Bound to a core each at N <= the CPU count,
 unbound beyond (N = 4 runs 4 processes on 2 cores here); torch uses as many threads as the
-process has CPUs, as XLA's thread pool does.
+process has CPUs, as XLA's thread pool does. The workers get jaxpg-run's
+``GLIBC_TUNABLES`` for CPU workers (unless set), so that XLA's fresh output buffers are
+not fresh ``mmap``s with page faults on every call (docs/design.md).
 
 Also (``--dispatch``): what turning off JAX's asynchronous CPU dispatch costs in one
 process (backend="mpi" must): a chain of small jitted additions, and the MLP's local
@@ -43,6 +45,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxpg.run.env import _GLIBC_TUNABLES as GLIBC_TUNABLES
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "_cluster_worker.py"
 OUT = ROOT / "bench" / "results" / "cluster.json"
@@ -65,6 +69,8 @@ def _env(lib: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", MPITRAMPOLINE_LIB=lib,
                PYTHONPATH=str(ROOT / "bench"))
+    # what jaxpg-run gives its CPU workers: big buffers stay in the heap (docs/cluster.md)
+    env.setdefault("GLIBC_TUNABLES", GLIBC_TUNABLES)
     return env
 
 
@@ -75,7 +81,8 @@ def _launch(n: int, backend: str, args: argparse.Namespace, lib: str) -> dict:
         cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", bind]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
-        for name in ("JAX_PLATFORMS", "PYTHONUNBUFFERED", "MPITRAMPOLINE_LIB", "PYTHONPATH"):
+        for name in ("JAX_PLATFORMS", "PYTHONUNBUFFERED", "MPITRAMPOLINE_LIB", "PYTHONPATH",
+                     "GLIBC_TUNABLES"):
             cmd += ["-x", name]
         cmd += [sys.executable, str(WORKER), "--backend", backend, "--torch-port",
                 str(_free_port()), "--rounds", str(args.rounds), "--ddp-rounds",

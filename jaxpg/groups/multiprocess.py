@@ -293,10 +293,13 @@ def _check_mpi(group: Any, api: str) -> None:
             "called init_process_group (XLA's MPI collectives serve only the thread that "
             f"started MPI); this is thread {threading.current_thread().name!r}."
         )
+    if group.__dict__.get("_jaxpg_mpi_ready"):
+        return
     error = mpi_unsupported(group, api)
     if error is not None:
         raise error
     if group.family in _mpi_families or not _has_peers(group):
+        group.__dict__["_jaxpg_mpi_ready"] = True
         return
     import zlib
 
@@ -314,6 +317,7 @@ def _check_mpi(group: Any, api: str) -> None:
             "call the collective on its own subgroup, in the same order."
         )
     _mpi_families.add(group.family)
+    group.__dict__["_jaxpg_mpi_ready"] = True
 
 
 def _has_peers(group: Any) -> bool:
