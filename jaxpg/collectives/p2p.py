@@ -91,7 +91,18 @@ def _wire(state: Any, src: int, dst: int, data: Any, api: str) -> Any:
     return run_eager(pair, api, (s, d), lambda lay, x: lay.permute(x, [(s, d)]), {"x": data})
 
 
+def _check_backend(state: Any, src: int, dst: int, api: str) -> None:
+    """backend="mpi" cannot run a transfer between two of more than two processes."""
+    from jaxpg.groups.backend import Backend, mpi_unsupported
+
+    if state.backend == Backend.MPI:
+        error = mpi_unsupported(_pair_group(state, src, dst), f"{api} from rank {src} to {dst}")
+        if error is not None:
+            raise error
+
+
 def _remote_send(state: Any, tensor: Any, src: int, dst: int, meta: bool) -> None:
+    _check_backend(state, src, dst, "send")
     several = isinstance(tensor, (list, tuple))
     arrays = [jnp.asarray(t) for t in tensor] if several else [jnp.asarray(tensor)]
     if meta:
@@ -104,6 +115,7 @@ def _remote_send(state: Any, tensor: Any, src: int, dst: int, meta: bool) -> Non
 
 
 def _remote_recv(state: Any, template: Any, src: int, dst: int, meta: bool) -> Any:
+    _check_backend(state, src, dst, "recv")
     given = None
     if template is not None:
         items = template if isinstance(template, (list, tuple)) else [template]

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from jaxpg.errors import DistNetworkError, DistTimeoutError
+from jaxpg.errors import DistError, DistNetworkError, DistTimeoutError
 from jaxpg.groups import liveness, watchdog
 from jaxpg.groups.desync import detail_enabled
 from jaxpg.groups.progress import progress as _progress
@@ -36,6 +36,8 @@ __all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective"
            "wait_job", "monitored_barrier"]
 
 _detail = False  # JAXPG_DEBUG=DETAIL, read at init_world
+_in_place = False  # backend="mpi": every collective runs on MPI's thread (see init_world)
+_mpi_families: set = set()  # families whose MPI communicators exist (backend="mpi")
 _heartbeat = 10.0  # JAXPG_HEARTBEAT_TIMEOUT, read at init_world
 _LIVENESS_SLICE = 0.1  # how often a waiting caller looks for lost peers (seconds)
 
@@ -43,8 +45,20 @@ _LIVENESS_SLICE = 0.1  # how often a waiting caller looks for lost peers (second
 def submit(fn: Any, api: str) -> Job:
     """Queues ``fn`` (a whole eager collective) on the runner thread and returns its Job at
     once: ``async_op=True`` in a multi-process run. Collectives ``fn`` calls run in place
-    on the runner, in call order with every other queued collective."""
-    return _runner.submit(fn, api)
+    on the runner, in call order with every other queued collective.
+
+    With ``backend="mpi"`` the collective runs here, now (XLA's MPI collectives serve one
+    thread), and the Job comes back finished."""
+    if not _in_place:
+        return _runner.submit(fn, api)
+    job = Job(api)
+    try:
+        result = fn()
+    except BaseException as err:  # noqa: BLE001 (handed to the Job, raised by wait)
+        job._finish(None, err)
+    else:
+        job._finish(result, None)
+    return job
 
 
 def wait_job(job: Job, timeout: float | None) -> Any:
@@ -89,14 +103,15 @@ def _check_alive(group: Any, api: str, seq: int) -> None:
 def init_world(backend: str | None, init_method: str | None, timeout: datetime.timedelta,
                world_size: int, rank: int, store: Any, state_cls: type) -> Any:
     """Rendezvous, start ``jax.distributed`` and build the world's state."""
-    from jaxpg.groups.backend import Backend, resolve_backend
-    from jaxpg.rendezvous import initialize_jax_distributed, rendezvous
+    from jaxpg.groups.backend import Backend, names_mpi, resolve_backend
+    from jaxpg.rendezvous import initialize_jax_distributed, mpi_collectives, rendezvous
     from jaxpg.stores import PrefixStore
 
     if backend is not None and ":" not in str(backend):
         Backend(backend)  # reject unknown names before anything starts
-    if backend is not None and str(backend).lower() == "mpi":
-        jax.config.update("jax_cpu_collectives_implementation", "mpi")
+    mpi = names_mpi(backend)
+    if mpi:  # before anything starts: the library, async dispatch off, MPI's client factory
+        mpi_collectives.prepare()
     info = rendezvous(init_method, rank=None if rank < 0 else rank,
                       world_size=None if world_size < 0 else world_size, store=store,
                       timeout=timeout.total_seconds())
@@ -109,9 +124,18 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
     local_ranks = [i for i, d in enumerate(devices) if d.id in local_ids]
     state = state_cls(backend=chosen, devices=devices, local_ranks=local_ranks,
                       timeout=timeout, store=world_store, multiprocess=True)
-    global _detail
+    global _detail, _in_place
     _detail = detail_enabled()
-    state.blocking_wait = watchdog.blocking_wait(devices[0].platform)
+    _in_place = chosen == Backend.MPI
+    if _in_place:
+        mpi_collectives.check_started(jax.process_index(), jax.process_count(),
+                                      len(local_ranks))
+        mpi_collectives.warm_up(devices)  # the world's communicator, made on MPI's thread
+        _mpi_families.clear()
+        _mpi_families.add(state.world_group.family)
+    # MPI: dispatched on the caller's thread (synchronous: async dispatch is off); a stuck
+    # collective cannot be abandoned, so the watchdog ends the process at the timeout
+    state.blocking_wait = watchdog.blocking_wait(devices[0].platform) and not _in_place
     state.process_index = jax.process_index()
     state.process_count = jax.process_count()
     state.world_group.store = PrefixStore("WORLD", world_store)
@@ -241,6 +265,8 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None) -> An
     if group.store is None:
         _group_store(group)
     state = group._world
+    if _in_place:
+        _check_mpi(group, api)
     blocking = state.blocking_wait
     if liveness.lost():
         _check_alive(group, api, group.seq + 1)
@@ -255,6 +281,48 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None) -> An
         job = _runner.submit(lambda: _run_here(group, api, fn, fingerprint, False), api)
         return wait_job(job, None)
     return _run_here(group, api, fn, fingerprint, False)
+
+
+def _check_mpi(group: Any, api: str) -> None:
+    """backend="mpi": the call comes from MPI's thread, on a group XLA's MPI can serve, and
+    a family's first collective waits until every process reached it (its communicator is
+    made with ``MPI_Comm_split`` over all processes: a missing one is named, not a hang)."""
+    import threading
+
+    from jaxpg.groups.backend import mpi_unsupported
+    from jaxpg.rendezvous import mpi_collectives
+
+    if threading.get_ident() != mpi_collectives.main_thread():
+        raise DistError(
+            f"{api}: with backend='mpi', collectives must be called from the thread that "
+            "called init_process_group (XLA's MPI collectives serve only the thread that "
+            f"started MPI); this is thread {threading.current_thread().name!r}."
+        )
+    if group.__dict__.get("_jaxpg_mpi_ready"):
+        return
+    error = mpi_unsupported(group, api)
+    if error is not None:
+        raise error
+    if group.family in _mpi_families or not _has_peers(group):
+        group.__dict__["_jaxpg_mpi_ready"] = True
+        return
+    import zlib
+
+    state = group._world
+    name = f"mpi_communicator/{zlib.crc32(repr(group.family).encode()):08x}"
+    missing = _arrive_and_wait(state.world_group.store, name, state.process_index,
+                               list(range(state.process_count)), group.timeout)
+    if missing:
+        raise DistTimeoutError(
+            f"{api} on group {group.group_name!r} (sequence number {group.seq + 1}): with "
+            "backend='mpi', the first collective of a family of subgroups needs every "
+            "process (XLA makes its communicator with MPI_Comm_split over all processes), "
+            f"and ranks {_ranks_of_processes(state, missing, range(len(state.devices)))} did "
+            f"not reach it within {group.timeout.total_seconds():.1f} s; every process must "
+            "call the collective on its own subgroup, in the same order."
+        )
+    _mpi_families.add(group.family)
+    group.__dict__["_jaxpg_mpi_ready"] = True
 
 
 def _has_peers(group: Any) -> bool:

@@ -162,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if argv is None:  # the command line (a test calling main(argv) keeps its stderr)
         _quiet_services()
+    if args.cluster is not None:
+        _say(f"started by {args.cluster.launcher} ({args.cluster.variables}): node "
+             f"{args.node_rank} of {args.nnodes}, node 0 at {args.master_addr}:{args.master_port}")
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise _Terminated
