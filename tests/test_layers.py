@@ -32,7 +32,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("groups", ("jaxpg.groups",)),
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),
     ("ddp/pipeline", ("jaxpg.ddp", "jaxpg.pipeline")),
-    ("run", ("jaxpg.run",)),
+    # the flight-recorder analyzer only reads dump files (jaxpg.groups.fr_dump's format)
+    ("run", ("jaxpg.run", "jaxpg.fr_trace")),
     ("surface", ("jaxpg",)),
 ]
 

@@ -122,7 +122,7 @@ class Work:
         if ran is not None and getattr(ran, "group", None) is not None:
             from jaxpg.groups import multiprocess
 
-            return multiprocess._timeout_text(ran.group, ran.api, ran.seq, seconds)
+            return multiprocess.timeout_text(ran.group, ran.api, ran.seq, seconds)
         return f"{self._api}: Work.wait timed out after {seconds:.3f} s."
 
     def result(self) -> Any:

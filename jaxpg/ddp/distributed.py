@@ -46,6 +46,7 @@ from jaxpg.ddp.bucket_plan import BucketPlan, make_bucket_plan
 from jaxpg.ddp.comm_hooks import make_comm_hook
 from jaxpg.ddp.join import Join
 from jaxpg.ddp.train_step import REDUCTIONS, StepMode, build_train_step
+from jaxpg.groups.recorded_step import recorded_step
 
 __all__ = ["DistributedDataParallel"]
 
@@ -208,6 +209,9 @@ class DistributedDataParallel:
                 plan=self.bucket_plan, comm_hook=self._comm_hook, pg=self.group, mode=mode,
                 reduction=self.reduction, donate=self.donate,
             )  # fmt: skip
+            # a launch is a recorded collective call on the group: numbered, in the flight
+            # recorder, and a hang inside names the ranks that never started it
+            fn = recorded_step(fn, self.group, name="DistributedDataParallel.train_step")
             self._compiled[key] = fn
         return fn
 

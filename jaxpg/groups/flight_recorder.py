@@ -1,0 +1,198 @@
+"""The flight recorder: this process's last N collective calls, over all its groups.
+
+Every call that takes a sequence number on a group of a multi-process world (an eager
+collective, a point-to-point transfer, a recorded jitted step) makes one ``CallRecord``:
+group, sequence number, op or step name, inputs' shapes and dtypes, static arguments
+(reduce op, src/dst), the collectives inside a step's compiled program, state, times, and
+the caller's file and line. The last record of each group is always kept: it is what this
+process tells a peer that diagnoses a hang (``jaxpg.groups.fr_signal``). The ring buffer of
+the last N records is kept when ``JAXPG_FR_BUFFER_SIZE=N`` (or torch's
+``TORCH_FR_BUFFER_SIZE`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is above 0, read at
+``init_process_group``; only then is the caller's frame looked up (about 1 µs), since
+nothing but a dump shows it.
+
+A record is created and updated without locks: a ``deque(maxlen=N)`` append and a few
+attribute writes (the GIL makes each atomic); text is made only when a dump is written.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["CallRecord", "recorder", "buffer_size_from_env", "capture_caller", "current",
+           "ENV_NAMES"]
+
+ENV_NAMES = ("JAXPG_FR_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# jaxpg frames that only forward a call: the user-facing name is the outermost other one
+_PLUMBING = frozenset({"wrapper", "<lambda>", "__call__", "launch", "call"})
+_ids = itertools.count(1)
+_local = threading.local()
+
+
+class CallRecord:
+    """One collective call or jitted step of this process.
+
+    Attributes:
+        id: a per-process counter (the ring buffer's order).
+        group: the group's name.
+        seq: the call's sequence number on the group.
+        op: the op (``all_reduce``, ``send.meta``) or the step's name.
+        kind: ``"collective"`` or ``"step"``.
+        fingerprint: ``(op, static arguments, ((name, shape, dtype), ...))`` or None.
+        caller: ``(code of the caller, line, code of the jaxpg function it called)`` or None.
+        state: ``"started"``, ``"completed"``, ``"failed"`` or ``"timed out"``.
+        started, ended: wall-clock times (``time.time()``); ``ended`` None until done.
+        error: the failure's text, if any.
+        collectives: a step's collectives, read from its compiled HLO (None if unknown).
+        thread: the ident of the thread that dispatches it (its compile time is excluded
+            from timeouts).
+    """
+
+    __slots__ = ("id", "group", "seq", "op", "kind", "fingerprint", "caller", "state",
+                 "started", "ended", "error", "collectives", "thread")
+
+    def __init__(self, group: str, seq: int, op: str, kind: str, fingerprint: Any,
+                 caller: Any) -> None:
+        self.id = next(_ids)
+        self.group = group
+        self.seq = seq
+        self.op = op
+        self.kind = kind
+        self.fingerprint = fingerprint
+        self.caller = caller
+        self.state = "started"
+        self.started = time.time()
+        self.ended: float | None = None
+        self.error: str | None = None
+        self.collectives: tuple[str, ...] | None = None
+        self.thread = threading.get_ident()
+
+    def complete(self) -> None:
+        if self.state == "started":
+            self.state = "completed"
+            self.ended = time.time()
+
+    def fail(self, state: str, error: str) -> None:
+        """Marks the call failed or timed out (the first such mark stands)."""
+        if self.state in ("started", "completed"):
+            self.state = state
+            self.error = error
+        if self.ended is None:
+            self.ended = time.time()
+
+    def called(self) -> str | None:
+        """The jaxpg function the user called (``recv`` for a receive's ``send`` kernel)."""
+        if self.caller is None or self.caller[2] is None:
+            return None
+        return getattr(self.caller[2], "co_qualname", self.caller[2].co_name)
+
+    def location(self) -> str | None:
+        """``file:line`` of the user's call (relative to the working directory when under
+        it), when the recorder looked it up."""
+        if self.caller is None or self.caller[0] is None:
+            return None
+        path = self.caller[0].co_filename
+        try:
+            relative = os.path.relpath(path)
+            path = path if relative.startswith("..") else relative
+        except ValueError:
+            pass
+        return f"{path}:{self.caller[1]}"
+
+
+class _Recorder:
+    """The ring buffer and each group's last call (one per process: ``recorder``)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.ring: collections.deque | None = None
+        self.last: dict[str, CallRecord] = {}  # group name -> its last call
+        self.groups: dict[str, tuple[int, ...]] = {}  # group name -> its ranks
+
+    @property
+    def enabled(self) -> bool:
+        return self.ring is not None
+
+    def configure(self, size: int) -> None:
+        """Keeps the last ``size`` calls (0: only each group's last call)."""
+        self.size = size
+        self.ring = collections.deque(maxlen=size) if size > 0 else None
+
+    def start(self, group: Any, seq: int, op: str, kind: str, fingerprint: Any,
+              caller: Any) -> CallRecord:
+        """Records a call that is about to be dispatched and returns its record."""
+        name = group.group_name
+        record = CallRecord(name, seq, op, kind, fingerprint, caller)
+        if name not in self.groups:
+            self.groups[name] = tuple(group.ranks)
+        self.last[name] = record
+        ring = self.ring
+        if ring is not None:
+            ring.append(record)
+        _local.record = record
+        return record
+
+    def records(self) -> list[CallRecord]:
+        """The ring buffer's records, oldest first (each group's last call without one)."""
+        if self.ring is not None:
+            return list(self.ring)
+        return sorted(self.last.values(), key=lambda r: r.id)
+
+    def forget(self) -> None:
+        """Drops every record (``destroy_process_group``)."""
+        self.last.clear()
+        self.groups.clear()
+        if self.ring is not None:
+            self.ring.clear()
+
+
+recorder = _Recorder()
+
+
+def current() -> CallRecord | None:
+    """The record this thread started last (a recorded step attaches its HLO to it)."""
+    return getattr(_local, "record", None)
+
+
+def buffer_size_from_env() -> int:
+    """``JAXPG_FR_BUFFER_SIZE`` (or torch's two names): the ring buffer's size; 0 when unset.
+
+    Raises:
+        ValueError: for a value that is not a non-negative integer.
+    """
+    for name in ENV_NAMES:
+        value = os.environ.get(name, "").strip()
+        if value:
+            try:
+                size = int(value)
+            except ValueError:
+                size = -1
+            if size < 0:
+                raise ValueError(
+                    f"{name}={value!r} must be a non-negative integer: the number of calls "
+                    "the flight recorder keeps (0 turns it off), e.g. 2000."
+                )
+            return size
+    return 0
+
+
+def capture_caller() -> tuple[Any, int, Any] | None:
+    """The user's frame that called into jaxpg: ``(code, line, code of the jaxpg function
+    it called)``; None when the whole stack is jaxpg's (a runner thread)."""
+    frame = sys._getframe(1)
+    api = None
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.startswith(_PACKAGE):
+            return code, frame.f_lineno, api
+        if code.co_name not in _PLUMBING:
+            api = code
+        frame = frame.f_back
+    return None
