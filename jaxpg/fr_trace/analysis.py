@@ -168,8 +168,11 @@ def _first_unarrived(procs: list[Proc], group: str) -> dict[str, Any] | None:
     members = [p for p in procs if group in p.by_seq]
     if len(members) < 2:
         return None
-    last = {p.process: max(p.by_seq[group]) for p in members}
-    low, high = min(last.values()), max(last.values())
+    # a dump cut short may lack its last calls: it shows where a rank got, not where it stopped
+    last = {p.process: max(p.by_seq[group]) for p in members if not p.dump.partial}
+    if not last:
+        return None
+    low, high = min(last.values()), max(max(p.by_seq[group]) for p in members)
     if low == high:
         return None
     seq = low + 1

@@ -108,6 +108,7 @@ def start(state: Any, client: Any) -> None:
     install()
     _stop_thread()
     _s.client, _s.state = client, state
+    _where.clear()
     _s.handled = _counter()
     try:  # where this process runs: a peer on the same host can tell dead from stopped
         client.key_value_set_bytes(
@@ -228,17 +229,25 @@ def local_state() -> dict[str, Any]:
             "ranks": list(getattr(state, "local_ranks", [])), "time": now, "calls": calls}
 
 
+_where: dict[int, tuple[str, int]] = {}  # process -> (host, pid), read once
+
+
 def process_state(process: int) -> tuple[str, int] | None:
     """``("gone" | "stopped" | "running", pid)`` of a process of the world that runs on this
     host (read from ``/proc``); None for one on another host, or unknown."""
-    raw = _get(f"jaxpg_fr/proc/{process}") if _s.client is not None else None
-    try:
-        where = json.loads(raw) if raw else None
-    except ValueError:
-        where = None
-    if not where or where.get("host") != socket.gethostname():
+    where = _where.get(process)
+    if where is None:
+        raw = _get(f"jaxpg_fr/proc/{process}") if _s.client is not None else None
+        try:
+            found = json.loads(raw) if raw else None
+        except ValueError:
+            found = None
+        if not found:
+            return None
+        where = _where[process] = (found.get("host"), int(found["pid"]))
+    host, pid = where
+    if host != socket.gethostname():
         return None
-    pid = int(where["pid"])
     try:
         with open(f"/proc/{pid}/stat") as f:
             status = f.read().rsplit(")", 1)[1].split()[0]
@@ -287,6 +296,8 @@ def collect(gen: int, procs: Sequence[int], grace: float,
                     except ValueError:
                         answers[p] = {}
         waiting = [p for p in procs if answers[p] is None and p not in gone]
+        # a peer on this host whose process is gone or stopped will not answer either
+        waiting = [p for p in waiting if (process_state(p) or ("running",))[0] == "running"]
         if not waiting or time.monotonic() >= deadline:
             return answers
         time.sleep(0.05)

@@ -168,7 +168,8 @@ class _Watchdog:
             if not entry.due(time.monotonic()):
                 return
             pending.popleft()
-            self._fire(entry)
+            if self._fire(entry):
+                return  # re-armed: a peer still compiles the call
 
     def _finished(self, entry: Outstanding) -> None:
         """Marks the record of a collective whose output is ready; fires if it failed."""
@@ -186,7 +187,9 @@ class _Watchdog:
             entry.record.complete()
 
     def _fire(self, entry: Outstanding, kind: str = "DistTimeoutError",
-              text: str | None = None) -> None:
+              text: str | None = None) -> bool:
+        """Reports the entry's timeout (or ``text``) and ends the process; returns True
+        instead when a peer still compiles the call (the entry is watched again)."""
         if text is None:
             try:
                 described = entry.describe()
@@ -196,7 +199,7 @@ class _Watchdog:
             if extend:  # a peer still compiles this call: not a hang yet
                 entry.deadline = time.monotonic() + entry.span
                 self._pending.appendleft(entry)
-                return
+                return True
             if entry.record is not None:
                 entry.record.fail("timed out", text)
         tear_down = _tears_down()
@@ -212,6 +215,7 @@ class _Watchdog:
         if tear_down:
             os._exit(WATCHDOG_EXIT_CODE)
         self.fired = text  # last: a test that waits for it has seen the whole firing
+        return False
 
 
 _watchdog = _Watchdog()

@@ -114,6 +114,10 @@ def test_a_rank_calling_another_collective_is_named_with_both_calls(tmp_path):
         assert "rank 1 never started it (its last call: all_gather_into_tensor #2" in err, err
         assert "rank 1 is running all_gather_into_tensor(group='group1', seq=2, " \
                "x=float32[4])" in err, err
+    assert "[rank 2] USR1 dumped: True" in outs[2], outs[2][-3000:]
+    manual = read_dump(str(tmp_path / "manual_0"))
+    assert manual.header["trigger"] == "dump_flight_recorder()" and not manual.partial
+    assert [c["op"] for c in manual.calls] == ["all_reduce"]  # the one call made before it
     _check_dumps(dumps, [0, 1, 2])
     dump = read_dump(str(dumps / "jaxpg_fr_rank_1"))
     last = dump.calls[-1]
