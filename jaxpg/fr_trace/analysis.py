@@ -254,7 +254,9 @@ def analyze(procs: list[Proc]) -> dict[str, Any]:
             if found is None:
                 verdict["verdict"] = "missing_dumps"
         for m in missing:
-            status = {"lost": "lost: the coordination service stopped hearing from it",
+            status = {"no dump": "its peers learned nothing of it (it may have died before "
+                                 "they noticed; the launcher's output says how it ended)",
+                      "lost": "lost: the coordination service stopped hearing from it",
                       "gone": "dead: its process was gone when a peer looked",
                       "stopped": "stopped (SIGSTOP or a debugger) when a peer looked",
                       "no response": "it did not answer its peers (stopped, dead or hung)",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxpg.groups import fr_dump, fr_signal, world
+from jaxpg.groups import fr_dump, fr_requests, world
 
 __all__ = ["dump_flight_recorder"]
 
@@ -26,6 +26,6 @@ def dump_flight_recorder(path: str | None = None, *, all_ranks: bool = False) ->
     state = world.current()
     written = fr_dump.write_dump("dump_flight_recorder()", state, path)
     if all_ranks and state.multiprocess:
-        fr_signal.request("dump", f"rank {state.local_ranks[0]} called "
+        fr_requests.request("dump", f"rank {state.local_ranks[0]} called "
                                   "dump_flight_recorder(all_ranks=True)")
     return written

@@ -2,7 +2,7 @@
 
 When a collective or a recorded jitted step does not finish within the group's timeout
 (or fails in XLA), the process asks every peer of the group what it runs
-(``jaxpg.groups.fr_signal``: each live peer answers within a poll period), reads the
+(``jaxpg.groups.fr_requests``: each live peer answers within a poll period), reads the
 progress records of those that do not answer, and names, per rank:
 
 * ``rank 1 never started it (its last call: barrier #4, waiting at train.py:52)``: its last
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpg.groups import fr_dump, fr_signal, liveness
+from jaxpg.groups import fr_dump, fr_requests, liveness
 from jaxpg.groups.desync import describe_mismatch, fingerprint_text
 from jaxpg.groups.flight_recorder import recorder
 from jaxpg.groups.progress import progress as _progress
@@ -129,10 +129,10 @@ def diagnose(group: Any, api: str, seq: int, seconds: float,
         return Diagnosis(f"{api} #{seq} on group {name!r} {how}; ranks that did not arrive: "
                          "[] (this process holds every rank of the group: the collective, or "
                          "device work queued ahead of it, is still running).")
-    with fr_signal.quiet():  # store reads after a loss raise: that is no new failure
+    with fr_requests.quiet():  # store reads after a loss raise: that is no new failure
         _progress.publish_now(group)
-        gen = fr_signal.request("state", f"{api} #{seq} on group {name!r} {how}", name, seq)
-        answers = fr_signal.collect(gen, peers, fr_signal.ACK_GRACE_S, liveness.lost)
+        gen = fr_requests.request("state", f"{api} #{seq} on group {name!r} {how}", name, seq)
+        answers = fr_requests.collect(gen, peers, fr_requests.ACK_GRACE_S, liveness.lost)
         lost, left = set(liveness.lost()), set(liveness.left())
         published = _published(group, [p for p in peers if answers[p] is None], seq, 0.25)
     mine = recorder.last.get(name)
@@ -149,7 +149,7 @@ def diagnose(group: Any, api: str, seq: int, seconds: float,
         status[p] = ("lost" if p in lost else "left" if p in left
                      else "answered" if answer is not None else "no response")
         if status[p] == "no response":  # on this host, /proc tells dead from stopped
-            local = fr_signal.process_state(p)
+            local = fr_requests.process_state(p)
             if local is not None and local[0] != "running":
                 status[p], pids[p] = local
 

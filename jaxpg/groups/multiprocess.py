@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from jaxpg.errors import DistNetworkError, DistTimeoutError
-from jaxpg.groups import collective_call, compile_clock, fr_signal, liveness, watchdog
+from jaxpg.groups import collective_call, compile_clock, fr_requests, liveness, watchdog
 from jaxpg.groups.collective_call import (  # noqa: F401 (the call API, re-exported)
     _group_store,
     run_collective,
@@ -81,7 +81,7 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
                        grace_s=timeout.total_seconds(),
                        ranks_of=lambda procs: _ranks_of_processes(state, procs,
                                                                   range(len(devices))))
-        fr_signal.start(state, client)
+        fr_requests.start(state, client)
     _store_barrier(state, state.world_group.store, "init", list(range(state.process_count)),
                    timeout)
     return state
@@ -95,7 +95,7 @@ def shutdown_world(state: Any) -> None:
     from jaxpg.rendezvous import shutdown_jax_distributed
 
     liveness.stop(leaving=True)  # the others leave now: that is no loss
-    fr_signal.stop()
+    fr_requests.stop()
     _progress.forget()
     recorder.forget()
     watchdog.forget()

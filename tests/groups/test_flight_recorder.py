@@ -78,8 +78,12 @@ def test_the_ring_keeps_the_last_n_calls_and_each_groups_last_one():
     assert not off.enabled and off.records() == kept[-1:]
 
 
+def _looks_up():  # stands for the jaxpg function that looks the caller up
+    return capture_caller()
+
+
 def test_the_caller_is_the_first_frame_outside_jaxpg():
-    code, lineno, api = capture_caller()
+    code, lineno, api = _looks_up()
     here = sys._getframe().f_lineno - 1
     assert code is test_the_caller_is_the_first_frame_outside_jaxpg.__code__
     assert api is None  # called from here directly, not through a jaxpg function
@@ -99,7 +103,7 @@ def test_a_dump_round_trips_and_a_cut_one_keeps_what_it_holds(clean_env, tmp_pat
     rec.configure(10)
     monkeypatch.setattr(fr_dump, "recorder", rec)
     a = rec.start(_group(), 1, "all_reduce", "collective",
-                  ("all_reduce", "ReduceOp.SUM", (("x", (4,), "float32"),)), capture_caller())
+                  ("all_reduce", "ReduceOp.SUM", (("x", (4,), "float32"),)), _looks_up())
     a.complete()
     b = rec.start(_group("p2p_0_1", (0, 1)), 1, "send", "collective",
                   ("send", (0, 1), (("x", (2, 3), "bfloat16"),)), None)

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from jaxpg.groups import fr_signal, hang_diagnosis, liveness
+from jaxpg.groups import fr_requests, hang_diagnosis, liveness
 from jaxpg.groups.flight_recorder import _Recorder
 from jaxpg.stores import HashStore
 
@@ -31,10 +31,10 @@ def world(monkeypatch):
     facts = {"answers": {}, "lost": [], "left": [], "local": {}}
     rec = _Recorder()
     monkeypatch.setattr(hang_diagnosis, "recorder", rec)
-    monkeypatch.setattr(fr_signal, "request", lambda *a, **k: 7)
-    monkeypatch.setattr(fr_signal, "collect", lambda gen, procs, grace, lost: {
+    monkeypatch.setattr(fr_requests, "request", lambda *a, **k: 7)
+    monkeypatch.setattr(fr_requests, "collect", lambda gen, procs, grace, lost: {
         p: facts["answers"].get(p) for p in procs})
-    monkeypatch.setattr(fr_signal, "process_state", lambda p: facts["local"].get(p))
+    monkeypatch.setattr(fr_requests, "process_state", lambda p: facts["local"].get(p))
     monkeypatch.setattr(liveness, "lost", lambda: facts["lost"])
     monkeypatch.setattr(liveness, "left", lambda: facts["left"])
 

@@ -148,3 +148,21 @@ def test_a_rank_stopped_or_killed_inside_a_step_is_named(tmp_path, scenario, fat
     assert "rank 1 has no dump" in verdict["text"], verdict["text"]
     assert re.search(r"ranks 0, 2 started spmd\(step\) #4 on group 'group1'",
                      verdict["text"]), verdict["text"]
+
+
+@pytest.mark.timeout(300)
+def test_under_the_launcher_the_survivors_of_a_kill_dump_on_sigterm(tmp_path):
+    dumps = tmp_path / "dumps"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAXPG_", "TORCH_")) and k not in ("RANK", "WORLD_SIZE")}
+    env.update(JAX_PLATFORMS="cpu", JAXPG_FR_BUFFER_SIZE="64", JAXPG_FR_DUMP_DIR=str(dumps))
+    run = subprocess.run([sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(WORLD),
+                          str(WORKER), "kill"], env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert "rank 1 exited with code -9 (killed by SIGKILL)" in run.stderr, run.stderr[-3000:]
+    _check_dumps(dumps, [0, 2])  # the launcher stopped them with SIGTERM: each dumped first
+    for r in (0, 2):
+        header = read_dump(str(dumps / f"jaxpg_fr_rank_{r}")).header
+        assert header["trigger"] == "SIGTERM (the job is being stopped)", header
+    verdict = _verdict(dumps)
+    assert verdict["culprit_ranks"] == [1] and "rank 1 has no dump" in verdict["text"]

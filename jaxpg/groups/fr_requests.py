@@ -12,10 +12,7 @@ dump first. A process that never answers is stopped (SIGSTOP), hung where Python
 run, or dead; the liveness monitor tells the dead apart. This is torch's dump-on-timeout,
 signalled through its store the same way.
 
-``SIGUSR1`` also makes the process dump: a no-op Python handler keeps the default action
-(ending the process) away, and the signal's byte on ``signal.set_wakeup_fd``'s pipe (or
-the handler's flag, once the main thread runs Python again) is seen by that thread, so a
-process whose main thread waits inside XLA still dumps.
+Process signals (SIGUSR1, SIGTERM) that make it dump: ``jaxpg.groups.fr_os_signals``.
 """
 
 from __future__ import annotations
@@ -23,14 +20,13 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import signal
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxpg.groups import compile_clock, fr_dump
+from jaxpg.groups import compile_clock, fr_dump, fr_os_signals
 from jaxpg.groups.desync import fingerprint_text
 from jaxpg.groups.flight_recorder import recorder
 
@@ -47,10 +43,6 @@ class _Signals:
         self.client: Any = None
         self.state: Any = None
         self.handled = 0
-        self.usr1 = threading.Event()
-        self.pipe: tuple[int, int] | None = None
-        self.previous_handler: Any = None
-        self.installed = False
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.registered = False
@@ -117,8 +109,7 @@ def start(state: Any, client: Any) -> None:
             allow_overwrite=True)
     except Exception:  # noqa: BLE001
         pass
-    if threading.current_thread() is threading.main_thread():
-        _install_usr1()
+    fr_os_signals.install(_dump_here, on_term=recorder.enabled)
     _s.stopping = threading.Event()
     _s.thread = threading.Thread(target=_loop, args=(_s.stopping,), daemon=True,
                                  name="jaxpg-flight-recorder")
@@ -146,55 +137,18 @@ def _stop_thread() -> None:
 
 
 def stop() -> None:
-    """Stops answering and gives SIGUSR1 and the wakeup fd back (``destroy_process_group``)."""
+    """Stops answering and gives the signals back (``destroy_process_group``)."""
     _stop_thread()
     _s.client = _s.state = None
-    if not _s.installed or threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        if _s.pipe is not None:
-            signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGUSR1, _s.previous_handler or signal.SIG_DFL)
-    except (ValueError, OSError):
-        pass
-    if _s.pipe is not None:
-        for fd in _s.pipe:
-            os.close(fd)
-    _s.pipe, _s.installed = None, False
+    fr_os_signals.uninstall()
 
 
-def _install_usr1() -> None:
-    previous = signal.getsignal(signal.SIGUSR1)
-
-    def handler(signum: int, frame: Any) -> None:
-        _s.usr1.set()  # the recorder's thread dumps (also seen through the wakeup fd)
-        if callable(previous):
-            previous(signum, frame)
-
-    _s.previous_handler = previous
-    signal.signal(signal.SIGUSR1, handler)
-    _s.installed = True
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    if old != -1:  # someone else (asyncio) uses it: leave it to them, use the flag only
-        signal.set_wakeup_fd(old)
-        os.close(r)
-        os.close(w)
-        return
-    _s.pipe = (r, w)
-
-
-def _usr1_arrived() -> bool:
-    seen = _s.usr1.is_set()
-    _s.usr1.clear()
-    if _s.pipe is not None:
+def _dump_here(trigger: str) -> None:
+    if recorder.enabled and _s.state is not None:
         try:
-            seen |= signal.SIGUSR1 in os.read(_s.pipe[0], 512)
-        except (BlockingIOError, OSError):
+            fr_dump.write_dump(trigger, _s.state)
+        except OSError:
             pass
-    return seen
 
 
 def _get(key: str) -> bytes | None:
@@ -318,14 +272,10 @@ def dump_everywhere(trigger: str, signal_peers: bool = True) -> str | None:
 
 
 def tick() -> None:
-    """Answers new requests and dumps on SIGUSR1 (the recorder's thread, every ``_PERIOD`` s)."""
+    """Answers new requests and dumps on signals (the recorder's thread, every ``_PERIOD`` s)."""
     if _s.client is None:
         return
-    if _usr1_arrived() and recorder.enabled:
-        try:
-            fr_dump.write_dump("SIGUSR1", _s.state)
-        except OSError:
-            pass
+    fr_os_signals.poll()
     n = _counter()
     me = _s.state.process_index
     while _s.handled < n:
