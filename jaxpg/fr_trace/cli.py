@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -48,7 +49,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     verdict = analyze(procs)
     verdict["problems"] = problems
-    if args.json:
+    try:
+        _print(verdict, procs, problems, args.json)
+    except BrokenPipeError:  # | head: the reader had enough (and no error at exit's flush)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0 if verdict["verdict"] == "no problem found" else 1
+
+
+def _print(verdict: dict, procs: list, problems: list[str], as_json: bool) -> None:
+    if as_json:
         print(json.dumps(verdict, indent=2, default=str))
     else:
         ranks = sorted(r for p in procs for r in p.ranks)
@@ -56,4 +65,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(verdict["text"])
         for problem in problems:
             print(f"note: {problem}")
-    return 0 if verdict["verdict"] == "no problem found" else 1
