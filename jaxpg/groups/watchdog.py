@@ -83,7 +83,7 @@ class Outstanding:
     """
 
     __slots__ = ("deadline", "describe", "array", "failed", "span", "thread", "compiled",
-                 "record", "failure")
+                 "record", "rid", "failure")
 
     def __init__(self, deadline: float, describe: Callable[[], Any], thread: int | None = None,
                  record: Any = None, failure: Callable[[str], str] | None = None) -> None:
@@ -95,6 +95,7 @@ class Outstanding:
         self.thread = thread
         self.compiled = compile_clock.seconds(thread) if thread is not None else 0.0
         self.record = record
+        self.rid = record.id if record is not None else None  # its ring slot may be reused
         self.failure = failure
 
     def is_ready(self) -> bool:
@@ -179,12 +180,12 @@ class _Watchdog:
             entry.array.block_until_ready()  # ready: returns at once, or raises XLA's error
         except Exception as err:  # noqa: BLE001 (a collective that failed in XLA)
             if entry.record is not None:
-                entry.record.fail("failed", str(err))
+                entry.record.fail("failed", str(err), entry.rid)
             if entry.failure is not None:
                 self._fire(entry, kind="DistNetworkError", text=entry.failure(str(err)))
             return
         if entry.record is not None:
-            entry.record.complete()
+            entry.record.complete(entry.rid)
 
     def _fire(self, entry: Outstanding, kind: str = "DistTimeoutError",
               text: str | None = None) -> bool:
@@ -201,7 +202,7 @@ class _Watchdog:
                 self._pending.appendleft(entry)
                 return True
             if entry.record is not None:
-                entry.record.fail("timed out", text)
+                entry.record.fail("timed out", text, entry.rid)
         tear_down = _tears_down()
         print(f"[jaxpg watchdog] {kind}: {text}"
               + (" Ending the process (JAXPG_ASYNC_ERROR_HANDLING=0 keeps it running; "

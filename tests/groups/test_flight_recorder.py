@@ -72,6 +72,15 @@ def test_the_ring_keeps_the_last_n_calls_and_each_groups_last_one():
     made[3].fail("timed out", "late")
     made[3].fail("failed", "later")  # the first failure stands
     assert (made[4].state, made[3].state, made[3].error) == ("completed", "timed out", "late")
+    lone = rec.start(_group("lone"), 7, "barrier", "collective", None, None)
+    lone_id = lone.id
+    for i in range(3):  # its ring slot is reused: the group's last call is copied out
+        stale = rec.start(_group(), 10 + i, "all_reduce", "collective", None, None)
+    assert (rec.last["lone"].id, rec.last["lone"].seq, rec.last["lone"].op) == (lone_id, 7,
+                                                                                "barrier")
+    assert lone.id != lone_id and rec.last["lone"] is not lone
+    lone.complete(rid=lone_id)  # a late completion does not touch the slot's new call
+    assert lone.state == "started" and len(rec.records()) == 3 and stale.seq == 12
     off = _Recorder()
     off.configure(0)
     kept = [off.start(_group(), i, "barrier", "collective", None, None) for i in range(4)]
@@ -88,6 +97,22 @@ def test_the_caller_is_the_first_frame_outside_jaxpg():
     assert code is test_the_caller_is_the_first_frame_outside_jaxpg.__code__
     assert api is None  # called from here directly, not through a jaxpg function
     assert lineno == here
+
+
+def test_a_public_collective_pins_its_caller_for_every_record_it_makes():
+    from jaxpg.groups import flight_recorder
+
+    namespace = {"capture_caller": capture_caller, "call_pinned": flight_recorder.call_pinned}
+    exec(compile("def all_reduce_like():\n    return capture_caller(), capture_caller()\n"
+                 "def wrapper():\n    return call_pinned(all_reduce_like, (), {})\n"
+                 "def lookup():\n    return capture_caller()\n",
+                 flight_recorder._PACKAGE + "fake_api.py", "exec"), namespace)
+    first, second = namespace["wrapper"]()
+    here = sys._getframe().f_lineno - 1
+    me = test_a_public_collective_pins_its_caller_for_every_record_it_makes.__code__
+    assert first == second == (me, here, namespace["all_reduce_like"].__code__)
+    code, line, api = namespace["lookup"]()  # nothing pinned is left behind: a walk
+    assert (code, line, api) == (me, sys._getframe().f_lineno - 1, None)
 
 
 def test_dump_prefix_honours_the_dump_dir_and_torchs_prefix(clean_env, tmp_path):
@@ -191,6 +216,8 @@ class _Never:
 def test_the_watchdog_marks_records_extends_for_compiling_peers_and_names_failures(
         monkeypatch, capsys):
     monkeypatch.setenv("JAXPG_ASYNC_ERROR_HANDLING", "0")
+    dumped = []
+    monkeypatch.setattr(watchdog, "_teardown_hooks", [dumped.append])  # the recorder's dump
     rec = _Recorder()
     rec.configure(4)
     dog = watchdog._Watchdog(autostart=False)
@@ -212,3 +239,4 @@ def test_the_watchdog_marks_records_extends_for_compiling_peers_and_names_failur
     dog._check()
     assert dog.fired == "train_step #3: hung" and late.state == "timed out"
     assert not dog._pending
+    assert [d.split(":")[0] for d in dumped] == ["DistNetworkError", "DistTimeoutError"]
