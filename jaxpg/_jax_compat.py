@@ -31,6 +31,7 @@ __all__ = [
     "distributed_runtime_service",
     "distributed_state",
     "jit_cache_size",
+    "joining_client",
     "make_cpu_client",
     "make_gloo_tcp_collectives",
     "make_mpi_collectives",
@@ -44,6 +45,7 @@ CHECKED_ON: dict[str, tuple[str, ...]] = {
     "cpu_collectives_implementation": _TESTED,  # jax._src.config.cpu_collectives_implementation
     "distributed_runtime_client": _TESTED,  # jaxlib._jax.get_distributed_runtime_client
     "distributed_runtime_service": _TESTED,  # jaxlib._jax.get_distributed_runtime_service
+    "joining_client": _TESTED,  # get_distributed_runtime_client(missed_heartbeat_callback=...)
     "make_gloo_tcp_collectives": _TESTED,  # jaxlib._jax.make_gloo_tcp_collectives
     "make_mpi_collectives": _TESTED,  # jaxlib._jax.make_mpi_collectives
     "make_cpu_client": _TESTED,  # jax._src.xla_bridge.make_cpu_client
@@ -102,6 +104,29 @@ def distributed_runtime_client(address: str, node_id: int, **kwargs: Any) -> Any
     """A coordination-service client (not connected); ``kwargs`` as jaxlib's."""
     make = _jaxlib("get_distributed_runtime_client", "joining a coordination service")
     return make(address, node_id, **kwargs)
+
+
+def _never_called(*args: Any) -> None:
+    """The client's error callback; jaxlib cannot call it (see :func:`joining_client`)."""
+
+
+def joining_client(address: str, node_id: int, **kwargs: Any) -> Any:
+    """A coordination-service client whose failed ``connect()`` raises instead of aborting.
+
+    By default JAX's agent reports a failed registration (a peer that never joined, a
+    coordinator that never answered) to an error callback that ends the process with a C++
+    fatal error (``client.h:80] Terminating process ...``). Given a
+    ``missed_heartbeat_callback``, jaxlib converts the ``absl::Status`` for the Python
+    callable, cannot, and throws ``std::bad_cast``, which ``connect()`` raises as
+    ``RuntimeError('std::bad_cast')`` on the calling thread: a catchable error, after the
+    agent logged the status. Checked on jax 0.10.2 and 0.12.0.1 (both raise, after
+    ``init_timeout`` + 5 s at most). The same callback firing later, on the agent's
+    heartbeat or error-polling thread, ends the process with ``terminate called after
+    throwing an instance of 'std::bad_cast'`` instead of JAX's fatal error: an abort
+    either way (``jaxpg-run`` explains both).
+    """
+    return distributed_runtime_client(address, node_id,
+                                      missed_heartbeat_callback=_never_called, **kwargs)
 
 
 def distributed_runtime_service(address: str, num_nodes: int, **kwargs: Any) -> Any:

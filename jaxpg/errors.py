@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 __all__ = [
     "DistError",
+    "DiscardedResultWarning",
     "DistBackendError",
     "DistDesyncError",
     "DistNetworkError",
@@ -58,3 +59,8 @@ class DistTimeoutError(DistError, TimeoutError):
 class DistDesyncError(DistError):
     """Ranks called different collectives (op, shapes, dtypes or arguments) at the same point;
     raised under ``JAXPG_DEBUG=DETAIL``, naming the ranks and both calls."""
+
+
+class DiscardedResultWarning(UserWarning):
+    """Host code dropped a collective's result; jaxpg returns results instead of changing
+    its arguments in place, as torch.distributed does (``t = jaxpg.all_reduce(t)``)."""

@@ -1,7 +1,7 @@
 """jaxpg's layers, bottom-up, and no import cycles: read from the source with ``ast``.
 
 Layers (docs/design.md): errors/reduce_op -> stores -> rendezvous -> groups ->
-collectives (and spmd) -> ddp/pipeline -> run -> the ``jaxpg`` package's own
+collectives (and spmd) -> tensor_parallel -> ddp/pipeline -> run -> the ``jaxpg`` package's own
 ``__init__`` (the torch.distributed-style surface, which re-exports everything).
 
 Every ``import`` and ``from ... import`` counts, wherever it is: at module level, inside a
@@ -23,14 +23,17 @@ PACKAGE = ROOT / "jaxpg"
 # Bottom-up; a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # _jax_compat holds every private jax API jaxpg uses; it imports only jaxpg.errors.
-    ("errors", ("jaxpg.errors", "jaxpg.reduce_op", "jaxpg._jax_compat")),
+    # mpi_library checks MPITRAMPOLINE_LIB before anything imports jax.
+    ("errors", ("jaxpg.errors", "jaxpg.reduce_op", "jaxpg._jax_compat", "jaxpg.mpi_library")),
     # gloo_device, hosted_coordinator and coordinator_process (rank 0's service child) start
-    # gloo and JAX's coordination service for the rendezvous, and import nothing from jaxpg.
+    # gloo and JAX's coordination service for the rendezvous; service_client joins it within
+    # the timeout with named errors. They import nothing from jaxpg above the errors layer.
     ("stores", ("jaxpg.stores", "jaxpg.gloo_device", "jaxpg.hosted_coordinator",
-                "jaxpg.coordinator_process")),
+                "jaxpg.coordinator_process", "jaxpg.service_client")),
     ("rendezvous", ("jaxpg.rendezvous",)),
     ("groups", ("jaxpg.groups",)),
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),
+    ("tensor_parallel", ("jaxpg.tensor_parallel",)),
     ("ddp/pipeline", ("jaxpg.ddp", "jaxpg.pipeline")),
     # the flight-recorder analyzer only reads dump files (jaxpg.groups.fr_dump's format)
     ("run", ("jaxpg.run", "jaxpg.fr_trace")),

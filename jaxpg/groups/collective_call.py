@@ -35,19 +35,36 @@ _detail = False  # JAXPG_DEBUG=DETAIL, read at init_process_group
 _heartbeat = 10.0  # JAXPG_HEARTBEAT_TIMEOUT, read at init_process_group
 _LIVENESS_SLICE = 0.1  # how often a waiting caller looks for lost peers (seconds)
 _MAX_EXTENSIONS = 20  # timeouts in a row that a peer still compiling may extend
+_in_place = False  # backend="mpi": every collective runs on MPI's thread, now
+_check: Any = None  # backend="mpi": checks a call before it runs (group, api) -> None
 
 
-def configure(detail: bool, heartbeat: float) -> None:
-    """Sets the world's DETAIL mode and heartbeat timeout (``init_process_group``)."""
-    global _detail, _heartbeat
-    _detail, _heartbeat = detail, heartbeat
+def configure(detail: bool, heartbeat: float, in_place: bool = False,
+              check: Any = None) -> None:
+    """Sets the world's DETAIL mode and heartbeat timeout (``init_process_group``); with
+    ``backend="mpi"``, ``in_place`` runs every collective on the caller's thread and
+    ``check(group, api)`` vets each call first."""
+    global _detail, _heartbeat, _in_place, _check
+    _detail, _heartbeat, _in_place, _check = detail, heartbeat, in_place, check
 
 
 def submit(fn: Any, api: str) -> Job:
     """Queues ``fn`` (a whole eager collective) on the runner thread and returns its Job at
     once: ``async_op=True`` in a multi-process run. Collectives ``fn`` calls run in place
-    on the runner, in call order with every other queued collective."""
-    return _runner.submit(fn, api, capture_caller() if recorder.enabled else None)
+    on the runner, in call order with every other queued collective.
+
+    With ``backend="mpi"`` the collective runs here, now (XLA's MPI collectives serve one
+    thread), and the Job comes back finished."""
+    if not _in_place:
+        return _runner.submit(fn, api, capture_caller() if recorder.enabled else None)
+    job = Job(api)
+    try:
+        result = fn()
+    except BaseException as err:  # noqa: BLE001 (handed to the Job, raised by wait)
+        job._finish(None, err)
+    else:
+        job._finish(result, None)
+    return job
 
 
 def wait_job(job: Job, timeout: float | None) -> Any:
@@ -149,6 +166,8 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None,
     """
     if group.store is None:
         _group_store(group)
+    if _check is not None:
+        _check(group, api)
     blocking = group._world.blocking_wait
     if liveness.lost():
         _check_alive(group, api, group.seq + 1)
@@ -162,7 +181,7 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None,
         return _run_here(group, api, fn, fingerprint, blocking, kind, caller)
 
     if blocking:
-        if not _has_peers(group) and _runner.idle():
+        if not has_peers(group) and _runner.idle():
             return here(True)  # nothing here can hang
         return wait_job(_runner.submit(lambda: here(True), api, caller),
                         group.timeout.total_seconds())
@@ -171,7 +190,7 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None,
     return here(False)
 
 
-def _has_peers(group: Any) -> bool:
+def has_peers(group: Any) -> bool:
     """Whether another process holds ranks of ``group`` (else nothing can hang: a world of
     one process runs its collectives in place, without the runner's thread hop)."""
     peers = group.__dict__.get("_jaxpg_has_peers")
@@ -190,7 +209,7 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool, k
     job = _runner.running_job()
     if job is not None:
         job.group, job.api, job.seq = group, api, seq
-    if _has_peers(group):  # alone, no one needs to know how far this process got
+    if has_peers(group):  # alone, no one needs to know how far this process got
         _progress.note(group, seq, fingerprint)
     record = recorder.start(group, seq, api, kind, fingerprint, caller)
     if _detail:

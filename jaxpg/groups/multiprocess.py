@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from jaxpg.errors import DistNetworkError, DistTimeoutError
+from jaxpg.errors import DistError, DistNetworkError, DistTimeoutError
 from jaxpg.groups import collective_call, compile_clock, fr_requests, liveness, watchdog
 from jaxpg.groups.collective_call import (  # noqa: F401 (the call API, re-exported)
     _group_store,
@@ -40,19 +40,22 @@ from jaxpg.groups.progress import progress as _progress
 __all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective", "submit",
            "wait_job", "timeout_text", "monitored_barrier"]
 
+_mpi_families: set = set()  # families whose MPI communicators exist (backend="mpi")
+
 
 def init_world(backend: str | None, init_method: str | None, timeout: datetime.timedelta,
                world_size: int, rank: int, store: Any, state_cls: type) -> Any:
     """Rendezvous, start ``jax.distributed`` and build the world's state."""
-    from jaxpg.groups.backend import Backend, resolve_backend
-    from jaxpg.rendezvous import initialize_jax_distributed, rendezvous
+    from jaxpg.groups.backend import Backend, names_mpi, resolve_backend
+    from jaxpg.rendezvous import initialize_jax_distributed, mpi_collectives, rendezvous
     from jaxpg.stores import PrefixStore
 
     fr_size = buffer_size_from_env()  # a bad value fails before anything starts
     if backend is not None and ":" not in str(backend):
         Backend(backend)  # reject unknown names before anything starts
-    if backend is not None and str(backend).lower() == "mpi":
-        jax.config.update("jax_cpu_collectives_implementation", "mpi")
+    mpi = names_mpi(backend)
+    if mpi:  # before anything starts: the library, async dispatch off, MPI's client factory
+        mpi_collectives.prepare()
     info = rendezvous(init_method, rank=None if rank < 0 else rank,
                       world_size=None if world_size < 0 else world_size, store=store,
                       timeout=timeout.total_seconds())
@@ -65,11 +68,21 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
     local_ranks = [i for i, d in enumerate(devices) if d.id in local_ids]
     state = state_cls(backend=chosen, devices=devices, local_ranks=local_ranks,
                       timeout=timeout, store=world_store, multiprocess=True)
-    state.blocking_wait = watchdog.blocking_wait(devices[0].platform)
+    in_place = chosen == Backend.MPI
+    if in_place:
+        mpi_collectives.check_started(jax.process_index(), jax.process_count(),
+                                      len(local_ranks))
+        mpi_collectives.warm_up(devices)  # the world's communicator, made on MPI's thread
+        _mpi_families.clear()
+        _mpi_families.add(state.world_group.family)
+    # MPI: dispatched on the caller's thread (synchronous: async dispatch is off); a stuck
+    # collective cannot be abandoned, so the watchdog ends the process at the timeout
+    state.blocking_wait = watchdog.blocking_wait(devices[0].platform) and not in_place
     state.process_index = jax.process_index()
     state.process_count = jax.process_count()
     state.world_group.store = PrefixStore("WORLD", world_store)
-    collective_call.configure(detail_enabled(), heartbeat)
+    collective_call.configure(detail_enabled(), heartbeat, in_place=in_place,
+                              check=_check_mpi if in_place else None)
     recorder.configure(fr_size)
     compile_clock.install()
     from jaxpg.stores import coordination
@@ -83,7 +96,7 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
                                                                   range(len(devices))))
         fr_requests.start(state, client)
     _store_barrier(state, state.world_group.store, "init", list(range(state.process_count)),
-                   timeout)
+                   timeout, "init_process_group")
     return state
 
 
@@ -130,13 +143,17 @@ def _arrive_and_wait(store: Any, prefix: str, me: int, procs: list[int],
 
 
 def _store_barrier(state: Any, store: Any, name: str, procs: list[int],
-                   timeout: datetime.timedelta) -> None:
-    """The seed's ``_store_based_barrier``: every process checks in, then waits for all."""
+                   timeout: datetime.timedelta, api: str = "") -> None:
+    """The seed's ``_store_based_barrier``: every process checks in, then waits for all;
+    raises ``DistTimeoutError`` naming the ranks that did not arrive and how many did."""
     missing = _arrive_and_wait(store, f"barrier/{name}", state.process_index, procs, timeout)
     if missing:
+        ranks = _ranks_of_processes(state, missing, range(len(state.devices)))
         raise DistTimeoutError(
-            f"store barrier {name!r}: processes {missing} did not arrive within "
-            f"{timeout.total_seconds():.1f} s."
+            f"{api or 'store barrier'} (store barrier {name!r}): {len(procs) - len(missing)} "
+            f"of {len(procs)} processes arrived within {timeout.total_seconds():.1f} s; ranks "
+            f"that did not arrive: {ranks} (processes {missing}). Every process must call it, "
+            "in the same order."
         )
 
 
@@ -148,7 +165,8 @@ def on_groups_created(state: Any, groups: Sequence[Any]) -> None:
         _group_store(g)
     first = groups[0]
     _store_barrier(state, PrefixStore(first.group_name, state.store), "created",
-                   list(range(state.process_count)), first.timeout)
+                   list(range(state.process_count)), first.timeout,
+                   f"new_group {first.group_name!r}")
 
 
 def monitored_barrier(group: Any, timeout: datetime.timedelta, wait_all_ranks: bool) -> None:
@@ -165,3 +183,44 @@ def monitored_barrier(group: Any, timeout: datetime.timedelta, wait_all_ranks: b
             f"monitored_barrier on group {group.group_name!r}: ranks {shown} did not "
             f"arrive within {timeout.total_seconds():.1f} s."
         )
+
+
+def _check_mpi(group: Any, api: str) -> None:
+    """backend="mpi": the call comes from MPI's thread, on a group XLA's MPI can serve, and
+    a family's first collective waits until every process reached it (its communicator is
+    made with ``MPI_Comm_split`` over all processes: a missing one is named, not a hang)."""
+    import threading
+    import zlib
+
+    from jaxpg.groups.backend import mpi_unsupported
+    from jaxpg.rendezvous import mpi_collectives
+
+    if threading.get_ident() != mpi_collectives.main_thread():
+        raise DistError(
+            f"{api}: with backend='mpi', collectives must be called from the thread that "
+            "called init_process_group (XLA's MPI collectives serve only the thread that "
+            f"started MPI); this is thread {threading.current_thread().name!r}."
+        )
+    if group.__dict__.get("_jaxpg_mpi_ready"):
+        return
+    error = mpi_unsupported(group, api)
+    if error is not None:
+        raise error
+    if group.family in _mpi_families or not collective_call.has_peers(group):
+        group.__dict__["_jaxpg_mpi_ready"] = True
+        return
+    state = group._world
+    name = f"mpi_communicator/{zlib.crc32(repr(group.family).encode()):08x}"
+    missing = _arrive_and_wait(state.world_group.store, name, state.process_index,
+                               list(range(state.process_count)), group.timeout)
+    if missing:
+        raise DistTimeoutError(
+            f"{api} #{group.seq + 1} on group {group.group_name!r}: with "
+            "backend='mpi', the first collective of a family of subgroups needs every "
+            "process (XLA makes its communicator with MPI_Comm_split over all processes), "
+            f"and ranks {_ranks_of_processes(state, missing, range(len(state.devices)))} did "
+            f"not reach it within {group.timeout.total_seconds():.1f} s; every process must "
+            "call the collective on its own subgroup, in the same order."
+        )
+    _mpi_families.add(group.family)
+    group.__dict__["_jaxpg_mpi_ready"] = True

@@ -22,13 +22,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.groups.recorded_step import recorded_step
-from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
+from jaxpg.pipeline.executor import StagedParams, check_param_specs, pipeline_value_and_grad
 from jaxpg.pipeline.stage_order import check_stage_order
 
 __all__ = ["make_train_step", "place_pipeline_params", "init_train_state"]
 
 
-def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: str = "pp") -> Any:
+def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: str = "pp",
+                          param_specs: Any = None) -> Any:
     """Puts stage-stacked parameters on ``mesh``: stages ``P(pp_axis)``, the rest replicated.
 
     With one chunk per rank each device then holds exactly its own stage; with more,
@@ -36,16 +37,25 @@ def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: st
     step), while a model-order one is resharded by every step. Optimizer
     states made from the placed parameters (``optimizer.init``) inherit the placement.
     The result is a copy, so a train step that donates it leaves ``params`` intact.
+    With ``param_specs`` (see ``pipeline_value_and_grad``) each array is also split as its
+    spec says: a stage array ``P(pp_axis, *spec)``, the others by their spec. ``mesh``
+    may also be a DeviceMesh or a HybridCommunicateGroup.
     """
+    mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)  # hcg / DeviceMesh
     staged = params if isinstance(params, StagedParams) else StagedParams(params)
     staged = jax.tree.map(lambda a: jnp.array(a, copy=True), staged)
-    stage_sharding = NamedSharding(mesh, P(pp_axis))
-    replicated = NamedSharding(mesh, P())
-    placed = StagedParams(
-        jax.device_put(staged.stages, stage_sharding),
-        jax.device_put(staged.first, replicated),
-        jax.device_put(staged.last, replicated),
-    )
+    if param_specs is None:
+        placed = StagedParams(
+            jax.device_put(staged.stages, NamedSharding(mesh, P(pp_axis))),
+            jax.device_put(staged.first, NamedSharding(mesh, P())),
+            jax.device_put(staged.last, NamedSharding(mesh, P())),
+        )
+    else:
+        leaves, treedef = check_param_specs(param_specs, staged, mesh, pp_axis, None)
+        specs = jax.tree.unflatten(treedef, leaves)
+        specs = specs._replace(stages=jax.tree.map(lambda s: P(pp_axis, *s), specs.stages))
+        placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+                              staged, specs)
     return placed if isinstance(params, StagedParams) else placed.stages
 
 
@@ -55,6 +65,7 @@ def init_train_state(
     mesh: Mesh,
     *,
     pp_axis: str = "pp",
+    param_specs: Any = None,
 ) -> tuple[Any, Any]:
     """Places ``params`` on ``mesh`` and builds the optimizer state next to them.
 
@@ -65,7 +76,8 @@ def init_train_state(
     Returns:
         ``(placed_params, opt_state)``.
     """
-    placed = place_pipeline_params(params, mesh, pp_axis=pp_axis)
+    placed = place_pipeline_params(params, mesh, pp_axis=pp_axis, param_specs=param_specs)
+    mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)
     replicated = NamedSharding(mesh, P())
 
     def place(leaf):
@@ -92,6 +104,7 @@ def make_train_step(
     donate: bool = True,
     remat: bool = False,
     stage_order: str = "model",
+    param_specs: Any = None,
 ) -> Callable[[Any, Any, Any, Any], tuple[Any, Any, jax.Array]]:
     """Returns ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)``.
 
@@ -116,6 +129,8 @@ def make_train_step(
             ``params`` (see ``pipeline_value_and_grad``). With two chunks per rank, keep
             parameters in rank order (``to_rank_order`` before ``init_train_state``): no
             step then moves them between devices.
+        param_specs: how parameters are split over other mesh axes (tensor parallelism);
+            see ``pipeline_value_and_grad``. Place them with the same ``param_specs``.
     """
     check_stage_order(stage_order)
     if not isinstance(remat, bool):
@@ -130,7 +145,7 @@ def make_train_step(
             stage_fn, loss_fn, params, inputs, targets, mesh=mesh, schedule=schedule,
             num_microbatches=num_microbatches, first_fn=first_fn, pp_axis=pp_axis,
             dp_axis=dp_axis, grad_reducer=grad_reducer, remat=remat,
-            stage_order=stage_order,
+            stage_order=stage_order, param_specs=param_specs,
         )  # fmt: skip
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
