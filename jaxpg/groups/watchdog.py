@@ -102,7 +102,7 @@ class Outstanding:
         if self.failed:
             return True
         array = self.array
-        return array is not None and array.is_ready()
+        return array is not None and (array.is_deleted() or array.is_ready())
 
     def due(self, now: float) -> bool:
         """Whether the deadline passed, not counting the dispatching thread's compile time."""
@@ -175,6 +175,10 @@ class _Watchdog:
     def _finished(self, entry: Outstanding) -> None:
         """Marks the record of a collective whose output is ready; fires if it failed."""
         if entry.failed or entry.array is None:
+            return
+        if entry.array.is_deleted():  # donated to a later program (a train step's state):
+            if entry.record is not None:  # that program is watched in its turn
+                entry.record.complete(entry.rid)
             return
         try:
             entry.array.block_until_ready()  # ready: returns at once, or raises XLA's error
