@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),
     ("tensor_parallel", ("jaxpg.tensor_parallel",)),
     ("ddp/pipeline", ("jaxpg.ddp", "jaxpg.pipeline")),
-    ("run", ("jaxpg.run",)),
+    # the flight-recorder analyzer only reads dump files (jaxpg.groups.fr_dump's format)
+    ("run", ("jaxpg.run", "jaxpg.fr_trace")),
     ("surface", ("jaxpg",)),
 ]
 

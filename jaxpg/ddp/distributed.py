@@ -57,6 +57,7 @@ from jaxpg.ddp.step_layout import (
     step_layout,
 )
 from jaxpg.ddp.train_step import REDUCTIONS, StepMode, build_train_step
+from jaxpg.groups.recorded_step import recorded_step
 
 __all__ = ["DistributedDataParallel"]
 
@@ -292,6 +293,9 @@ class DistributedDataParallel:
                 reduction=self.reduction, donate=self.donate,
                 layout=self.layout if self.layout.sharded else None, opt_specs=self._opt_specs,
             )  # fmt: skip
+            # a launch is a recorded collective call on the group: numbered, in the flight
+            # recorder, and a hang inside names the ranks that never started it
+            fn = recorded_step(fn, self.group, name="DistributedDataParallel.train_step")
             self._compiled[key] = fn
         return fn
 

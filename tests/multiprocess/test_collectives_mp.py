@@ -110,4 +110,4 @@ def test_missing_worker_raises_within_timeout(mode):
     assert "ranks that did not arrive: [1]" in m.group(2)
     want = "DistTimeoutError" if mode == "never_arrives" else "Dist"
     assert m.group(2).startswith(want)
-    assert "all_reduce on group 'group1' (sequence number 1)" in m.group(2)
+    assert "all_reduce #1 on group 'group1'" in m.group(2)
