@@ -34,9 +34,9 @@ REGISTER = FATAL.replace("UNAVAILABLE: Failed to send RPC",
     (REGISTER, -6, "not every process joined within the initialization timeout"),
     ("terminate called after throwing an instance of 'std::bad_cast'\n  what():  "
      "std::bad_cast\n", -6, "the service reported a fatal error for it"),
-    ("Traceback (most recent call last):\n  ...\njaxpg.errors.DistTimeoutError: all_reduce on "
-     "group 'WORLD' (sequence number 3) did not finish within 5.0 s; ranks that did not "
-     "arrive: [1].\n", 1, "DistTimeoutError: all_reduce on group 'WORLD' (sequence number 3)"),
+    ("Traceback (most recent call last):\n  ...\njaxpg.errors.DistTimeoutError: all_reduce #3 on "
+     "group 'WORLD' did not finish within 5.0 s; ranks that did not arrive: [1].\n", 1,
+     "DistTimeoutError: all_reduce #3 on group 'WORLD'"),
     ("", -9, "out-of-memory killer"),
     ("ValueError: a user's own error\n", 1, None),
 ])
