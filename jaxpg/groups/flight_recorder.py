@@ -30,7 +30,7 @@ __all__ = ["CallRecord", "recorder", "buffer_size_from_env", "capture_caller", "
 ENV_NAMES = ("JAXPG_FR_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # jaxpg frames that only forward a call: the user-facing name is the outermost other one
-_PLUMBING = frozenset({"wrapper", "<lambda>", "__call__", "launch", "call"})
+_PLUMBING = frozenset({"wrapper", "<lambda>", "__call__", "launch", "call", "call_pinned"})
 _ids = itertools.count(1)
 _local = threading.local()
 
@@ -252,10 +252,14 @@ def call_pinned(fn: Any, args: Any, kwargs: Any) -> Any:
     jaxpg's own code is left to :func:`capture_caller`'s walk)."""
     if getattr(_local, "caller", None) is None:
         frame = sys._getframe(2)
-        code = frame.f_code
-        entry = _kinds.get(id(code))
-        if entry is None or entry[0] is not code:
-            entry = _kinds[id(code)] = (code, _classify(code))
+        while True:  # over other decorators' wrappers (jaxpg plumbing) to the caller
+            code = frame.f_code
+            entry = _kinds.get(id(code))
+            if entry is None or entry[0] is not code:
+                entry = _kinds[id(code)] = (code, _classify(code))
+            if entry[1] != 2 or frame.f_back is None:
+                break
+            frame = frame.f_back
         if entry[1] == 0:
             _local.caller = (code, frame.f_lineno, fn.__code__)
             try:

@@ -115,6 +115,23 @@ def test_a_public_collective_pins_its_caller_for_every_record_it_makes():
     assert (code, line, api) == (me, sys._getframe().f_lineno - 1, None)
 
 
+def test_a_collective_under_another_decorator_still_pins_the_users_line():
+    # the public collectives are wrapped twice (the discarded-result check outside the
+    # async/pinning wrapper): the pin must skip the outer wrapper, not name it
+    from jaxpg.groups import flight_recorder
+
+    namespace = {"capture_caller": capture_caller, "call_pinned": flight_recorder.call_pinned}
+    exec(compile("def all_gather_like():\n    return capture_caller()\n"
+                 "def inner():\n    return call_pinned(all_gather_like, (), {})\n"
+                 "def wrapper():\n    return inner()\n",
+                 flight_recorder._PACKAGE + "fake_api2.py", "exec"), namespace)
+    namespace["inner"].__code__ = namespace["inner"].__code__.replace(co_name="wrapper")
+    got = namespace["wrapper"]()
+    here = sys._getframe().f_lineno - 1
+    me = test_a_collective_under_another_decorator_still_pins_the_users_line.__code__
+    assert got == (me, here, namespace["all_gather_like"].__code__)
+
+
 def test_dump_prefix_honours_the_dump_dir_and_torchs_prefix(clean_env, tmp_path):
     assert fr_dump.dump_prefix().endswith("jaxpg_fr_rank_")
     clean_env.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "trace_"))
@@ -201,6 +218,9 @@ def test_the_compile_clock_counts_a_threads_compile_time_only():
 
 
 class _Failing:
+    def is_deleted(self):
+        return False
+
     def is_ready(self):
         return True
 
@@ -209,6 +229,9 @@ class _Failing:
 
 
 class _Never:
+    def is_deleted(self):
+        return False
+
     def is_ready(self):
         return False
 
