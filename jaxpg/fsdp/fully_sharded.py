@@ -32,6 +32,7 @@ from jaxpg.fsdp.model_parallel import compose_with_model_mesh, has_block_padding
 from jaxpg.fsdp.shard_group import resolve_shard_group
 from jaxpg.fsdp.train_step import StepMode, StepPlan, build_train_step
 from jaxpg.fsdp.units import path_str, resolve_units, wrap_model
+from jaxpg.groups.recorded_step import recorded_step
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -236,6 +237,9 @@ class FullyShardedDataParallel:
         fn = self._compiled.get((loss_fn, mode))
         if fn is None:
             fn = build_train_step(loss_fn, self._plan, mode, donate=self.donate)
+            # a launch is a recorded collective call on the group of the mesh's ranks:
+            # numbered, in the flight recorder, and a hang inside names the ranks at fault
+            fn = recorded_step(fn, self.group.process_group, name=f"{_API}.train_step")
             self._compiled[(loss_fn, mode)] = fn
         return fn
 

@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups.recorded_step import recorded_step
 from jaxpg.pipeline.executor import StagedParams, check_param_specs, pipeline_value_and_grad
 from jaxpg.pipeline.stage_order import check_stage_order
 
@@ -149,4 +150,6 @@ def make_train_step(
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    # each launch is a recorded collective call on the mesh's group (docs/debugging.md)
+    return recorded_step(jax.jit(step, donate_argnums=(0, 1) if donate else ()), mesh,
+                         name="pipeline.train_step")
