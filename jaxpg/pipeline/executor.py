@@ -90,7 +90,7 @@ from jaxpg.pipeline.stage_split import split_stage
 from jaxpg.pipeline.staged_params import StagedParams
 from jaxpg.pipeline.tick_program import KIND_OF, slot_buffers, tick_steps, write_slot
 
-__all__ = ["StagedParams", "pipeline_value_and_grad", "resolve_schedule"]
+__all__ = ["EXECUTORS", "StagedParams", "pipeline_value_and_grad", "resolve_schedule"]
 
 
 def resolve_schedule(schedule: Any, num_ranks: int, num_microbatches: int | None, v: int):
@@ -285,6 +285,32 @@ def _compiled(cfg: _Config):
     return jax.jit(functools.partial(_run, cfg, plan_buffers(cfg.timetable)))
 
 
+EXECUTORS = ("auto", "spmd", "mpmd")
+
+
+def _use_mpmd(executor: Any, mesh: Mesh, args: Any) -> bool:
+    """Whether the process executor runs this call (see ``executor`` in the docstring)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor={executor!r} is not one of {EXECUTORS}.")
+    if executor == "spmd":
+        return False
+    from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
+
+    traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args))
+    reason = mpmd_unsupported_reason(mesh)
+    if executor == "auto":
+        return not traced and reason is None
+    if traced:
+        raise ValueError(
+            "executor='mpmd' runs each action from host code and cannot be traced: call "
+            "pipeline_value_and_grad outside jax.jit (or use executor='spmd')."
+        )
+    if reason is not None:
+        raise ValueError(f"executor='mpmd' cannot run on this mesh: {reason}. Use "
+                         "executor='spmd' (or 'auto').")
+    return True
+
+
 def pipeline_value_and_grad(
     stage_fn: Callable[[Any, Any], Any],
     loss_fn: Callable[[Any, Any, Any], Any],
@@ -301,6 +327,7 @@ def pipeline_value_and_grad(
     grad_reducer: Callable[[Any], Any] | None = None,
     remat: bool = False,
     stage_order: str = "model",
+    executor: str = "auto",
 ) -> tuple[jax.Array, Any]:
     """Mean loss over the batch and its gradient, computed by a pipeline schedule.
 
@@ -331,6 +358,15 @@ def pipeline_value_and_grad(
             ``B`` and ``W`` together do the work of one backward); ``True`` keeps only the
             stage inputs and recomputes the stage forward in the backward (and again in
             ``W``): less memory, more work.
+        stage_order: ``"model"`` or ``"rank"``, the order of the stage stacks in
+            ``params`` (``jaxpg.pipeline.stage_order``).
+        executor: ``"spmd"``: one program over the mesh, all ranks in lockstep (this
+            module); ``"mpmd"``: the process executor, one pipeline rank per process, each
+            running its own actions with point-to-point transfers
+            (``jaxpg.pipeline.mpmd``), from host code only; ``"auto"`` (default):
+            ``"mpmd"`` when called outside ``jax.jit`` on a mesh whose devices are each in
+            a process of their own, else ``"spmd"``. Both give the same loss and
+            gradients.
 
     Returns:
         ``(loss, grads)``: the mean loss, and gradients of the same structure as ``params``.
@@ -368,5 +404,10 @@ def pipeline_value_and_grad(
         stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer, remat,
         check_stage_order(stage_order),
     )
-    loss, grads = _compiled(cfg)(staged, inputs, targets)
+    if _use_mpmd(executor, mesh, (staged, inputs, targets)):
+        from jaxpg.pipeline.mpmd import run_mpmd
+
+        loss, grads = run_mpmd(cfg, staged, inputs, targets)
+    else:
+        loss, grads = _compiled(cfg)(staged, inputs, targets)
     return loss, grads if isinstance(params, StagedParams) else grads.stages
