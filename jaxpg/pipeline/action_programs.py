@@ -97,12 +97,13 @@ def _build(stage_fn: Callable, loss_fn: Callable, first_fn: Callable | None, rem
         x = embed(fp, inputs, row)
         return (x, *forward_last(pc, lp, x, targets, row, m, acc))
 
-    def whole_backward(p, x, dy, res):
+    def whole_backward(p, x, dy, res, g):
+        """``(dx, g + dp)``: one backward making both gradients, sharing what both read."""
         if remat:
             dp, dx = jax.vjp(stage_fn, p, x)[1](dy)
-            return dp, dx
-        dp, dx, _ = pieces.backward(p, x, dy, res)
-        return dp, dx
+        else:
+            dp, dx, _ = pieces.backward(p, x, dy, res)
+        return dx, _add(g, dp)
 
     def input_backward(p, x, dy, res):
         if remat:
@@ -118,12 +119,11 @@ def _build(stage_fn: Callable, loss_fn: Callable, first_fn: Callable | None, rem
         return _add(gf, de)
 
     def backward(pc, x, dy, res, g):
-        dp, dx = whole_backward(one(pc), x, dy, res)
-        return dx, _add(g, dp)
+        return whole_backward(one(pc), x, dy, res, g)
 
     def backward_first(pc, fp, x, dy, res, g, gf, inputs, row):
-        dp, dx = whole_backward(one(pc), x, dy, res)
-        return _add(g, dp), embed_grad(fp, dx, inputs, row, gf)
+        dx, g = whole_backward(one(pc), x, dy, res, g)
+        return g, embed_grad(fp, dx, inputs, row, gf)
 
     def backward_input(pc, x, dy, res):
         return input_backward(one(pc), x, dy, res)
@@ -132,14 +132,16 @@ def _build(stage_fn: Callable, loss_fn: Callable, first_fn: Callable | None, rem
         dx, wres = input_backward(one(pc), x, dy, res)
         return wres, embed_grad(fp, dx, inputs, row, gf)
 
-    def weight(g, pc, x, dy, res, wres, go):
-        p = one(pc)
+    def weight_of(g, p, x, dy, res, wres, go):
         if remat:
             return _add(g, jax.vjp(lambda q: stage_fn(q, x), p)[1](dy)[0])
         if g is None:
             return _add(None, pieces.weight(p, x, dy, res, wres))
         g = pieces.weight_into(one(g), p, x, dy, res, wres, go=go)
         return jax.tree.map(lambda a: a[None], g)
+
+    def weight(g, pc, x, dy, res, wres, go):
+        return weight_of(g, one(pc), x, dy, res, wres, go)
 
     jit = jax.jit
     return ActionPrograms(

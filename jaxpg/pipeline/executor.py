@@ -40,6 +40,12 @@ through):
       (stage-input remat) only the stage input is kept and ``B`` recomputes the stage
       with ``jax.vjp`` (``W`` once more).
 
+A stage's parameter-only layout work (``w[i]`` of a stack of layers: slices, squeezes,
+transposes) is hoisted out of the loop (``jaxpg.pipeline.stage_hoist``): the loop runs
+the stage on the prepared per-layer arrays and accumulates their gradients, which are
+turned back into gradients of the stack once, after the loop (7-10% less work for
+two-block stages at width 512 than leaving it to XLA).
+
 Slot buffers and accumulators are the conds' state and are updated in place; no
 ``lax.switch`` carries them (XLA copies every output of a conditional with more than two
 branches on every tick; see ``tick_program``).
@@ -84,6 +90,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
+from jaxpg.pipeline.stage_hoist import hoist_stage
 from jaxpg.pipeline.stage_meta import infer_stage_metadata
 from jaxpg.pipeline.stage_order import check_stage_order, loop_view, stacked
 from jaxpg.pipeline.stage_split import split_stage
@@ -141,12 +148,16 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     first_p, last_p = params.first, params.last
     inputs = split_microbatches(inputs, m)
     targets = split_microbatches(targets, m)
+    one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
+    stage_fn, hoisted = cfg.stage_fn, hoist_stage(cfg.stage_fn, one_stage, act_struct)
+    if hoisted is not None:  # the stage's parameter layout work, once (stage_hoist)
+        stage_fn, stages = hoisted.stage, jax.vmap(hoisted.prepare)(stages)
+        one_stage = hoisted.q_structs
     pieces = None
     if not cfg.remat:  # a split backward only where the timetable has W actions
-        one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
-        pieces = split_stage(cfg.stage_fn, one_stage, act_struct, "W" in plan.branches)
+        pieces = split_stage(stage_fn, one_stage, act_struct, "W" in plan.branches)
     steps = tick_steps(
-        cfg.stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches,
+        stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches,
         (stages, first_p, last_p), inputs, targets, pieces,
     )  # fmt: skip
 
@@ -225,8 +236,11 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     acc, _ = lax.scan(tick, state, jnp.asarray(plan.table))
     loss_acc, g_last = acc["last"]
     loss = lax.psum(loss_acc, cfg.pp_axis)
+    g_stages = acc["g_stages"]
+    if hoisted is not None:
+        g_stages = [hoisted.grad_back(g) for g in g_stages]
     grads = StagedParams(
-        jax.tree.map(lambda *g: jnp.stack(g), *acc["g_stages"]),
+        jax.tree.map(lambda *g: jnp.stack(g), *g_stages),
         lax.psum(acc["g_first"], cfg.pp_axis),
         lax.psum(g_last, cfg.pp_axis),
     )

@@ -47,6 +47,7 @@ from jaxpg.pipeline.action_programs import action_programs
 from jaxpg.pipeline.microbatch import microbatch_size
 from jaxpg.pipeline.p2p_lanes import PairLane, StepMail
 from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
+from jaxpg.pipeline.stage_hoist import HoistedStage, hoist_stage
 from jaxpg.pipeline.stage_meta import infer_stage_metadata
 from jaxpg.pipeline.stage_order import loop_view, stacked
 from jaxpg.pipeline.staged_params import StagedParams
@@ -152,15 +153,19 @@ def _rows_of(shard: Any, shape: tuple) -> tuple[int, int] | None:
     return sl.start or 0, sl.stop if sl.stop is not None else shape[0]
 
 
-@functools.cache
-def _unstack(v: int, squeeze: bool):
-    """``[v, (1,) ...]`` blocks -> per chunk ``[1, ...]`` (one program, one copy per step)."""
+@functools.lru_cache(maxsize=64)
+def _prepare(v: int, squeeze: bool, hoisted: HoistedStage | None):
+    """``[v, (1,) ...]`` blocks -> per chunk the programs' parameters, each leaf ``[1, ...]``:
+    the chunk's own parameters, or what ``hoisted.prepare`` makes of them (one program a
+    step; with ``v == 1`` and nothing hoisted the block is used as it is)."""
 
-    def split(block):
-        return tuple(jax.tree.map(lambda a, c=c: a[c] if squeeze else a[c:c + 1], block)
-                     for c in range(v))
+    def chunk(block, c):
+        one = jax.tree.map(lambda a: a[c, 0] if squeeze else a[c], block)
+        if hoisted is None:
+            return jax.tree.map(lambda a: a[None], one)
+        return tuple(a[None] for a in hoisted.prepare(one))
 
-    return jax.jit(split)
+    return jax.jit(lambda block: tuple(chunk(block, c) for c in range(v)))
 
 
 @functools.cache
@@ -170,17 +175,18 @@ def _reshard(mesh: Mesh, tt: Any, order: str, pp_axis: str):
                    out_shardings=NamedSharding(mesh, P(None, pp_axis)))
 
 
-def _local_chunks(stages: Any, cfg: Any, plan: _Plan) -> tuple:
-    """This rank's chunks of the stage stack, each a pytree of ``[1, ...]`` arrays."""
+def _local_chunks(stages: Any, cfg: Any, plan: _Plan, hoisted: HoistedStage | None) -> tuple:
+    """This rank's chunks' parameters as the action programs take them: per chunk a pytree
+    of ``[1, ...]`` arrays (the hoisted ``q`` of :mod:`jaxpg.pipeline.stage_hoist`, if any)."""
     tt, r, device = cfg.timetable, plan.rank, plan.device
     v = tt.num_chunks
     rows = ([r * v + c for c in range(v)] if cfg.stage_order == "rank" or v == 1 else
             [tt.stage_of(r, c) for c in range(v)])
     leaves, treedef = jax.tree.flatten(stages)
     if all(not isinstance(a, jax.Array) for a in leaves):  # host arrays: slice here
-        return tuple(jax.tree.unflatten(treedef, [
-            jax.device_put(np.asarray(a)[rows[c]:rows[c] + 1], device) for a in leaves])
-            for c in range(v))  # fmt: skip
+        block = jax.tree.unflatten(treedef, [
+            jax.device_put(np.asarray(a)[np.asarray(rows)], device) for a in leaves])
+        return _prepare(v, False, hoisted)(block)
     blocks = []
     for a in leaves:
         shard = _shard_on(a, device) if isinstance(a, jax.Array) else None
@@ -195,10 +201,10 @@ def _local_chunks(stages: Any, cfg: Any, plan: _Plan) -> tuple:
             break
     else:
         block = jax.tree.unflatten(treedef, blocks)
-        return (block,) if v == 1 else _unstack(v, False)(block)
+        return (block,) if v == 1 and hoisted is None else _prepare(v, False, hoisted)(block)
     loop = _reshard(cfg.mesh, tt, cfg.stage_order, cfg.pp_axis)(stages)
     local = jax.tree.map(lambda a: _shard_on(a, device).data, loop)  # [v, 1, ...]
-    return _unstack(v, True)(local)
+    return _prepare(v, True, hoisted)(local)
 
 
 def _local_batch(tree: Any, cfg: Any, plan: _Plan, dp: int) -> tuple[Any, int]:
@@ -240,15 +246,22 @@ def _local_replicated(tree: Any, device: Any) -> Any:
 
 # --------------------------------------------------------------------------- the closing program
 @functools.lru_cache(maxsize=64)
-def _finisher(cfg: Any):
-    """One program over the whole mesh: the loss and the embedding's and head's gradients
-    summed over the pipeline, ``grad_reducer`` over data parallel, stacks restored."""
+def _finisher(cfg: Any, hoisted: HoistedStage | None):
+    """One program over the whole mesh: the chunks' weight gradients turned back from
+    ``q`` into the stage parameters' (``hoisted.grad_back``), the loss and the embedding's
+    and head's gradients summed over the pipeline, ``grad_reducer`` over data parallel,
+    the stacks restored."""
     pp, dp = cfg.pp_axis, cfg.dp_axis
     spec = P((dp, pp)) if dp else P(pp)
 
+    def stage_grad(g):
+        if hoisted is None:
+            return g
+        return jax.tree.map(lambda a: a[None], hoisted.grad_back([a[0] for a in g]))
+
     def body(loss, chunks, g_first, g_last):
         loss = lax.psum(loss[0], pp)
-        stages = jax.tree.map(lambda *c: jnp.concatenate(c), *chunks)
+        stages = jax.tree.map(lambda *c: jnp.concatenate(c), *map(stage_grad, chunks))
         grads = StagedParams(stages, lax.psum(jax.tree.map(lambda a: a[0], g_first), pp),
                              lax.psum(jax.tree.map(lambda a: a[0], g_last), pp))
         if dp is not None:
@@ -266,7 +279,7 @@ def _finisher(cfg: Any):
         return loss, grads._replace(stages=jax.tree.map(
             lambda a: stacked(a, cfg.timetable, cfg.stage_order), grads.stages))
 
-    return jax.jit(run)
+    return jax.jit(run, donate_argnums=(1,))  # the chunk gradients: ours, become the result
 
 
 def _global(tree: Any, cfg: Any) -> Any:
@@ -323,13 +336,18 @@ def run_mpmd(cfg: Any, params: StagedParams, inputs: Any, targets: Any) -> tuple
     act = metas[0].input
     plan = _plans(cfg)
     one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params.stages)
-    progs = action_programs(cfg.stage_fn, cfg.loss_fn, cfg.first_fn, remat=cfg.remat,
+    hoisted = hoist_stage(cfg.stage_fn, one_stage, act)
+    if hoisted is not None:  # the programs run the stage on q = prepare(p) (stage_hoist)
+        stage_fn, one_stage = hoisted.stage, hoisted.q_structs
+    else:
+        stage_fn = cfg.stage_fn
+    progs = action_programs(stage_fn, cfg.loss_fn, cfg.first_fn, remat=cfg.remat,
                             split_backward=tt.split_backward, one_stage=one_stage, act=act,
                             rows=rows)  # fmt: skip
     timeline = recording()
     started = time.perf_counter()
 
-    chunks = _local_chunks(params.stages, cfg, plan)
+    chunks = _local_chunks(params.stages, cfg, plan, hoisted)
     holds_first = any(op.first for op in plan.ops)
     holds_last = any(op.last for op in plan.ops)
     fp = _local_replicated(params.first, plan.device) if holds_first else None
@@ -355,9 +373,10 @@ def run_mpmd(cfg: Any, params: StagedParams, inputs: Any, targets: Any) -> tuple
             if not job.finished:
                 lane.runner.abandon()  # stuck in a collective with a lost peer
         raise
+    finishing = time.perf_counter()
     zero_first = _zeros_like(_zeros_key(params.first), plan.device)
     zero_last = _zeros_like(_zeros_key(params.last), plan.device)
-    out = _finisher(cfg)(
+    out = _finisher(cfg, hoisted)(
         _global(loss if loss is not None else _zeros_like(_zeros_key(jnp.float32(0)),
                                                           plan.device), cfg),
         _global(tuple(g_chunks), cfg),
@@ -367,6 +386,7 @@ def run_mpmd(cfg: Any, params: StagedParams, inputs: Any, targets: Any) -> tuple
     if timeline is not None:
         timeline.flush()
         jax.block_until_ready(out)
+        timeline.add("finish", "reduce", finishing, time.perf_counter())
         timeline.add("step", tt.name, started, time.perf_counter())
     return out
 
