@@ -426,6 +426,15 @@ def _run_ops(plan, progs, chunks, fp, lp, x_in, row_in, t_in, row_t, rows, m, ma
     for _, transfers in plan.pairs.values():
         src_of.update((t.key, t.src) for t in transfers if t.dst == plan.me)
 
+    pending = {}  # timeline: chunk -> (future, gradient) of an action only it came out of
+
+    def settle(chunk):
+        """Timeline only: before a chunk's gradient is donated, its last writer's end."""
+        if chunk in pending:
+            future, value = pending.pop(chunk)
+            jax.block_until_ready(value)
+            future.set_result(time.perf_counter())
+
     def get(key):
         if timeline is None:
             return mail.receive(key, src_of.get(key, plan.me))
@@ -438,12 +447,14 @@ def _run_ops(plan, progs, chunks, fp, lp, x_in, row_in, t_in, row_t, rows, m, ma
         k = (op.stage, op.microbatch)
         pc = chunks[op.chunk]
         row = op.microbatch * rows
-        out = None
+        out, only_donated = None, False  # only_donated: the next writer donates out
+        if timeline is not None and (op.kind == "W" or (op.kind == "B" and not split)):
+            settle(op.chunk)
         if op.kind == "F":
             if op.first and op.last:
                 x[k], acc, dy[k], res[k] = progs.forward_first_last(
                     pc, fp, lp, x_in, t_in, row_in + row, m, acc)
-                out = acc
+                out = dy[k]
             elif op.first:
                 x[k], out, res[k] = progs.forward_first(pc, fp, x_in, row_in + row)
             else:
@@ -451,7 +462,7 @@ def _run_ops(plan, progs, chunks, fp, lp, x_in, row_in, t_in, row_t, rows, m, ma
                 if op.last:
                     acc, dy[k], res[k] = progs.forward_last(pc, lp, x[k], t_in, row_t + row,
                                                             m, acc)  # fmt: skip
-                    out = acc
+                    out = dy[k]
                 else:
                     out, res[k] = progs.forward(pc, x[k])
         elif op.kind == "B":
@@ -469,18 +480,25 @@ def _run_ops(plan, progs, chunks, fp, lp, x_in, row_in, t_in, row_t, rows, m, ma
                 if op.first:
                     g[op.chunk], g_first = progs.backward_first(
                         pc, fp, xk, dyk, rk, g[op.chunk], g_first, x_in, row_in + row)
-                    out = g[op.chunk]
+                    out, only_donated = g[op.chunk], True
                 else:
                     out, g[op.chunk] = progs.backward(pc, xk, dyk, rk, g[op.chunk])
         else:
             g[op.chunk] = progs.weight(g[op.chunk], pc, x.pop(k), dy.pop(k), res.pop(k),
                                        wres.pop(k), True)  # fmt: skip
-            out = g[op.chunk]
+            out, only_donated = g[op.chunk], True
         if op.sends is not None:
             key, dst = op.sends
             mail.post(key, plan.global_of[dst], out)
         if timeline is not None:
-            timeline.action(op.label, time.perf_counter(), out)
+            if only_donated:  # the host settles the end (the watcher cannot wait on it)
+                future = concurrent.futures.Future()
+                pending[op.chunk] = (future, out)
+                timeline.action(op.label, time.perf_counter(), future)
+            else:
+                timeline.action(op.label, time.perf_counter(), out)
+    for chunk in list(pending):
+        settle(chunk)
     loss = None if acc is None else acc[0]
     g_last = None if acc is None else acc[1]
     return loss, g, g_first, g_last

@@ -19,6 +19,7 @@ compute). Times are ``time.perf_counter()`` seconds of this process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import queue
 import threading
@@ -58,7 +59,9 @@ class Timeline:
             self.events.append(Event(kind, label, start, end))
 
     def action(self, label: str, queued: float, outputs: Any) -> None:
-        """An action was queued at ``queued``; its compute ends when ``outputs`` are ready."""
+        """An action was queued at ``queued``; its compute ends when ``outputs`` are ready
+        (or, for a ``concurrent.futures.Future``, at the time it resolves to: an action whose
+        only outputs the next one donates, which the host waits for itself)."""
         self._queue.put((label, queued, outputs))
 
     def flush(self) -> None:
@@ -76,8 +79,14 @@ class Timeline:
             if item is None:
                 return
             label, queued, outputs = item
-            jax.block_until_ready(outputs)
-            end = time.perf_counter()
+            try:
+                if isinstance(outputs, concurrent.futures.Future):
+                    end = outputs.result()
+                else:
+                    jax.block_until_ready(outputs)
+                    end = time.perf_counter()
+            except Exception:  # noqa: BLE001 (a failed step: its actions end now)
+                end = time.perf_counter()
             start = max(queued, self._last_end)
             self._last_end = end
             self.add("compute", label, start, end)
