@@ -1,7 +1,7 @@
-"""Writes the README's benchmark section from bench/results/*.json.
+"""Writes the benchmark page's generated tables from bench/results/*.json.
 
 Run after the benchmarks: ``python bench/report.py`` replaces the text between the
-``<!-- BENCHMARKS -->`` and ``<!-- /BENCHMARKS -->`` markers in README.md.
+``<!-- BENCHMARKS -->`` and ``<!-- /BENCHMARKS -->`` markers in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def collectives() -> list[str]:
         out.append(f"| {fmt_size(r['size_bytes'])} | {r['collective']} | {m['handwritten']:.0f} | "
                    f"{m['eager_sharded']:.0f} | {o['eager_sharded']:+.1f}% | "
                    f"{m['eager_host']:.0f} | {r['busbw_GBps']['eager_sharded']:.3f} |")
-    return out + [""]
+    return out + ["", "![collectives](../bench/results/collectives.png)", ""]
 
 
 def collectives_mp() -> list[str]:
@@ -60,7 +60,7 @@ def collectives_mp() -> list[str]:
         xla = f"{b['xla']:.3f}" if b.get("xla") is not None else "-"
         out.append(f"| {r['n']} | {r['op']} | {fmt_size(r['size_bytes'])} | {b['jaxpg']:.3f} | "
                    f"{b.get('torch', float('nan')):.3f} | {xla} | {ratio:.2f} |")
-    return out + [""]
+    return out + ["", "![collectives across processes](../bench/results/collectives_mp.png)", ""]
 
 
 def ddp() -> list[str]:
@@ -78,7 +78,7 @@ def ddp() -> list[str]:
     out += ["", "| N = 2, one process | buckets | samples/s |", "|---|---:|---:|"]
     for r in d["sweep"]:
         out.append(f"| {r['name']} | {r.get('buckets', '-')} | {r['samples_per_s']:.1f} |")
-    return out + ["", "![DDP](bench/results/ddp.png)", ""]
+    return out + ["", "![DDP](../bench/results/ddp.png)", ""]
 
 
 def pipeline() -> list[str]:
@@ -109,18 +109,18 @@ def pipeline() -> list[str]:
         out += ["", "| framework | schedule | m | step ms |", "|---|---|---:|---:|"]
         for r in d["steps"]:
             out.append(f"| {r['framework']} | {r['schedule']} | {r['m']} | {r['step_ms']:.0f} |")
-        out += ["", "![1F1B](bench/results/schedule_1f1b.png)", ""]
+        out += ["", "![1F1B](../bench/results/schedule_1f1b.png)", ""]
     return out
 
 
 def main() -> None:
     body = "\n".join(collectives() + collectives_mp() + ddp() + pipeline())
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    page = ROOT / "docs" / "benchmarks.md"
+    text = page.read_text()
     block = f"<!-- BENCHMARKS -->\n{body}\n<!-- /BENCHMARKS -->"
     text = re.sub(r"<!-- BENCHMARKS -->.*?(<!-- /BENCHMARKS -->|$)", lambda _: block, text,
                   count=1, flags=re.S)
-    readme.write_text(text)
+    page.write_text(text)
     print(body)
 
 

@@ -5,7 +5,7 @@ collective runs eagerly from host code or, inside ``jaxpg.spmd``, lowers to ``la
 collectives under ``shard_map``.
 """
 
-from jaxpg import ddp, pipeline  # noqa: E402  (subpackages, after the core they build on)
+from jaxpg import ddp, pipeline, tensor_parallel  # noqa: E402  (subpackages, after the core they build on)
 from jaxpg.collectives import *  # noqa: F403
 from jaxpg.collectives import __all__ as _collectives_all
 from jaxpg.errors import (
@@ -30,5 +30,5 @@ __all__ = [
     "DistBackendError", "DistDesyncError", "DistError", "DistNetworkError", "DistStoreError",
     "DistTimeoutError",
     "ReduceOp", "RedOpType", "spmd", "Store", "HashStore", "FileStore", "PrefixStore",
-    "TCPStore", "ddp", "pipeline",
+    "TCPStore", "ddp", "pipeline", "tensor_parallel",
 ]

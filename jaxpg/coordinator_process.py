@@ -197,9 +197,9 @@ def _at_exit() -> None:
     """The interpreter exits without ``destroy_process_group``: end the world in order."""
     if _child is None:
         return
-    from jax._src import distributed
+    from jaxpg._jax_compat import distributed_state
 
-    state = distributed.global_state
+    state = distributed_state()
     if state.client is not None:
         finish(state.client, state.num_processes or 1, 300.0, state.shutdown)
     else:
@@ -224,12 +224,12 @@ def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
               "service cannot start there; choose another MASTER_PORT / init_method port",
               flush=True)
         return 1
-    import jaxlib._jax as jaxlib_jax
+    from jaxpg._jax_compat import distributed_runtime_service
 
     with open(os.devnull, "wb") as devnull:  # JAX's log lines; our own messages go to err
         os.dup2(devnull.fileno(), 2)
     try:
-        service = jaxlib_jax.get_distributed_runtime_service(
+        service = distributed_runtime_service(
             bind_address, num_processes, heartbeat_timeout=heartbeat_timeout,
             shutdown_timeout=5, recoverable=True)
     except Exception as exc:  # noqa: BLE001

@@ -109,22 +109,21 @@ _chosen: GlooDevice | None = None
 
 def _cpu_client_factory():
     """JAX's CPU client factory, with gloo on the chosen device."""
-    from jax._src import config, distributed, xla_bridge
-    from jax._src.lib import _jax
+    from jaxpg import _jax_compat
 
-    state = distributed.global_state
+    state = _jax_compat.distributed_state()
     device = _chosen
     if (
         device is None
         or state.client is None
-        or config.cpu_collectives_implementation.value != "gloo"
+        or _jax_compat.cpu_collectives_implementation() != "gloo"
         or (device.interface is None and device.hostname is None)
     ):
-        return xla_bridge.make_cpu_client()
-    collectives = _jax.make_gloo_tcp_collectives(
+        return _jax_compat.make_cpu_client()
+    collectives = _jax_compat.make_gloo_tcp_collectives(
         distributed_client=state.client, hostname=device.hostname, interface=device.interface
     )
-    return xla_bridge.make_cpu_client(collectives=collectives)
+    return _jax_compat.make_cpu_client(collectives=collectives)
 
 
 def install(device: GlooDevice) -> None:
@@ -133,10 +132,9 @@ def install(device: GlooDevice) -> None:
     Must run before the CPU backend is initialized (``jax.devices()``, any computation).
     """
     global _chosen
-    from jax._src import xla_bridge
+    from jaxpg import _jax_compat
 
     _chosen = device
-    registration = xla_bridge._backend_factories.get("cpu")
-    if registration is not None and registration.factory is _cpu_client_factory:
+    if _jax_compat.cpu_backend_factory() is _cpu_client_factory:
         return
-    xla_bridge.register_backend_factory("cpu", _cpu_client_factory, priority=0, fail_quietly=False)
+    _jax_compat.register_cpu_backend_factory(_cpu_client_factory)

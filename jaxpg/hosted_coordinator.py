@@ -45,17 +45,18 @@ def connect(
         local_device_ids: the GPUs this process uses (None: all visible).
         shutdown_timeout: seconds the shutdown waits for the others.
     """
-    from jax._src import config, distributed
-    from jax._src.lib import _jax
+    import jax
 
-    state = distributed.global_state
+    from jaxpg import _jax_compat
+
+    state = _jax_compat.distributed_state()
     if state.client is not None:
         raise RuntimeError("jax.distributed is already initialized.")
     if local_device_ids:
         visible = ",".join(str(x) for x in local_device_ids)
-        config.update("jax_cuda_visible_devices", visible)
-        config.update("jax_rocm_visible_devices", visible)
-    client = _jax.get_distributed_runtime_client(
+        jax.config.update("jax_cuda_visible_devices", visible)
+        jax.config.update("jax_rocm_visible_devices", visible)
+    client = _jax_compat.distributed_runtime_client(
         address,
         process_id,
         init_timeout=init_timeout,
@@ -90,9 +91,9 @@ def clear_before_shutdown(timeout_s: float = 30.0) -> None:
     (a peer already gone) are ignored: the world is going away anyway.
     """
     global _generation
-    from jax._src import distributed
+    from jaxpg import _jax_compat
 
-    state = distributed.global_state
+    state = _jax_compat.distributed_state()
     if state.client is None or state.service is not None:
         return
     if hosted_address() != state.coordinator_address:

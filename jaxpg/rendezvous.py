@@ -322,13 +322,13 @@ def initialize_jax_distributed(
         ValueError: if a running ``jax.distributed`` disagrees with ``info``, or
             ``GLOO_SOCKET_IFNAME`` names an interface this machine does not have.
     """
-    from jax._src import distributed
+    from jaxpg._jax_compat import distributed_state
 
     seconds = to_seconds(timeout)
-    if distributed.global_state.client is None and info.world_size == 1:
+    if distributed_state().client is None and info.world_size == 1:
         return info.store if info.store is not None else HashStore(timeout=seconds)
     address = info.coordinator_address
-    assert address is not None or distributed.global_state.client is not None
+    assert address is not None or distributed_state().client is not None
     client = start_jax_distributed(
         address or "", info.world_size, info.rank, timeout=seconds,
         heartbeat_timeout=to_seconds(heartbeat_timeout), local_device_ids=local_device_ids)
@@ -349,12 +349,11 @@ def shutdown_jax_distributed() -> None:
         from jaxpg import hosted_coordinator
 
         hosted_coordinator.clear_before_shutdown()
-        from jax._src import distributed
-
         from jaxpg import coordinator_process
+        from jaxpg._jax_compat import distributed_state
         from jaxpg.stores import coordination
 
-        state = distributed.global_state
+        state = distributed_state()
         address = state.coordinator_address
         if coordinator_process.running() is not None:  # rank 0, hosting the service child
             coordinator_process.finish(state.client, state.num_processes, 300.0,

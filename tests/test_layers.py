@@ -1,7 +1,7 @@
 """jaxpg's layers, bottom-up, and no import cycles: read from the source with ``ast``.
 
 Layers (docs/design.md): errors/reduce_op -> stores -> rendezvous -> groups ->
-collectives (and spmd) -> ddp/pipeline -> run -> the ``jaxpg`` package's own
+collectives (and spmd) -> tensor_parallel -> ddp/pipeline -> run -> the ``jaxpg`` package's own
 ``__init__`` (the torch.distributed-style surface, which re-exports everything).
 
 Every ``import`` and ``from ... import`` counts, wherever it is: at module level, inside a
@@ -22,7 +22,8 @@ PACKAGE = ROOT / "jaxpg"
 
 # Bottom-up; a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("errors", ("jaxpg.errors", "jaxpg.reduce_op")),
+    # _jax_compat holds every private jax API jaxpg uses; it imports only jaxpg.errors.
+    ("errors", ("jaxpg.errors", "jaxpg.reduce_op", "jaxpg._jax_compat")),
     # gloo_device, hosted_coordinator and coordinator_process (rank 0's service child) start
     # gloo and JAX's coordination service for the rendezvous, and import nothing from jaxpg.
     ("stores", ("jaxpg.stores", "jaxpg.gloo_device", "jaxpg.hosted_coordinator",
@@ -30,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rendezvous", ("jaxpg.rendezvous",)),
     ("groups", ("jaxpg.groups",)),
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),
+    ("tensor_parallel", ("jaxpg.tensor_parallel",)),
     ("ddp/pipeline", ("jaxpg.ddp", "jaxpg.pipeline")),
     ("run", ("jaxpg.run",)),
     ("surface", ("jaxpg",)),
@@ -167,3 +169,18 @@ def test_no_module_imports_from_a_higher_layer():
         if _layer(target) > _layer(name)
     ]
     assert upward == []
+
+
+def test_jax_compat_stays_at_the_bottom():
+    assert {t for t, _ in GRAPH["jaxpg._jax_compat"]} <= {"jaxpg.errors"}
+
+
+def test_private_jax_apis_only_in_the_compat_module():
+    # jax._src and jaxlib._jax, anywhere in the text (imports, strings, docstrings), so that
+    # `grep -rlE 'jax\._src|jaxlib\._jax' jaxpg/` lists one file.
+    import re
+
+    private = re.compile(r"jax\._src|jaxlib\._jax")
+    users = sorted(str(path.relative_to(ROOT)) for path, _ in MODULES.values()
+                   if private.search(path.read_text()))
+    assert users == ["jaxpg/_jax_compat.py"]

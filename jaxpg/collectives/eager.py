@@ -22,14 +22,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg._jax_compat import array_from_single_block
 from jaxpg.groups.callbacks import on_reset
 from jaxpg.spmd import SpmdContext
-
-try:  # the no-copy, no-check constructor of a global array from its blocks (4x cheaper)
-    from jax._src.array import ArrayImpl
-    from jax.core import ShapedArray
-except ImportError:  # pragma: no cover (JAX moved it: the public function is used)
-    ArrayImpl = None
 
 __all__ = ["run_eager", "local_count", "holds_every_member", "clear_kernel_cache"]
 
@@ -119,13 +114,7 @@ def _local_part(out: jax.Array, group: Any, n_local: int, all_local: bool) -> An
 
 def _global_from_block(shape: tuple, sharding: NamedSharding, block: jax.Array) -> jax.Array:
     """The global array whose one addressable block is ``block``: no copy, no dispatch."""
-    if ArrayImpl is not None:
-        try:
-            return ArrayImpl(ShapedArray(shape, block.dtype), sharding, [block],
-                             committed=True, _skip_checks=True)
-        except TypeError:  # its signature changed: the public function below
-            pass
-    return jax.make_array_from_single_device_arrays(shape, sharding, [block])
+    return array_from_single_block(shape, sharding, block)
 
 
 def _host(x: Any) -> np.ndarray:

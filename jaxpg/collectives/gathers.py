@@ -88,7 +88,9 @@ def all_gather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     else:
         padded = _pad_dim0(jnp.asarray(tensor), biggest) if n_local == 1 else tensor
     stack = run_eager(pg, api, biggest, lambda lay, x: lay.gather(x), {"x": padded})
-    by_rank = {r: int(s) for r, s in zip(pg.members, sizes)}
+    # One local rank: the sizes are its own subgroup's, in group-rank order (a family of
+    # subgroups, such as a DeviceMesh dimension's, has more members than one group's ranks).
+    by_rank = {r: int(s) for r, s in zip(pg.ranks if n_local == 1 else pg.members, sizes)}
     out = []
     for i, r in enumerate(pg.ranks):
         part = jnp.take(stack, i, axis=0 if n_local == 1 else 1)

@@ -19,6 +19,10 @@ Decisions (the full table is in ``docs/ddp.md``):
 - **no_sync** sums local gradients over micro-steps (torch's ``.grad`` accumulation); the
   first step outside reduces once and steps the optimizer.
 - :attr:`module` is a new NNX module with a *copy* of the state (steps donate buffers).
+- **Tensor-parallel models** (arrays laid out on a larger mesh, e.g. by
+  ``jaxpg.tensor_parallel.parallelize_module`` on a ``("dp", "tp")`` DeviceMesh): the group
+  must be one dimension of that mesh, and the step runs over the whole mesh with the arrays'
+  layouts (:mod:`jaxpg.ddp.step_layout`).
 
 Example:
     >>> ddp = DistributedDataParallel(model, optax.adam(1e-3))
@@ -45,6 +49,13 @@ from jaxpg.ddp import param_sync
 from jaxpg.ddp.bucket_plan import BucketPlan, make_bucket_plan
 from jaxpg.ddp.comm_hooks import make_comm_hook
 from jaxpg.ddp.join import Join
+from jaxpg.ddp.step_layout import (
+    StepLayout,
+    layout_batch,
+    layout_per_rank,
+    place_on_layout,
+    step_layout,
+)
 from jaxpg.ddp.train_step import REDUCTIONS, StepMode, build_train_step
 
 __all__ = ["DistributedDataParallel"]
@@ -113,14 +124,25 @@ class DistributedDataParallel:
         self.reduction = reduction
         self.donate = donate
         self._graphdef, params, rest = param_sync.split_model(module)
+        self.layout: StepLayout = step_layout(self.group, params, rest)
         signatures = param_sync.gather_param_signatures(params, self.group)
         param_sync.verify_param_shapes(signatures, list(self.group.ranks))
-        self.bucket_plan: BucketPlan = make_bucket_plan(params, bucket_cap_mb, first_bucket_mb)
-        self.params = param_sync.replicate_from_rank0(params, self.group,
-                                                      broadcast=broadcast_params)
-        self.rest = param_sync.replicate_from_rank0(rest, self.group, broadcast=broadcast_params)
-        replicated = NamedSharding(self.group.mesh, P())
-        self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
+        local = self.layout.local_struct(params, self.layout.param_specs)
+        self.bucket_plan: BucketPlan = make_bucket_plan(local, bucket_cap_mb, first_bucket_mb)
+        self._opt_specs: Any = None
+        if self.layout.sharded:  # laid out on a larger mesh (tensor parallel)
+            self.params = place_on_layout(params, self.layout.param_specs, self.layout,
+                                          broadcast=broadcast_params)
+            self.rest = place_on_layout(rest, self.layout.rest_specs, self.layout,
+                                        broadcast=broadcast_params)
+            self.opt_state, self._opt_specs = self._init_sharded_opt_state()
+        else:
+            self.params = param_sync.replicate_from_rank0(params, self.group,
+                                                          broadcast=broadcast_params)
+            self.rest = param_sync.replicate_from_rank0(rest, self.group,
+                                                        broadcast=broadcast_params)
+            replicated = NamedSharding(self.group.mesh, P())
+            self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
         self._comm_hook, init_state = make_comm_hook(comm_hook or "allreduce",
                                                      **(comm_hook_config or {}))
         self.hook_state = self._per_rank(init_state(self.bucket_plan))
@@ -131,6 +153,24 @@ class DistributedDataParallel:
         self._last_batch: Any = None
         self._last_loss: tuple[Callable[..., Any], bool] | None = None
         self._compiled: dict[tuple[Any, StepMode], Callable[..., Any]] = {}
+
+    def _init_sharded_opt_state(self) -> tuple[Any, Any]:
+        """The optimizer state laid out as the parameters it follows (the rest replicated)."""
+        mesh = self.layout.mesh
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.layout.param_specs)
+        struct = jax.eval_shape(self.optimizer.init, self.params)
+        try:
+            opt_shardings = optax.tree_map_params(
+                self.optimizer, lambda _, s: s, struct, shardings,
+                transform_non_params=lambda _: NamedSharding(mesh, P()))
+        except Exception as err:
+            raise ValueError(
+                "DistributedDataParallel: cannot tell which parts of the optimizer state "
+                "follow the parameters' tensor-parallel layout (optax.tree_map_params failed: "
+                f"{err}); use an optimizer built from optax's transformations."
+            ) from err
+        opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(self.params)
+        return opt_state, jax.tree.map(lambda s: s.spec, opt_shardings)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -151,11 +191,25 @@ class DistributedDataParallel:
             )
         from flax import nnx
 
-        copy = jax.tree.map(lambda x: x.copy(), (self.params, self.rest))
+        if self.layout.sharded:  # the full arrays, gathered (every process must call this)
+            whole = NamedSharding(self.layout.mesh, P())
+            copy = jax.tree.map(lambda x: jax.device_put(x, whole).copy(),
+                                (self.params, self.rest))
+        else:
+            copy = jax.tree.map(lambda x: x.copy(), (self.params, self.rest))
         return nnx.merge(self._graphdef, *copy)
 
     def _per_rank(self, tree: Any) -> Any:
-        return None if tree is None else param_sync.per_rank(tree, self.group)
+        if tree is None:
+            return None
+        if self.layout.sharded:
+            return layout_per_rank(tree, self.layout)
+        return param_sync.per_rank(tree, self.group)
+
+    def _shard_batch(self, batch: Any) -> Any:
+        if self.layout.sharded:
+            return layout_batch(batch, self.layout)
+        return param_sync.shard_batch(batch, self.group)
 
     # ------------------------------------------------------------------ configuration
     def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
@@ -191,6 +245,12 @@ class DistributedDataParallel:
         throw_on_early_termination: bool = False,
     ) -> Join:
         """The uneven-inputs context (torch's ``ddp.join()``); see :mod:`jaxpg.ddp.join`."""
+        if self.layout.sharded:
+            raise ValueError(
+                "DistributedDataParallel.join: uneven inputs are not supported for a model "
+                "laid out on a tensor-parallel mesh; give every data-parallel replica the same "
+                "number of batches (DistributedSampler(..., drop_last=True))."
+            )
         return Join(
             self,
             enable=enable,
@@ -207,6 +267,7 @@ class DistributedDataParallel:
                 loss_fn, graphdef=self._graphdef, optimizer=self.optimizer,
                 plan=self.bucket_plan, comm_hook=self._comm_hook, pg=self.group, mode=mode,
                 reduction=self.reduction, donate=self.donate,
+                layout=self.layout if self.layout.sharded else None, opt_specs=self._opt_specs,
             )  # fmt: skip
             self._compiled[key] = fn
         return fn
@@ -219,7 +280,7 @@ class DistributedDataParallel:
                 f"train_step: active={active!r} must hold one bool per rank of the group in "
                 f"this process ({n_local})."
             )
-        return param_sync.shard_batch(flags, self.group)
+        return self._shard_batch(flags)
 
     def train_step(
         self,
@@ -277,7 +338,7 @@ class DistributedDataParallel:
         fn = self._step_fn(loss_fn, mode)
         flags = None if join is None else self._active_flags(active)
         out = fn(self.params, self.rest, self.opt_state, self.hook_state, self._acc,
-                 param_sync.shard_batch(batch, self.group), flags)
+                 self._shard_batch(batch), flags)
         self.params, self.rest, self.opt_state, self.hook_state, self._acc, metrics = out
         if mode.sync:
             self.step += 1

@@ -132,6 +132,8 @@ def build_train_step(
     mode: StepMode,
     reduction: str = "buckets",
     donate: bool = True,
+    layout: Any = None,
+    opt_specs: Any = None,
 ) -> Callable[..., Any]:
     """Returns the jitted step.
 
@@ -159,10 +161,16 @@ def build_train_step(
             with the default analysis XLA:CPU copies every donated parameter the backward
             still reads (80 MB a step for the 25M-parameter benchmark MLP) so that the
             update can write in place (docs/design.md, "CPU all_reduce: where the time goes").
+        layout: a :class:`~jaxpg.ddp.step_layout.StepLayout` for state laid out on a larger
+            mesh (tensor parallelism): the step runs over that mesh, parameters keep their
+            specs, and gradients are reduced over its data-parallel axes. None: the group's
+            own mesh, everything replicated.
+        opt_specs: the optimizer state's ``PartitionSpec`` tree, with ``layout``.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}.")
-    axis = pg.axis_name
+    mesh = pg.mesh if layout is None else layout.mesh
+    axis = pg.axis_name if layout is None else layout.axis
     n = pg.size()
     # XLA:CPU merges a step's all-reduces into one after the backward anyway (its
     # all-reduce combiner), so flat bucket buffers only add copies there: on CPU the
@@ -224,15 +232,18 @@ def build_train_step(
         # jaxpg collectives and jaxpg.get_rank() inside loss_fn lower onto this mesh.
         from jaxpg.spmd import SpmdContext
 
-        with SpmdContext(pg.mesh, pg._world):
+        with SpmdContext(mesh, pg._world):
             return body(*args)
 
-    rank_axis = P(axis)
+    rank_axis = P(axis) if layout is None else layout.rank_spec
+    params_spec = P() if layout is None else layout.param_specs
+    rest_spec = P() if layout is None else layout.rest_specs
+    opt_spec = P() if opt_specs is None else opt_specs
     mapped = jax.shard_map(
         body_in_context,
-        mesh=pg.mesh,
-        in_specs=(P(), P(), P(), rank_axis, rank_axis, rank_axis, rank_axis),
-        out_specs=(P(), P(), P(), rank_axis, rank_axis, P()),
+        mesh=mesh,
+        in_specs=(params_spec, rest_spec, opt_spec, rank_axis, rank_axis, P(axis), rank_axis),
+        out_specs=(params_spec, rest_spec, opt_spec, rank_axis, rank_axis, P()),
         check_vma=False,
     )
     return jax.jit(mapped, donate_argnums=(0, 1, 2, 3, 4) if donate else (),

@@ -2,7 +2,7 @@
 
 from jaxpg.groups.backend import Backend
 from jaxpg.groups.device_mesh import DeviceMesh, init_device_mesh
-from jaxpg.groups.hybrid import HybridCommunicateGroup
+from jaxpg.groups.hybrid import HybridCommunicateGroup, get_hybrid_communicate_group
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.subgroups import (
     get_global_rank,
@@ -25,8 +25,9 @@ from jaxpg.groups.world import (
 )
 
 __all__ = [
-    "Backend", "DeviceMesh", "init_device_mesh", "HybridCommunicateGroup", "GroupMember",
-    "ProcessGroup", "get_global_rank", "get_group_rank", "get_process_group_ranks", "new_group",
+    "Backend", "DeviceMesh", "init_device_mesh", "HybridCommunicateGroup",
+    "get_hybrid_communicate_group", "GroupMember", "ProcessGroup", "get_global_rank",
+    "get_group_rank", "get_process_group_ranks", "new_group",
     "new_subgroups", "new_subgroups_by_enumeration", "as_rank", "default_pg_timeout",
     "destroy_process_group", "get_backend", "get_rank", "get_world_size", "init_process_group",
     "is_initialized",

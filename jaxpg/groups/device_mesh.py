@@ -82,6 +82,7 @@ class DeviceMesh:
             groups = [ProcessGroup(self._state, row, family=family, name=f"{prefix}_{i}")
                       for i, row in enumerate(family)]
             for g in groups:
+                g.mesh_dim = (self.jax_mesh, name)
                 self._state.groups[g.group_name] = g
             self._groups[name] = groups
         groups = self._groups[name]

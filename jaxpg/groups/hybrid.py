@@ -6,7 +6,7 @@ from jaxpg.groups import world as _world
 from jaxpg.groups.device_mesh import DeviceMesh, init_device_mesh
 from jaxpg.groups.process_group import ProcessGroup
 
-__all__ = ["HybridCommunicateGroup"]
+__all__ = ["HybridCommunicateGroup", "get_hybrid_communicate_group"]
 
 
 class HybridCommunicateGroup:
@@ -50,6 +50,7 @@ class HybridCommunicateGroup:
                 raise ValueError(f"HybridCommunicateGroup: mesh dimensions {sorted(unknown)} are "
                                  "not dp, pp or mp.")
         self.mesh = mesh
+        _world.current().hybrid_group = self  # the default of Paddle's mp layers
 
     def _degree(self, dim: str) -> int:
         return self.mesh.size(dim) if dim in self.mesh.mesh_dim_names else 1
@@ -119,3 +120,20 @@ class HybridCommunicateGroup:
     def __repr__(self) -> str:
         return (f"HybridCommunicateGroup(dp={self._degree('dp')}, pp={self._degree('pp')}, "
                 f"mp={self._degree('mp')})")
+
+
+def get_hybrid_communicate_group() -> HybridCommunicateGroup:
+    """The latest HybridCommunicateGroup of this world (Paddle's
+    ``fleet.get_hybrid_communicate_group()``).
+
+    Raises:
+        ValueError: if none was created since ``init_process_group``.
+    """
+    hcg = _world.current().hybrid_group
+    if hcg is None:
+        raise ValueError(
+            "get_hybrid_communicate_group: no HybridCommunicateGroup exists in this world; "
+            "create one first, e.g. HybridCommunicateGroup(dp_degree=2, mp_degree=4), or pass "
+            "the group explicitly (mp_group=...)."
+        )
+    return hcg

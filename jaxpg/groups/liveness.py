@@ -88,7 +88,7 @@ class _Monitor:
             self._detach()
 
     def _detach(self) -> None:
-        from jax._src import distributed
+        from jaxpg._jax_compat import distributed_state
 
         try:
             self._client.key_value_set(f"{_ABORTED}{self._me}", ",".join(map(str, self.lost)))
@@ -96,7 +96,7 @@ class _Monitor:
             pass
         self.aborted = True
         try:
-            distributed.global_state.shutdown()
+            distributed_state().shutdown()
         except Exception:  # noqa: BLE001 (detaching from a dying service: nothing to do)
             pass
 

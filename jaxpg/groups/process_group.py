@@ -54,6 +54,9 @@ class ProcessGroup:
         self.seq = 0
         self._group_rank = {r: i for i, r in enumerate(self.ranks)}
         self.store: Any = None  # a PrefixStore over the world's store, in multi-process runs
+        # (jax Mesh, axis name) when the group is one dimension of a DeviceMesh: the whole
+        # mesh, so that arrays sharded over this dimension live on the same Mesh as the rest.
+        self.mesh_dim: tuple[Mesh, str] | None = None
 
     # torch.distributed.ProcessGroup's methods ------------------------------------------------
     def size(self) -> int:

@@ -34,6 +34,7 @@ __all__ = [
     "GroupMember",
 ]
 
+#: The default timeout of a process group (30 minutes), as torch's ``default_pg_timeout``.
 default_pg_timeout = datetime.timedelta(minutes=30)
 
 _NOT_INITIALIZED = (
@@ -58,6 +59,7 @@ class WorldState:
     group_count: int = 0
     process_index: int = 0
     process_count: int = 1
+    hybrid_group: Any = None  # the latest HybridCommunicateGroup, as Paddle's fleet keeps it
     _acting: threading.local = dataclasses.field(default_factory=threading.local)
 
     def __post_init__(self) -> None:

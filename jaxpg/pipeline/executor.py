@@ -97,7 +97,13 @@ from jaxpg.pipeline.stage_split import split_stage
 from jaxpg.pipeline.staged_params import StagedParams
 from jaxpg.pipeline.tick_program import KIND_OF, slot_buffers, tick_steps, write_slot
 
-__all__ = ["EXECUTORS", "StagedParams", "pipeline_value_and_grad", "resolve_schedule"]
+__all__ = [
+    "EXECUTORS",
+    "StagedParams",
+    "check_param_specs",
+    "pipeline_value_and_grad",
+    "resolve_schedule",
+]
 
 
 def resolve_schedule(schedule: Any, num_ranks: int, num_microbatches: int | None, v: int):
@@ -137,6 +143,7 @@ class _Config(NamedTuple):
     grad_reducer: Callable | None
     remat: bool
     stage_order: str
+    param_specs: tuple | None = None  # (leaves, treedef) of a StagedParams of specs, hashable
 
 
 def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
@@ -281,7 +288,7 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
     )  # fmt: skip
     stages = jax.tree.map(lambda a: loop_view(a, tt, cfg.stage_order), params.stages)
     batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
-    param_spec = StagedParams(P(None, cfg.pp_axis), P(), P())
+    param_spec = _param_spec(cfg)
     body = functools.partial(_body, cfg, plan, metas[0].input)
     loss, grads = jax.shard_map(
         body,
@@ -292,6 +299,50 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
     )(params._replace(stages=stages), inputs, targets)
     return loss, grads._replace(
         stages=jax.tree.map(lambda a: stacked(a, tt, cfg.stage_order), grads.stages))
+
+
+def _param_spec(cfg: _Config) -> StagedParams:
+    """The executor's in/out specs of the parameters: stages ``P(None, pp, *spec)``."""
+    if cfg.param_specs is None:
+        return StagedParams(P(None, cfg.pp_axis), P(), P())
+    specs = jax.tree.unflatten(cfg.param_specs[1], cfg.param_specs[0])
+    return StagedParams(jax.tree.map(lambda s: P(None, cfg.pp_axis, *s), specs.stages),
+                        specs.first, specs.last)
+
+
+def check_param_specs(param_specs: Any, params: StagedParams, mesh: Mesh, pp_axis: str,
+                      dp_axis: str | None) -> tuple | None:
+    """``param_specs`` as a hashable ``(leaves, treedef)``, checked against ``params``.
+
+    ``param_specs`` is a ``StagedParams`` of ``PartitionSpec`` trees shaped as the
+    parameters: for ``stages`` the spec of *one* stage's arrays (the stage dimension is
+    the pipeline's), for ``first`` and ``last`` the arrays' own; a bare tree is taken as
+    the stages' specs. Specs name mesh axes other than the pipeline and data-parallel ones
+    (a tensor-parallel axis).
+    """
+    if param_specs is None:
+        return None
+    if not isinstance(param_specs, StagedParams):
+        param_specs = StagedParams(param_specs, jax.tree.map(lambda _: P(), params.first),
+                                   jax.tree.map(lambda _: P(), params.last))
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(param_specs, is_leaf=is_spec)
+    want = jax.tree.structure(params)
+    if treedef != want or not all(map(is_spec, leaves)):
+        raise ValueError(
+            "param_specs must be a StagedParams of PartitionSpecs with the parameters' "
+            f"structure ({want}); build it with jaxpg.tensor_parallel.param_specs(state)."
+        )
+    for spec in leaves:
+        for entry in spec:
+            for axis in (entry if isinstance(entry, tuple) else (entry,)) if entry else ():
+                if axis not in mesh.axis_names or axis in (pp_axis, dp_axis):
+                    raise ValueError(
+                        f"param_specs: {spec} names mesh axis {axis!r}; a parameter may be "
+                        f"split over the mesh's other axes ({mesh.axis_names} less "
+                        f"{pp_axis!r} and {dp_axis!r}), such as the tensor-parallel one."
+                    )
+    return tuple(leaves), treedef
 
 
 @functools.lru_cache(maxsize=64)
@@ -342,6 +393,7 @@ def pipeline_value_and_grad(
     remat: bool = False,
     stage_order: str = "model",
     executor: str = "auto",
+    param_specs: Any = None,
 ) -> tuple[jax.Array, Any]:
     """Mean loss over the batch and its gradient, computed by a pipeline schedule.
 
@@ -381,6 +433,11 @@ def pipeline_value_and_grad(
             ``"mpmd"`` when called outside ``jax.jit`` on a mesh whose devices are each in
             a process of their own, else ``"spmd"``. Both give the same loss and
             gradients.
+        param_specs: for parameters split over another mesh axis (tensor parallelism on a
+            HybridCommunicateGroup's ``mp``): a ``StagedParams`` of ``PartitionSpec`` trees
+            with the parameters' structure, one stage's specs for ``stages`` (see
+            ``check_param_specs``). Inside, each stage sees its local shards. None:
+            everything replicated but the stage dimension.
 
     Returns:
         ``(loss, grads)``: the mean loss, and gradients of the same structure as ``params``.
@@ -417,6 +474,7 @@ def pipeline_value_and_grad(
     cfg = _Config(
         stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer, remat,
         check_stage_order(stage_order),
+        check_param_specs(param_specs, staged, mesh, pp_axis, dp),
     )
     if _use_mpmd(executor, mesh, (staged, inputs, targets)):
         from jaxpg.pipeline.mpmd import run_mpmd

@@ -25,8 +25,10 @@ into a jaxpr and sorts its equations:
   copy of a parameter is ever saved per microbatch. The stage input ``x``, the
   parameters and ``dy`` are read from the executor's own buffers, never saved twice.
 
-A nested ``jax.jit`` or ``jax.checkpoint`` inside ``stage_fn`` stays one equation: its
-backward then runs whole in ``B`` (correct, only less split).
+A nested ``jax.jit``, ``custom_jvp`` function or ``jax.checkpoint`` inside ``stage_fn``
+stays one equation. One that calls only elementwise operations (most of ``jax.nn``) is
+recomputed like one; any other's results are saved, and its backward runs whole in
+``B`` (correct, only less split).
 """
 
 from __future__ import annotations
@@ -40,20 +42,52 @@ from jax.extend.core import Literal, Var
 __all__ = ["StagePieces", "split_stage", "ELEMENTWISE"]
 
 #: Primitives the backward recomputes instead of saving their results: elementwise and
-#: shape-only operations, cheap next to the matmuls whose results are saved.
+#: shape-only operations, cheap next to the matmuls whose results are saved. Keep it up
+#: to date with jax: a primitive missing here is saved per microbatch (jax 0.11.2 added
+#: ``one_minus_square`` to ``tanh``'s derivative, 0.12 ``polynomial``; docs/pipeline.md).
 ELEMENTWISE = frozenset(
-    "abs add and broadcast_in_dim ceil clamp convert_element_type copy copy_p cos cosh "
-    "div eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow "
-    "is_finite le log log1p logistic lt max min mul ne neg not or pow real reshape rem "
-    "round rsqrt select_n sign sin sinh sqrt square squeeze sub tan tanh xor".split()
+    "abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e "
+    "bitcast_convert_type broadcast_in_dim cbrt ceil clamp clz complex conj "
+    "convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 "
+    "expand_dims expm1 floor ge gt igamma igamma_grad_a igammac imag integer_pow "
+    "is_finite le lgamma log log1p log2 logistic lt max min mul ne neg nextafter not "
+    "one_minus_square or polygamma polynomial population_count pow random_gamma_grad "
+    "real reduce_precision regularized_incomplete_beta reshape rem round rsqrt select_n "
+    "shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square "
+    "squeeze stop_gradient sub tan tanh xor zeta".split()
 )
 
+#: Call primitives (a nested ``jax.jit``, a ``custom_jvp``/``custom_vjp`` function, a
+#: ``jax.checkpoint``) that count as elementwise when everything they call is: most of
+#: ``jax.nn`` is jitted, and jax 0.12 computes ``erf``'s derivative in a ``custom_jvp``.
+CALLS = frozenset(
+    "jit pjit closed_call core_call custom_jvp_call custom_vjp_call remat2 checkpoint".split()
+)
 
 #: What ``B`` may take over from ``W`` (see ``split_stage``): elementwise, shape and
 #: reduction operations, never a matmul.
 B_CAN_RUN = ELEMENTWISE | frozenset(
     "add_any reduce_sum reduce_max reduce_min transpose mul select_n".split()
 )
+
+
+def _inner_eqns(value: Any) -> list | None:
+    """The equations of a jaxpr-valued equation parameter, else ``None``."""
+    inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr holds a Jaxpr
+    eqns = getattr(inner, "eqns", None)
+    return eqns if isinstance(eqns, list) else None
+
+
+def _elementwise(eqn: Any) -> bool:
+    """Whether the backward recomputes ``eqn`` instead of saving what it makes: an
+    ``ELEMENTWISE`` primitive, or a ``CALLS`` one whose calls are all elementwise."""
+    name = eqn.primitive.name
+    if name in ELEMENTWISE:
+        return True
+    if name not in CALLS:
+        return False
+    bodies = [b for b in map(_inner_eqns, eqn.params.values()) if b is not None]
+    return bool(bodies) and all(_elementwise(e) for body in bodies for e in body)
 
 
 def _is_var(v: Any) -> bool:
@@ -158,7 +192,7 @@ def split_stage(
         else:
             free_eqns.add(i)
 
-    cheap = {i for i in forward_eqns if eqns[i].primitive.name in ELEMENTWISE}
+    cheap = {i for i in forward_eqns if _elementwise(eqns[i])}
     b_targets = list(dx_out) if split_backward else list(dp_out) + list(dx_out)
     b_idx, b_reads = _slice(eqns, backward_eqns | free_eqns | cheap, b_targets)
     w_idx, w_reads = [], set()
@@ -171,7 +205,8 @@ def split_stage(
         has = set(b_reads) | {v for i in b_set for v in eqns[i].outvars}
         for i in w_idx:
             eqn = eqns[i]
-            if i in free_eqns or i in b_set or eqn.primitive.name not in B_CAN_RUN:
+            runnable = eqn.primitive.name in B_CAN_RUN or _elementwise(eqn)
+            if i in free_eqns or i in b_set or not runnable:
                 continue
             if all(v in has for v in eqn.invars if _is_var(v)):
                 b_set.add(i)

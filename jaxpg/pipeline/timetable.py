@@ -58,6 +58,7 @@ def model_stage(layout: str, num_stages: int, rank: int, chunk: int) -> int:
     return chunk * num_stages + rank
 
 #: Integer codes of the action kinds in :meth:`Timetable.as_arrays`; 0 is idle.
+#: An action kind (None for idle) -> the integer code of the executor's tick tables.
 KIND_CODES: dict[str | None, int] = {None: 0, "F": 1, "B": 2, "W": 3}
 
 

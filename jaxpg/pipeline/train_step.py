@@ -22,14 +22,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.pipeline.executor import EXECUTORS, StagedParams, pipeline_value_and_grad
+from jaxpg.pipeline.executor import (
+    EXECUTORS,
+    StagedParams,
+    check_param_specs,
+    pipeline_value_and_grad,
+)
 from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
 from jaxpg.pipeline.stage_order import check_stage_order
 
 __all__ = ["make_train_step", "place_pipeline_params", "init_train_state"]
 
 
-def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: str = "pp") -> Any:
+def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: str = "pp",
+                          param_specs: Any = None) -> Any:
     """Puts stage-stacked parameters on ``mesh``: stages ``P(pp_axis)``, the rest replicated.
 
     With one chunk per rank each device then holds exactly its own stage; with more,
@@ -37,15 +43,25 @@ def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: st
     step), while a model-order one is resharded by every step. Optimizer
     states made from the placed parameters (``optimizer.init``) inherit the placement.
     The result is a copy, so a train step that donates it leaves ``params`` intact.
+    With ``param_specs`` (see ``pipeline_value_and_grad``) each array is also split as its
+    spec says: a stage array ``P(pp_axis, *spec)``, the others by their spec. ``mesh``
+    may also be a DeviceMesh or a HybridCommunicateGroup.
     """
+    mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)  # hcg / DeviceMesh
     staged = params if isinstance(params, StagedParams) else StagedParams(params)
-    stage_sharding = NamedSharding(mesh, P(pp_axis))
-    replicated = NamedSharding(mesh, P())
-    placed = StagedParams(
-        jax.tree.map(lambda a: _put(a, stage_sharding), staged.stages),
-        jax.tree.map(lambda a: _put(a, replicated), staged.first),
-        jax.tree.map(lambda a: _put(a, replicated), staged.last),
-    )
+    if param_specs is None:
+        stage_sharding = NamedSharding(mesh, P(pp_axis))
+        replicated = NamedSharding(mesh, P())
+        placed = StagedParams(
+            jax.tree.map(lambda a: _put(a, stage_sharding), staged.stages),
+            jax.tree.map(lambda a: _put(a, replicated), staged.first),
+            jax.tree.map(lambda a: _put(a, replicated), staged.last),
+        )
+    else:
+        leaves, treedef = check_param_specs(param_specs, staged, mesh, pp_axis, None)
+        specs = jax.tree.unflatten(treedef, leaves)
+        specs = specs._replace(stages=jax.tree.map(lambda s: P(pp_axis, *s), specs.stages))
+        placed = jax.tree.map(lambda a, s: _put(a, NamedSharding(mesh, s)), staged, specs)
     return placed if isinstance(params, StagedParams) else placed.stages
 
 
@@ -69,6 +85,7 @@ def init_train_state(
     mesh: Mesh,
     *,
     pp_axis: str = "pp",
+    param_specs: Any = None,
 ) -> tuple[Any, Any]:
     """Places ``params`` on ``mesh`` and builds the optimizer state next to them.
 
@@ -79,7 +96,8 @@ def init_train_state(
     Returns:
         ``(placed_params, opt_state)``.
     """
-    placed = place_pipeline_params(params, mesh, pp_axis=pp_axis)
+    placed = place_pipeline_params(params, mesh, pp_axis=pp_axis, param_specs=param_specs)
+    mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)
     replicated = NamedSharding(mesh, P())
 
     def place(leaf):
@@ -107,6 +125,7 @@ def make_train_step(
     remat: bool = False,
     stage_order: str = "model",
     executor: str = "auto",
+    param_specs: Any = None,
 ) -> Callable[[Any, Any, Any, Any], tuple[Any, Any, jax.Array]]:
     """Returns ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)``.
 
@@ -135,6 +154,8 @@ def make_train_step(
             parameters in rank order (``to_rank_order`` before ``init_train_state``): no
             step then moves them between devices.
         executor: ``"auto"``, ``"spmd"`` or ``"mpmd"`` (see ``pipeline_value_and_grad``).
+        param_specs: how parameters are split over other mesh axes (tensor parallelism);
+            see ``pipeline_value_and_grad``. Place them with the same ``param_specs``.
     """
     check_stage_order(stage_order)
     if not isinstance(remat, bool):
@@ -153,7 +174,7 @@ def make_train_step(
             stage_fn, loss_fn, params, inputs, targets, mesh=mesh, schedule=schedule,
             num_microbatches=num_microbatches, first_fn=first_fn, pp_axis=pp_axis,
             dp_axis=dp_axis, grad_reducer=grad_reducer, remat=remat,
-            stage_order=stage_order, executor=executor,
+            stage_order=stage_order, executor=executor, param_specs=param_specs,
         )  # fmt: skip
 
     def update(params, opt_state, grads):

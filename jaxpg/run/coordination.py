@@ -22,6 +22,8 @@ import time
 import uuid
 from typing import Any
 
+from jaxpg import _jax_compat
+
 __all__ = ["LocalNodes", "NodeChannel", "PortInUseError", "WorkerCoordinator"]
 
 # Heartbeat timeout of the launchers among themselves (several nodes).
@@ -30,12 +32,6 @@ AGENT_HEARTBEAT_S = 30
 
 class PortInUseError(OSError):
     """The port for a coordination service is taken."""
-
-
-def _jaxlib() -> Any:
-    import jaxlib._jax as jaxlib_jax
-
-    return jaxlib_jax
 
 
 def _probe(port: int) -> None:
@@ -67,7 +63,7 @@ def _start_service(address: str, num_nodes: int, heartbeat_timeout: int) -> Any:
     try:
         with open(os.devnull, "wb") as devnull:
             os.dup2(devnull.fileno(), 2)
-        return _jaxlib().get_distributed_runtime_service(
+        return _jax_compat.distributed_runtime_service(
             address, num_nodes, heartbeat_timeout=heartbeat_timeout, shutdown_timeout=5,
             recoverable=True,
         )  # fmt: skip
@@ -146,13 +142,12 @@ class NodeChannel:
 
     def __init__(self, master_addr: str, master_port: int, nnodes: int, node_rank: int,
                  run_id: str | None, timeout: float = 300.0):
-        jx = _jaxlib()
         self.nnodes, self.node_rank = nnodes, node_rank
         self._timeout_ms = int(timeout * 1000)
         self._service = None
         if node_rank == 0:
             self._service = _start_service(f"[::]:{master_port}", nnodes, AGENT_HEARTBEAT_S)
-        self._client = jx.get_distributed_runtime_client(
+        self._client = _jax_compat.distributed_runtime_client(
             f"{master_addr}:{master_port}", node_rank, init_timeout=int(timeout),
             heartbeat_timeout=AGENT_HEARTBEAT_S, use_compression=True,
         )  # fmt: skip

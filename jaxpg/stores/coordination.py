@@ -1,10 +1,10 @@
 """JAX's coordination service, where ``TCPStore`` keeps its keys: reach its client, or start it.
 
 ``jax.distributed.initialize`` starts the service on process 0 and connects every process to
-it; the client it leaves in ``jax._src.distributed.global_state`` is all a ``TCPStore``
-needs. torch's ``TCPStore(host, port, world_size, is_master)`` starts the service itself
-when none runs: it does so here, in the stores layer, so that the store does not import
-the rendezvous (which sits above the stores and decides where the coordinator is).
+it; the client it leaves in jax's distributed state is all a ``TCPStore`` needs. torch's
+``TCPStore(host, port, world_size, is_master)`` starts the service itself when none runs: it
+does so here, in the stores layer, so that the store does not import the rendezvous (which
+sits above the stores and decides where the coordinator is).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any
 
+from jaxpg import _jax_compat
 from jaxpg.errors import DistBackendError
 
 __all__ = ["global_client", "start_jax_distributed", "service_host"]
@@ -25,9 +26,7 @@ rank 0's own process), or None before ``jax.distributed`` starts through jaxpg."
 
 def global_client() -> Any | None:
     """The running coordination-service client, or None before ``jax.distributed`` starts."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    return _jax_compat.distributed_state().client
 
 
 def start_jax_distributed(
@@ -64,15 +63,13 @@ def start_jax_distributed(
             ``jax.distributed.initialize`` raised.
     """
     import jax
-    from jax._src import config as jax_config
-    from jax._src import distributed, xla_bridge
 
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(
             f"process_id={process_id} must be in [0, num_processes={num_processes}) and "
             "num_processes at least 1."
         )
-    state = distributed.global_state
+    state = _jax_compat.distributed_state()
     if state.client is not None:
         if (state.process_id, state.num_processes) != (process_id, num_processes):
             raise ValueError(
@@ -81,15 +78,15 @@ def start_jax_distributed(
                 "were asked for; pass matching values."
             )
         return state.client
-    if xla_bridge.backends_are_initialized():
+    if _jax_compat.backends_are_initialized():
         raise DistBackendError(
             "JAX's backends are already initialized, so jax.distributed cannot start; call "
             "init_process_group before jax.devices() or any JAX computation."
         )
-    if jax_config.cpu_collectives_implementation.value is None:
+    if _jax_compat.cpu_collectives_implementation() is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", coordinator_address)
-    if jax_config.cpu_collectives_implementation.value == "gloo":
+    if _jax_compat.cpu_collectives_implementation() == "gloo":
         from jaxpg import gloo_device  # where gloo listens: reachable from other hosts
 
         host = coordinator_address.rpartition(":")[0].strip("[]")

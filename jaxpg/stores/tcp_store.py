@@ -3,8 +3,8 @@
 torch's ``TCPStore`` runs its own server socket on the master. jaxpg does not: the
 processes already share a key/value store, the one in JAX's coordination service
 (started by ``jax.distributed.initialize`` on process 0 and reached through
-``jax._src.distributed.global_state.client``). ``TCPStore`` is that store behind
-torch's method set. Its ``host_name:port`` is the coordinator's address.
+``jax.distributed``'s client, :func:`jaxpg._jax_compat.distributed_state`). ``TCPStore`` is
+that store behind torch's method set. Its ``host_name:port`` is the coordinator's address.
 
 Layout in the coordination service. Every key lives under
 ``jaxpg_store/<namespace>/k/<escaped key>``, where escaping replaces ``%`` and ``/``
@@ -195,9 +195,9 @@ class TCPStore(Store):
 
     @staticmethod
     def _check_address(host_name: str | None, port: int | None) -> None:
-        from jax._src import distributed
+        from jaxpg._jax_compat import distributed_state
 
-        running = distributed.global_state.coordinator_address or ""
+        running = distributed_state().coordinator_address or ""
         host, _, running_port = running.rpartition(":")
         if (host_name is not None and host_name != host) or (
             port is not None and str(port) != running_port
@@ -211,16 +211,16 @@ class TCPStore(Store):
     @property
     def host(self) -> str:
         """The coordinator's host."""
-        from jax._src import distributed
+        from jaxpg._jax_compat import distributed_state
 
-        return (distributed.global_state.coordinator_address or "").rpartition(":")[0]
+        return (distributed_state().coordinator_address or "").rpartition(":")[0]
 
     @property
     def port(self) -> int:
         """The coordinator's port."""
-        from jax._src import distributed
+        from jaxpg._jax_compat import distributed_state
 
-        address = distributed.global_state.coordinator_address or ":-1"
+        address = distributed_state().coordinator_address or ":-1"
         return int(address.rpartition(":")[2])
 
     def _kv(self, key: str) -> str:

@@ -1,5 +1,7 @@
 """split_stage: F, B and W pieces against jax.vjp, with the work divided, not repeated."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,6 +83,43 @@ def test_split_divides_the_backward_without_repeating_it():
     # F saves one matmul result (gelu's input before the bias); gelu is recomputed.
     # Residuals are activations only: no copy of a weight is saved per microbatch.
     assert [s.shape for s in split.res_structs] == [(3, 4 * D)]
+
+
+ACTIVATIONS = {
+    "gelu_tanh": jax.nn.gelu,  # jax >= 0.11.2: tanh's derivative is `one_minus_square`
+    "gelu_erf": partial(jax.nn.gelu, approximate=False),  # 0.12: erf's in a custom_jvp
+    "silu": jax.nn.silu,  # a nested jit with several outputs
+    "relu": jax.nn.relu,  # a custom_jvp function, kept as a call in the forward
+    "softplus": jax.nn.softplus,
+    "mish": jax.nn.mish,
+    "arcsinh": jnp.arcsinh,  # stop_gradient in its derivative
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_forward_saves_one_activation_per_microbatch(name):
+    """Whatever the activation and however this jax spells its derivative (new primitives,
+    nested jits, custom_jvp calls), F saves only the matmul result the activation reads:
+    ``rows * 4D`` floats per microbatch, and B and W repeat no matmul."""
+    act = ACTIVATIONS[name]
+
+    def block(w, x):
+        return x + act(x @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
+
+    w, x, dy = make()
+    pieces = split_stage(block, w, x, True)
+    y, res = pieces.forward(w, x)
+    _, dx, wres = pieces.backward(w, x, dy, res)
+    dp = pieces.weight(w, x, dy, res, wres)
+    want_y, vjp = jax.vjp(block, w, x)
+    want_dp, want_dx = vjp(dy)
+    close(y, want_y)
+    close(dx, want_dx)
+    close(dp, want_dp)
+    saved = sum(np.prod(s.shape) * s.dtype.itemsize for s in pieces.res_structs)
+    assert saved == x.shape[0] * 4 * D * 4, [s.shape for s in pieces.res_structs]
+    dots = {k: v.count("dot_general") for k, v in pieces.primitives.items()}
+    assert dots == {"F": 2, "B": 2, "W": 2}
 
 
 def test_pytree_activation_and_unused_parameter():

@@ -1,0 +1,264 @@
+"""Where DDP's step runs: the group's own mesh, or the mesh tensor-parallel parameters live on.
+
+A plain model runs on the DDP group's one-axis mesh with replicated parameters. A model
+parallelized over another dimension of a larger mesh (``jaxpg.tensor_parallel`` on a
+``("dp", "tp")`` DeviceMesh) holds global arrays laid out on that mesh; the step then runs
+over the *whole* mesh:
+
+* the DDP group must be one (or several) of its axes, the data-parallel axes;
+* each parameter keeps its layout (split over ``"tp"``, replicated over ``"dp"``); every
+  other leaf is replicated over the mesh;
+* the batch is split over the data-parallel axes and replicated over the others (every tp
+  rank of a replica trains on the same samples);
+* per-rank state (hook state, ``no_sync`` accumulators) has one row per device;
+* bucket plans are made from each device's local shapes, and gradients are reduced over
+  the data-parallel axes only.
+
+Values are taken from data-parallel rank 0 for each leaf, over the axes it is replicated on
+(torch's ``broadcast_params``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """The mesh of DDP's step and how each part of the state is laid out on it.
+
+    Attributes:
+        mesh: the mesh the step's ``shard_map`` runs over.
+        dp_axes: the data-parallel axes of ``mesh`` (the DDP group).
+        param_specs: a ``PartitionSpec`` per parameter leaf.
+        rest_specs: a ``PartitionSpec`` per leaf of the rest of the module state.
+        sharded: whether the state lives on a larger mesh than the group's (tensor parallel).
+    """
+
+    mesh: Mesh
+    dp_axes: tuple[str, ...]
+    param_specs: Any
+    rest_specs: Any
+    sharded: bool
+
+    @property
+    def axis(self) -> Any:
+        """The data-parallel axis name (or tuple of names) for ``lax`` collectives."""
+        return self.dp_axes[0] if len(self.dp_axes) == 1 else self.dp_axes
+
+    @property
+    def rank_spec(self) -> P:
+        """Per-rank state: a leading axis with one row per device of the mesh."""
+        return P(tuple(self.mesh.axis_names)) if self.sharded else P(self.axis)
+
+    def local_struct(self, tree: Any, specs: Any) -> Any:
+        """Shape structs of each device's part of ``tree`` laid out by ``specs``."""
+        def local(x, spec):
+            shape = list(np.shape(x))
+            for d, entry in enumerate(spec):
+                for a in (entry if isinstance(entry, tuple) else (entry,)) if entry else ():
+                    shape[d] //= self.mesh.shape[a]
+            return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+        return jax.tree.map(local, tree, specs)
+
+
+def _leaf_mesh(x: Any) -> Mesh | None:
+    sharding = getattr(x, "sharding", None)
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
+def _group_axes(mesh: Mesh, pg: Any) -> tuple[str, ...] | None:
+    """The axes of ``mesh`` whose partition of its ranks is the group's family, if any."""
+    world = pg._world
+    ranks = np.vectorize(world.rank_of_device, otypes=[np.int64])(np.asarray(mesh.devices))
+    want = sorted(tuple(sorted(f)) for f in pg.family)
+    names = mesh.axis_names
+    for r in range(1, len(names) + 1):
+        for chosen in itertools.combinations(range(len(names)), r):
+            others = [i for i in range(len(names)) if i not in chosen]
+            moved = np.transpose(ranks, others + list(chosen)).reshape(
+                -1, int(np.prod([ranks.shape[i] for i in chosen])))
+            if sorted(tuple(sorted(int(v) for v in row)) for row in moved) == want:
+                return tuple(names[i] for i in chosen)
+    return None
+
+
+def step_layout(pg: Any, params: Any, rest: Any) -> StepLayout:
+    """The layout of DDP's step for a model whose state is ``params`` and ``rest``.
+
+    Raises:
+        ValueError: if the state lives on several larger meshes, on one the group is not a
+            dimension of, or is split over the data-parallel axes themselves.
+    """
+    leaves = jax.tree.leaves((params, rest))
+    def elsewhere(x):  # laid out on another mesh than the group's: larger, or split on it
+        m = _leaf_mesh(x)
+        split = m is not None and any(e is not None for e in x.sharding.spec)
+        return m is not None and m != pg.mesh and (m.devices.size > pg.size() or split)
+
+    meshes = {_leaf_mesh(x) for x in leaves if elsewhere(x)}
+    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
+    if not meshes:
+        return StepLayout(pg.mesh, (pg.axis_name,), replicated(params), replicated(rest), False)
+    if len(meshes) > 1:
+        raise ValueError(
+            f"DistributedDataParallel: the model's arrays live on {len(meshes)} different "
+            f"meshes ({[dict(m.shape) for m in meshes]}); lay them all out on one mesh."
+        )
+    mesh = meshes.pop()
+    axes = _group_axes(mesh, pg)
+    if axes is None:
+        raise ValueError(
+            f"DistributedDataParallel: the model's arrays are laid out on a mesh with axes "
+            f"{dict(mesh.shape)} (tensor parallel), but group {pg!r} is not one dimension of "
+            "it; pass the data-parallel dimension's group, e.g. group=mesh.get_group('dp')."
+        )
+
+    def spec(path, x):
+        if _leaf_mesh(x) != mesh:
+            return P()
+        s = x.sharding.spec
+        named = {a for e in s if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+        if named & set(axes):
+            raise ValueError(
+                f"DistributedDataParallel: {jax.tree_util.keystr(path)} is split over the "
+                f"data-parallel axes {sorted(named & set(axes))} ({s}); DDP replicates "
+                "parameters over them (sharded data parallelism is FSDP's)."
+            )
+        return s
+
+    with_path = jax.tree_util.tree_map_with_path
+    return StepLayout(mesh, axes, with_path(spec, params), with_path(spec, rest), True)
+
+
+def _all_local(mesh: Mesh) -> bool:
+    local = {d.id for d in jax.local_devices()}
+    return all(d.id in local for d in mesh.devices.flat)
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def place_on_layout(tree: Any, specs: Any, layout: StepLayout, *, broadcast: bool = True) -> Any:
+    """Fresh arrays of ``tree`` laid out by ``specs`` on ``layout.mesh``.
+
+    In one process this is a copy. Across processes, with ``broadcast``, each leaf takes the
+    values of data-parallel rank 0 (a leaf already on the mesh) or of mesh position 0 (a
+    process-local leaf), over the axes it is replicated on; one kernel does every leaf.
+    """
+    mesh = layout.mesh
+    leaves, treedef = jax.tree.flatten(tree)
+    spec_leaves = treedef.flatten_up_to(specs)
+    impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+    raw = [jax.random.key_data(x) if i is not None else x for x, i in zip(leaves, impls)]
+    if _all_local(mesh):
+        out = [jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, P(*s)))
+               for x, s in zip(raw, spec_leaves)]
+    else:
+        out = [None] * len(raw)
+        on_mesh = [i for i, x in enumerate(raw) if _leaf_mesh(x) == mesh]
+        local = [i for i in range(len(raw)) if _leaf_mesh(raw[i]) != mesh]
+        if on_mesh:
+            moved = _from_first([raw[i] for i in on_mesh], [P(*spec_leaves[i]) for i in on_mesh],
+                                layout.dp_axes, mesh, broadcast)
+            for i, x in zip(on_mesh, moved):
+                out[i] = x
+        if local and not broadcast:
+            for i in local:
+                out[i] = jax.make_array_from_process_local_data(
+                    NamedSharding(mesh, P()), np.asarray(raw[i]))
+        elif local:
+            for i, x in zip(local, _stacked_from_first([np.asarray(raw[i]) for i in local],
+                                                       mesh)):
+                out[i] = x
+    out = [jax.random.wrap_key_data(x, impl=i) if i is not None else x
+           for x, i in zip(out, impls)]
+    return treedef.unflatten(out)
+
+
+def _from_first(xs: list, specs: list, axes: tuple[str, ...], mesh: Mesh,
+                broadcast: bool) -> list:
+    """Fresh copies of global arrays; with ``broadcast``, data-parallel rank 0's values."""
+    def body(vs):
+        if not broadcast:
+            return [v * jnp.ones((), v.dtype) for v in vs]  # a computed (fresh) buffer
+        first = jax.lax.axis_index(axes) == 0
+        return [jax.lax.psum(jnp.where(first, v, jnp.zeros_like(v)), axes) for v in vs]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs, check_vma=False)
+    return jax.jit(fn)(xs)
+
+
+def _stacked_from_first(locals_: list, mesh: Mesh) -> list:
+    """Process-local values, replicated on the mesh with mesh position 0's values."""
+    axes = tuple(mesh.axis_names)
+    n_local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    stacked = [jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P(axes)), np.broadcast_to(x[None], (n_local, *x.shape)))
+        for x in locals_]
+
+    def body(vs):
+        first = jax.lax.axis_index(axes) == 0
+        return [jax.lax.psum(jnp.where(first, v[0], jnp.zeros_like(v[0])), axes) for v in vs]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes),), out_specs=P(), check_vma=False)
+    return jax.jit(fn)(stacked)
+
+
+def layout_batch(batch: Any, layout: StepLayout) -> Any:
+    """This process's part of the batch, split over the data-parallel axes of the mesh.
+
+    Raises:
+        ValueError: if a leaf's leading dimension does not divide among this process's
+            data-parallel positions.
+    """
+    mesh = layout.mesh
+    sharding = NamedSharding(mesh, P(layout.axis))
+    index = [mesh.axis_names.index(a) for a in layout.dp_axes]
+    coords = {tuple(int(c[i]) for i in index) for c in np.argwhere(
+        np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices))}
+    n_local = len(coords)
+
+    def place(path, x):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        shape = np.shape(x)
+        if not shape or shape[0] % n_local:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}; its leading "
+                f"(sample) dimension must divide evenly among this process's {n_local} "
+                "data-parallel position(s) of the mesh (every tensor-parallel rank of a "
+                "replica gets the same samples)."
+            )
+        if _all_local(mesh):
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def layout_per_rank(tree: Any, layout: StepLayout) -> Any:
+    """One copy of ``tree`` per device of the mesh, laid out ``layout.rank_spec``."""
+    mesh = layout.mesh
+    n_local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    sharding = NamedSharding(mesh, layout.rank_spec)
+
+    def place(x):
+        stacked = jnp.broadcast_to(jnp.asarray(x)[None], (n_local, *np.shape(x)))
+        if _all_local(mesh):
+            return jax.device_put(jnp.array(stacked, copy=True), sharding)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(stacked))
+
+    return jax.tree.map(place, tree)
