@@ -353,7 +353,8 @@ def _compiled(cfg: _Config):
 EXECUTORS = ("auto", "spmd", "mpmd")
 
 
-def _use_mpmd(executor: Any, mesh: Mesh, args: Any) -> bool:
+def _use_mpmd(executor: Any, mesh: Mesh, args: Any, pp_axis: str, dp_axis: str | None,
+              param_specs: Any) -> bool:
     """Whether the process executor runs this call (see ``executor`` in the docstring)."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is not one of {EXECUTORS}.")
@@ -362,7 +363,7 @@ def _use_mpmd(executor: Any, mesh: Mesh, args: Any) -> bool:
     from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
 
     traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args))
-    reason = mpmd_unsupported_reason(mesh)
+    reason = mpmd_unsupported_reason(mesh, pp_axis, dp_axis, param_specs)
     if executor == "auto":
         return not traced and reason is None
     if traced:
@@ -476,7 +477,7 @@ def pipeline_value_and_grad(
         check_stage_order(stage_order),
         check_param_specs(param_specs, staged, mesh, pp_axis, dp),
     )
-    if _use_mpmd(executor, mesh, (staged, inputs, targets)):
+    if _use_mpmd(executor, mesh, (staged, inputs, targets), pp_axis, dp, param_specs):
         from jaxpg.pipeline.mpmd import run_mpmd
 
         loss, grads = run_mpmd(cfg, staged, inputs, targets)

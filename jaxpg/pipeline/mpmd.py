@@ -67,10 +67,26 @@ def _forget_lanes() -> None:
     _finisher.cache_clear()
 
 
-def mpmd_unsupported_reason(mesh: Mesh) -> str | None:
-    """Why the process executor cannot run on ``mesh`` in this process (None: it can)."""
+def mpmd_unsupported_reason(mesh: Mesh, pp_axis: str = "pp", dp_axis: str | None = "dp",
+                            param_specs: Any = None) -> str | None:
+    """Why the process executor cannot run on ``mesh`` in this process (None: it can).
+
+    It runs each stage on one device, so it refuses a mesh with another axis of size > 1
+    than ``pp_axis`` and ``dp_axis`` (a tensor-parallel ``mp`` one) and parameters split
+    by ``param_specs``: such stages need their axis' collectives inside every action.
+    """
     if not isinstance(mesh, Mesh):
         return f"mesh is a {type(mesh).__name__}, not a jax.sharding.Mesh"
+    other = {n: s for n, s in mesh.shape.items() if n not in (pp_axis, dp_axis) and s > 1}
+    if other:
+        return (f"the mesh has axes {other} besides the pipeline ({pp_axis!r}) and "
+                f"data-parallel ({dp_axis!r}) ones; the process executor runs each stage on "
+                "one device and cannot run a stage split over another axis (tensor "
+                "parallelism)")
+    if param_specs is not None:
+        return ("param_specs split the stages' parameters over another mesh axis; the "
+                "process executor runs each stage on one device, without that axis' "
+                "collectives")
     if jax.process_count() == 1:
         return "the job has one process (the process executor needs one per pipeline rank)"
     procs = [d.process_index for d in mesh.devices.flat]

@@ -182,7 +182,8 @@ def make_train_step(
         return optax.apply_updates(params, updates), opt_state
 
     mpmd = executor == "mpmd" or (
-        executor == "auto" and mpmd_unsupported_reason(_jax_mesh(mesh)) is None)
+        executor == "auto" and mpmd_unsupported_reason(
+            _jax_mesh(mesh), pp_axis, dp_axis, param_specs) is None)
     if mpmd:
         jitted_update = jax.jit(update, donate_argnums=donated)
 

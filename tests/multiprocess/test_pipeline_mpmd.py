@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxpg.rendezvous import free_port
 
@@ -167,3 +168,12 @@ def test_mpmd_needs_a_process_per_rank_and_host_code():
     with pytest.raises(ValueError, match="cannot be traced"):
         jax.jit(lambda p: pipeline_value_and_grad(w.block, w.head_loss, p, x, t,
                                                   executor="mpmd", **kwargs))(params)
+    # tensor-parallel stages (another mesh axis, or param_specs) are the SPMD executor's
+    mp_mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("pp", "mp"))
+    with pytest.raises(ValueError, match=r"cannot run on this mesh: the mesh has axes \{'mp': 2\}"
+                                         r" besides the pipeline"):
+        pipeline_value_and_grad(w.block, w.head_loss, params, x, t, executor="mpmd",
+                                **{**kwargs, "mesh": mp_mesh})
+    with pytest.raises(ValueError, match="cannot run on this mesh: param_specs split"):
+        pipeline_value_and_grad(w.block, w.head_loss, params, x, t, executor="mpmd",
+                                param_specs=jax.tree.map(lambda _: P(), params), **kwargs)
