@@ -21,6 +21,7 @@ the smallest size: the time until the call returns (``dispatch``).
 
     python bench/collectives_overhead.py              # about 5 minutes
     python bench/collectives_overhead.py --quick      # 1K and 1M, fewer rounds
+    python bench/collectives_overhead.py --fr-probe   # the flight recorder's cost per call
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=1 \
         python bench/collectives_overhead.py --spin-probe 64K   # see spin_probe()
 
@@ -180,6 +181,78 @@ def spin_probe(size: int, rounds: int = 30) -> dict:
     return {"size_bytes": size, **{k: statistics.median(v) for k, v in times.items()}}
 
 
+def fr_probe(rounds: int, calls: int = 300) -> dict:
+    """The flight recorder's cost per eager call (``--fr-probe``).
+
+    A world of one process started as a multi-process one (``tcp://``, world size 1): every
+    eager ``all_reduce`` goes through ``run_collective`` and is numbered and recorded, in
+    place (no peer: no runner hop), so little else varies. Rounds of ``calls`` blocking
+    1 KiB all_reduces alternate the recorder on (``JAXPG_FR_BUFFER_SIZE=2000``: the caller's
+    frame looked up, the ring appended) and off (each group's last call only), in the same
+    process; the cost is the median over round pairs of on minus off. The record every call
+    makes even with the recorder off is timed alone (``record_us``): ``recorder.start`` and
+    ``complete`` in a loop, against the empty loop.
+    """
+    import jax
+    import numpy as np
+
+    import jaxpg
+    from jaxpg.groups.flight_recorder import recorder
+
+    jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1,
+                             rank=0)
+    x = jax.device_put(np.ones(256, np.float32), jax.devices()[0])
+    for _ in range(50):
+        jaxpg.all_reduce(x).block_until_ready()
+    per: dict[str, list[float]] = {"on": [], "off": []}
+    for r in range(rounds):
+        for mode in (("on", "off") if r % 2 else ("off", "on")):
+            recorder.configure(2000 if mode == "on" else 0)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                jaxpg.all_reduce(x).block_until_ready()
+            per[mode].append((time.perf_counter() - t0) / calls * 1e6)
+    diffs = [a - b for a, b in zip(per["on"], per["off"])]
+    group = jaxpg.GroupMember.WORLD
+    parts = _recorder_parts(group)
+    jaxpg.destroy_process_group()
+    return {"calls_per_round": calls, "rounds": rounds,
+            "eager_us": {k: statistics.median(v) for k, v in per.items()},
+            "eager_best_round_us": {k: min(v) for k, v in per.items()},
+            "recorder_on_minus_off_us": statistics.median(diffs),
+            "recorder_on_minus_off_best_rounds_us": min(per["on"]) - min(per["off"]),
+            "recorder_on_minus_off_p90_us": sorted(diffs)[int(0.9 * len(diffs))],
+            **parts}
+
+
+def _recorder_parts(group) -> dict:
+    """The recorder's own work per call, each part timed alone (the best of 15 repeats of
+    20000, which load disturbs least): a record with the ring off (made by every call) and
+    on, and a public collective's caller lookup (``call_pinned``) against a plain call."""
+    import timeit
+
+    from jaxpg.groups import flight_recorder as fr
+
+    fp = ("all_reduce", None, (("x", (256,), "float32"),))
+    rec = fr._Recorder()
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=20000, repeat=15)) / 20000 * 1e6
+
+    rec.configure(0)
+    off = best(lambda: rec.start(group, 1, "all_reduce", "collective", fp, None).complete())
+    rec.configure(2000)
+    on = best(lambda: rec.start(group, 1, "all_reduce", "collective", fp, None).complete())
+    namespace = {"call_pinned": fr.call_pinned, "capture": fr.capture_caller}
+    exec(compile("def api():\n    return capture()\n"
+                 "def pinned():\n    return call_pinned(api, (), {})\n"
+                 "def plain():\n    return None\n", fr._PACKAGE + "_probe.py", "exec"),
+         namespace)
+    lookup = best(namespace["pinned"]) - best(namespace["plain"])
+    return {"record_off_us": off, "record_on_us": on, "caller_lookup_us": lookup,
+            "recorder_parts_on_minus_off_us": on - off + lookup}
+
+
 def runner_hop(reps: int = 3000) -> dict:
     """The blocking path's thread hop alone: a no-op queued on the runner and waited for,
     against the same no-op called directly, interleaved; medians in µs."""
@@ -191,7 +264,7 @@ def runner_hop(reps: int = 3000) -> dict:
     hop, direct = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        multiprocess.submit(noop, "noop").wait_result(10.0)
+        multiprocess.submit(noop, "noop").result(10.0)
         t1 = time.perf_counter()
         noop()
         t2 = time.perf_counter()
@@ -199,6 +272,12 @@ def runner_hop(reps: int = 3000) -> dict:
         direct.append(t2 - t1)
     return {"hop_us": statistics.median(hop) * 1e6, "direct_us": statistics.median(direct) * 1e6,
             "hop_p90_us": sorted(hop)[int(0.9 * reps)] * 1e6}
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
 
 
 def launch(layout: str, args: argparse.Namespace, out: Path) -> dict:
@@ -232,11 +311,35 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=str(RESULTS / "collectives_overhead.json"))
+    p.add_argument("--fr-probe", action="store_true",
+                   help="only the flight recorder's cost per eager call; adds it to --out")
     p.add_argument("--spin-probe", default=None, metavar="SIZE",
                    help="only the one-device probe at SIZE (e.g. 64K); adds it to --out")
     args = p.parse_args()
+    if args.worker and args.layout == "fr_probe":
+        Path(args.out).write_text(json.dumps(fr_probe(args.rounds)))
+        return
     if args.worker:
         worker(args)
+        return
+    if args.fr_probe:
+        tmp = Path(args.out).with_suffix(".part.json")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXPG_", "TORCH_"))}
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+        subprocess.run([sys.executable, __file__, "--worker", "--layout", "fr_probe",
+                        "--rounds", str(args.rounds), "--out", str(tmp)], env=env, check=True,
+                       timeout=args.timeout)
+        probe = json.loads(tmp.read_text())
+        tmp.unlink()
+        probe.update(command="python bench/collectives_overhead.py --fr-probe "
+                             f"--rounds {args.rounds}",
+                     load_average=os.getloadavg(), jax_version=_jax_version())
+        print(json.dumps(probe, indent=1))
+        out = Path(args.out)
+        data = json.loads(out.read_text()) if out.exists() else {}
+        data["flight_recorder"] = probe
+        out.write_text(json.dumps(data, indent=1))
         return
     if args.spin_probe:
         probe = spin_probe(parse_size(args.spin_probe))

@@ -15,6 +15,7 @@ import types
 API_PACKAGES = {
     "jaxpg": "Process groups, collectives, stores and errors: the torch.distributed surface.",
     "jaxpg.stores": "Key/value stores with torch.distributed's API.",
+    "jaxpg.rendezvous": "Rendezvous: init_method forms and the worlds srun and mpirun make.",
     "jaxpg.ddp": "DistributedDataParallel: bucket plans, the reducer, communication hooks.",
     "jaxpg.fsdp": "Sharded data parallel: ZeRO stages 1 to 3 and fully_shard.",
     "jaxpg.tensor_parallel": "Tensor and sequence parallelism on the model-parallel axis.",

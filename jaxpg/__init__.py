@@ -5,10 +5,12 @@ collective runs eagerly from host code or, inside ``jaxpg.spmd``, lowers to ``la
 collectives under ``shard_map``.
 """
 
+import jaxpg.mpi_library  # noqa: F401  (first: checks MPITRAMPOLINE_LIB before jax is imported)
 from jaxpg import ddp, pipeline, tensor_parallel  # noqa: E402  (subpackages, after the core they build on)
 from jaxpg.collectives import *  # noqa: F403
 from jaxpg.collectives import __all__ as _collectives_all
 from jaxpg.errors import (
+    DiscardedResultWarning,
     DistBackendError,
     DistDesyncError,
     DistError,
@@ -27,7 +29,8 @@ __version__ = "0.1.0"
 __all__ = [
     *_collectives_all,
     *_groups_all,
-    "DistBackendError", "DistDesyncError", "DistError", "DistNetworkError", "DistStoreError",
+    "DiscardedResultWarning", "DistBackendError", "DistDesyncError", "DistError",
+    "DistNetworkError", "DistStoreError",
     "DistTimeoutError",
     "ReduceOp", "RedOpType", "spmd", "Store", "HashStore", "FileStore", "PrefixStore",
     "TCPStore", "ddp", "pipeline", "tensor_parallel",

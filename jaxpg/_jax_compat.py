@@ -30,6 +30,8 @@ __all__ = [
     "distributed_runtime_client",
     "distributed_runtime_service",
     "distributed_state",
+    "jit_cache_size",
+    "joining_client",
     "make_cpu_client",
     "make_gloo_tcp_collectives",
     "make_mpi_collectives",
@@ -43,12 +45,14 @@ CHECKED_ON: dict[str, tuple[str, ...]] = {
     "cpu_collectives_implementation": _TESTED,  # jax._src.config.cpu_collectives_implementation
     "distributed_runtime_client": _TESTED,  # jaxlib._jax.get_distributed_runtime_client
     "distributed_runtime_service": _TESTED,  # jaxlib._jax.get_distributed_runtime_service
+    "joining_client": _TESTED,  # get_distributed_runtime_client(missed_heartbeat_callback=...)
     "make_gloo_tcp_collectives": _TESTED,  # jaxlib._jax.make_gloo_tcp_collectives
     "make_mpi_collectives": _TESTED,  # jaxlib._jax.make_mpi_collectives
     "make_cpu_client": _TESTED,  # jax._src.xla_bridge.make_cpu_client
     "cpu_backend_factory": _TESTED,  # jax._src.xla_bridge._backend_factories
     "register_cpu_backend_factory": _TESTED,  # jax._src.xla_bridge.register_backend_factory
     "array_from_single_block": _TESTED,  # jax._src.array.ArrayImpl(aval, sharding, arrays)
+    "jit_cache_size": _TESTED,  # a jax.jit function's private _cache_size() method
 }
 
 
@@ -100,6 +104,29 @@ def distributed_runtime_client(address: str, node_id: int, **kwargs: Any) -> Any
     """A coordination-service client (not connected); ``kwargs`` as jaxlib's."""
     make = _jaxlib("get_distributed_runtime_client", "joining a coordination service")
     return make(address, node_id, **kwargs)
+
+
+def _never_called(*args: Any) -> None:
+    """The client's error callback; jaxlib cannot call it (see :func:`joining_client`)."""
+
+
+def joining_client(address: str, node_id: int, **kwargs: Any) -> Any:
+    """A coordination-service client whose failed ``connect()`` raises instead of aborting.
+
+    By default JAX's agent reports a failed registration (a peer that never joined, a
+    coordinator that never answered) to an error callback that ends the process with a C++
+    fatal error (``client.h:80] Terminating process ...``). Given a
+    ``missed_heartbeat_callback``, jaxlib converts the ``absl::Status`` for the Python
+    callable, cannot, and throws ``std::bad_cast``, which ``connect()`` raises as
+    ``RuntimeError('std::bad_cast')`` on the calling thread: a catchable error, after the
+    agent logged the status. Checked on jax 0.10.2 and 0.12.0.1 (both raise, after
+    ``init_timeout`` + 5 s at most). The same callback firing later, on the agent's
+    heartbeat or error-polling thread, ends the process with ``terminate called after
+    throwing an instance of 'std::bad_cast'`` instead of JAX's fatal error: an abort
+    either way (``jaxpg-run`` explains both).
+    """
+    return distributed_runtime_client(address, node_id,
+                                      missed_heartbeat_callback=_never_called, **kwargs)
 
 
 def distributed_runtime_service(address: str, num_nodes: int, **kwargs: Any) -> Any:
@@ -163,3 +190,20 @@ def array_from_single_block(shape: tuple, sharding: Any, block: Any) -> Any:
         except TypeError:  # its signature changed: the public function below
             _array_impl = False
     return jax.make_array_from_single_device_arrays(shape, sharding, [block])
+
+
+def jit_cache_size(fn: Any) -> int | None:
+    """How many programs the jitted ``fn`` compiled so far (its private ``_cache_size()``),
+    or None where ``fn`` is not a ``jax.jit`` function or jax dropped the method.
+
+    Checked on jax 0.10.2 and 0.12.0.1 (the C++ ``PjitFunction``'s method). A recorded step
+    reads a new program's HLO once, when this grows, instead of keying every call by its
+    arguments' shapes (which costs about 100 µs for a model's parameters).
+    """
+    size = getattr(fn, "_cache_size", None)
+    if size is None:
+        return None
+    try:
+        return int(size())
+    except Exception:  # noqa: BLE001 (a changed private method: read the HLO per shapes)
+        return None

@@ -91,6 +91,8 @@ class ServiceProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 _child: ServiceProcess | None = None
@@ -102,9 +104,14 @@ def running() -> ServiceProcess | None:
 
 
 def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
-          startup_timeout: float = 120.0) -> ServiceProcess:
+          startup_timeout: float = 120.0, register_by: float | None = None) -> ServiceProcess:
     """Starts the child hosting a recoverable service on ``bind_address`` and waits until
     it listens.
+
+    ``register_by`` (``time.time()``; default an hour from now) is until when the service
+    waits for every process to register; then it answers the waiting ones with the names
+    of the missing (:mod:`jaxpg.service_client`). It is a point in time, not a duration, so
+    that the child's own start-up (seconds on a loaded machine) does not lengthen it.
 
     Raises:
         OSError: the child could not start the service (its message, e.g. the port is
@@ -118,7 +125,8 @@ def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     proc = subprocess.Popen(
         [sys.executable, "-c", code, os.path.abspath(__file__), bind_address,
-         str(num_processes), str(heartbeat_timeout), str(linger)],
+         str(num_processes), str(heartbeat_timeout), str(linger),
+         repr(time.time() + 3600 if register_by is None else register_by)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + startup_timeout
@@ -128,6 +136,8 @@ def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
         if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
             proc.kill()
             proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
             raise OSError(f"the coordination service child did not start within "
                           f"{startup_timeout:.0f} s")
         chunk = os.read(proc.stdout.fileno(), 4096)
@@ -137,6 +147,8 @@ def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
     text = line.decode(errors="replace").strip()
     if text != _READY:
         proc.wait(10)
+        proc.stdin.close()
+        proc.stdout.close()
         raise OSError(text or f"the coordination service child exited with {proc.returncode}")
     _child = ServiceProcess(proc, bind_address)
     atexit.register(_at_exit)
@@ -207,7 +219,7 @@ def _at_exit() -> None:
 
 
 def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
-           linger: float) -> int:
+           linger: float, register_by: float) -> int:
     """The child: hosts the service until told to stop, or ``linger`` s after EOF."""
     import socket
 
@@ -231,6 +243,7 @@ def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
     try:
         service = distributed_runtime_service(
             bind_address, num_processes, heartbeat_timeout=heartbeat_timeout,
+            cluster_register_timeout=max(1, int(register_by - time.time())),
             shutdown_timeout=5, recoverable=True)
     except Exception as exc:  # noqa: BLE001
         print(f"the coordination service could not start on {bind_address}: {exc}",
@@ -248,4 +261,5 @@ def _serve(bind_address: str, num_processes: int, heartbeat_timeout: int,
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])))
+    sys.exit(_serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]),
+                    float(sys.argv[5])))

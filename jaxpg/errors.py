@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = [
     "DistError",
+    "DiscardedResultWarning",
     "DistBackendError",
     "DistDesyncError",
     "DistNetworkError",
@@ -12,8 +15,29 @@ __all__ = [
 ]
 
 
+_failure_hooks: list[Callable[[BaseException], None]] = []
+
+
+def on_failure(hook: Callable[[BaseException], None]) -> None:
+    """Registers ``hook(error)``, called when a ``DistTimeoutError``, ``DistNetworkError`` or
+    ``DistDesyncError`` is made (the flight recorder dumps there: every place that raises
+    one is covered). A failing hook is ignored."""
+    if hook not in _failure_hooks:
+        _failure_hooks.append(hook)
+
+
 class DistError(RuntimeError):
     """Base class of every error jaxpg raises for a distributed failure."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        if _failure_hooks and isinstance(self, (DistTimeoutError, DistNetworkError,
+                                                DistDesyncError)):
+            for hook in list(_failure_hooks):
+                try:
+                    hook(self)
+                except Exception:  # noqa: BLE001 (reporting must not hide the error)
+                    pass
 
 
 class DistBackendError(DistError):
@@ -35,3 +59,8 @@ class DistTimeoutError(DistError, TimeoutError):
 class DistDesyncError(DistError):
     """Ranks called different collectives (op, shapes, dtypes or arguments) at the same point;
     raised under ``JAXPG_DEBUG=DETAIL``, naming the ranks and both calls."""
+
+
+class DiscardedResultWarning(UserWarning):
+    """Host code dropped a collective's result; jaxpg returns results instead of changing
+    its arguments in place, as torch.distributed does (``t = jaxpg.all_reduce(t)``)."""

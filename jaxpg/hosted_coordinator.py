@@ -7,12 +7,17 @@ workers through ``JAXPG_COORDINATOR_HOSTED=<host:port>``; :func:`connect` then s
 ``jax.distributed`` in every process, process 0 included, as a client only. Afterwards
 ``jax.distributed`` is in the same state as after ``initialize`` (``jax.process_index()``,
 the CPU client's gloo collectives, ``jax.distributed.shutdown()`` all work as usual).
+
+Every jaxpg world joins this way, whoever hosts the service (the launcher, rank 0's child
+process, or rank 0's own process with ``JAXPG_COORDINATOR_PROCESS=0``): the client is
+connected by :mod:`jaxpg.service_client`, so a process that never comes is a named
+``DistTimeoutError`` within the timeout instead of JAX's C++ abort.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 __all__ = ["connect", "hosted_address"]
 
@@ -29,10 +34,13 @@ def connect(
     process_id: int,
     num_processes: int,
     *,
-    init_timeout: int,
+    init_timeout: float,
     heartbeat_timeout: int,
     local_device_ids: Sequence[int] | None = None,
     shutdown_timeout: int = 300,
+    host: str = "jaxpg-run",
+    lobby: Callable[[], Iterable[int] | None] | None = None,
+    deadline: float | None = None,
 ) -> None:
     """Starts ``jax.distributed`` as a client of the service at ``address`` (hosts none).
 
@@ -40,14 +48,22 @@ def connect(
         address: ``host:port`` of the running coordination service.
         process_id: this process's id, in ``[0, num_processes)``.
         num_processes: the number of processes the service expects.
-        init_timeout: seconds to wait for every process to connect.
+        init_timeout: seconds to wait for the service and for every process to connect.
         heartbeat_timeout: seconds without heartbeats after which a process counts as dead.
         local_device_ids: the GPUs this process uses (None: all visible).
         shutdown_timeout: seconds the shutdown waits for the others.
+        host: who hosts the service, for messages.
+        lobby: the ranks known to have arrived, for a timeout's message
+            (:func:`jaxpg.service_client.connect`).
+        deadline: when ``init_timeout`` ends (``time.monotonic()``), if it began earlier.
+
+    Raises:
+        DistTimeoutError: the service or a process did not come within ``init_timeout``
+            (:mod:`jaxpg.service_client`); never JAX's C++ abort.
     """
     import jax
 
-    from jaxpg import _jax_compat
+    from jaxpg import _jax_compat, service_client
 
     state = _jax_compat.distributed_state()
     if state.client is not None:
@@ -56,15 +72,10 @@ def connect(
         visible = ",".join(str(x) for x in local_device_ids)
         jax.config.update("jax_cuda_visible_devices", visible)
         jax.config.update("jax_rocm_visible_devices", visible)
-    client = _jax_compat.distributed_runtime_client(
-        address,
-        process_id,
-        init_timeout=init_timeout,
-        heartbeat_timeout=heartbeat_timeout,
-        shutdown_timeout=shutdown_timeout,
-        use_compression=True,
-    )
-    client.connect()
+    client = service_client.connect(
+        address, process_id, num_processes, timeout=init_timeout,
+        heartbeat_timeout=heartbeat_timeout, shutdown_timeout=shutdown_timeout, host=host,
+        lobby=lobby, deadline=deadline)
     state.coordinator_address = address
     state.process_id = process_id
     state.num_processes = num_processes

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.groups import world as _world
 from jaxpg.groups.callbacks import set_traced_rank
+from jaxpg.groups.recorded_step import recorded_step
 
 __all__ = ["spmd", "SpmdContext", "current_context"]
 
@@ -93,6 +94,25 @@ def _stacked_specs(tree: Any, axis: str) -> Any:
     return jax.tree.map(lambda _: P(axis), tree)
 
 
+def _recorded_from_host(mapped: Callable[..., Any], target: Any, fn: Any) -> Callable[..., Any]:
+    """``mapped``, which, called from host code in a multi-process world, runs jitted as a
+    recorded collective call on ``target``'s group (``jaxpg.recorded_step``: numbered, in the
+    flight recorder, and a hang inside names the ranks at fault)."""
+    name = f"spmd({getattr(fn, '__name__', None) or 'fn'})"
+    step: list[Any] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        state = _world.current(required=False)
+        if state is None or not state.multiprocess:
+            return mapped(*args)
+        if not step:
+            step.append(recorded_step(jax.jit(mapped), target, name=name))
+        return step[0](*args)
+
+    return call
+
+
 def spmd(
     fn: Callable[..., Any] | None = None,
     *,
@@ -114,7 +134,10 @@ def spmd(
       lower to collectives on that axis name.
 
     Inside ``fn``, ``jaxpg.get_rank()`` is the traced global rank. The result composes with
-    ``jax.jit`` and ``jax.grad``.
+    ``jax.jit`` and ``jax.grad``. Called from host code in a multi-process world it runs
+    jitted as a recorded collective call on the group (the mesh's devices for ``mesh=``):
+    numbered like an eager collective, in the flight recorder, and a hang inside raises a
+    ``DistTimeoutError`` naming the ranks at fault (``jaxpg.recorded_step``).
 
     Example:
         >>> f = jaxpg.spmd(lambda x: jaxpg.all_reduce(x) * jaxpg.get_rank())
@@ -138,9 +161,9 @@ def spmd(
             with SpmdContext(jax_mesh, state):
                 return fn(*args)
 
-        return jax.shard_map(
+        return _recorded_from_host(jax.shard_map(
             body, mesh=jax_mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
-        )
+        ), jax_mesh, fn)
 
     pg = _world._resolve_group(group, "spmd")
     if len(pg.family) > 1:
@@ -155,7 +178,6 @@ def spmd(
             out = fn(*squeezed)
         return jax.tree.map(lambda a: jnp.expand_dims(a, 0), out)
 
-    @functools.wraps(fn)
     def wrapped(*args: Any) -> Any:
         in_s = _stacked_specs(args, axis) if in_specs is None else in_specs
         out_s = out_specs if out_specs is not None else P(axis)
@@ -163,4 +185,4 @@ def spmd(
             per_rank, mesh=jax_mesh, in_specs=in_s, out_specs=out_s, check_vma=check_vma
         )(*args)
 
-    return wrapped
+    return _recorded_from_host(wrapped, pg, fn)

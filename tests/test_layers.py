@@ -23,17 +23,20 @@ PACKAGE = ROOT / "jaxpg"
 # Bottom-up; a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # _jax_compat holds every private jax API jaxpg uses; it imports only jaxpg.errors.
-    ("errors", ("jaxpg.errors", "jaxpg.reduce_op", "jaxpg._jax_compat")),
+    # mpi_library checks MPITRAMPOLINE_LIB before anything imports jax.
+    ("errors", ("jaxpg.errors", "jaxpg.reduce_op", "jaxpg._jax_compat", "jaxpg.mpi_library")),
     # gloo_device, hosted_coordinator and coordinator_process (rank 0's service child) start
-    # gloo and JAX's coordination service for the rendezvous, and import nothing from jaxpg.
+    # gloo and JAX's coordination service for the rendezvous; service_client joins it within
+    # the timeout with named errors. They import nothing from jaxpg above the errors layer.
     ("stores", ("jaxpg.stores", "jaxpg.gloo_device", "jaxpg.hosted_coordinator",
-                "jaxpg.coordinator_process")),
+                "jaxpg.coordinator_process", "jaxpg.service_client")),
     ("rendezvous", ("jaxpg.rendezvous",)),
     ("groups", ("jaxpg.groups",)),
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),
     ("tensor_parallel", ("jaxpg.tensor_parallel",)),
     ("ddp/pipeline", ("jaxpg.ddp", "jaxpg.pipeline")),
-    ("run", ("jaxpg.run",)),
+    # the flight-recorder analyzer only reads dump files (jaxpg.groups.fr_dump's format)
+    ("run", ("jaxpg.run", "jaxpg.fr_trace")),
     ("surface", ("jaxpg",)),
 ]
 

@@ -8,12 +8,27 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpg.collectives._dispatch import resolve
+from jaxpg.collectives._dispatch import check_input, check_inputs, resolve, torch_form_error
+from jaxpg.collectives.discarded import warns_if_discarded
 from jaxpg.collectives.eager import local_count, run_eager
 from jaxpg.collectives.gathers import exchange_sizes
 from jaxpg.collectives.work import completed, returns_work_at_once
 
 __all__ = ["all_to_all", "all_to_all_single"]
+
+
+def _is_data(x: Any) -> bool:
+    return x is not None and (isinstance(x, (list, tuple)) or hasattr(x, "__array__"))
+
+
+def _is_sizes(x: Any) -> bool:
+    """Split sizes: ints, per-rank lists of ints, or an integer array (not float data)."""
+    if isinstance(x, (list, tuple)):
+        return all(isinstance(v, (int, np.integer)) or _is_sizes(v) for v in x)
+    try:
+        return np.asarray(x).dtype.kind in "iu"
+    except Exception:  # noqa: BLE001 (not convertible: not sizes)
+        return False
 
 
 def _exchange(pg: Any, chunks: list[list[Any]], api: str) -> list[list[Any]]:
@@ -48,10 +63,13 @@ def _exchange(pg: Any, chunks: list[list[Any]], api: str) -> list[list[Any]]:
     return received
 
 
+@warns_if_discarded
 @returns_work_at_once
 def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
                async_op: bool = False) -> Any:
-    """Rank ``j`` sends ``input_tensor_list[i]`` to rank ``i``; returns the received list.
+    """Rank ``j`` sends ``input_tensor_list[i]`` to rank ``i``; **returns** the received list
+    (torch's ``all_to_all(output_tensor_list, input_tensor_list)`` fills the first list:
+    here ``output_tensor_list = jaxpg.all_to_all(input_tensor_list)``).
 
     Chunks may differ in dim 0 per pair (eager). In a process holding several ranks, each
     list entry stacks those ranks' chunks along a leading axis (same shapes), or pass a list
@@ -59,6 +77,11 @@ def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
     """
     api = "all_to_all"
     pg, ctx = resolve(group, api)
+    if isinstance(input_tensor_list, (list, tuple)):
+        for i, x in enumerate(input_tensor_list):
+            for j, y in enumerate(x if isinstance(x, (list, tuple)) else [x]):
+                where = f"[{i}][{j}]" if isinstance(x, (list, tuple)) else f"[{i}]"
+                check_input(y, api, f"input_tensor_list{where}")
     k = pg.size()
     if not isinstance(input_tensor_list, (list, tuple)):
         raise TypeError(f"{api}: input_tensor_list must be a list of {k} arrays; got "
@@ -97,19 +120,24 @@ def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
                       for i in range(k)], async_op, api)
 
 
+@warns_if_discarded
 @returns_work_at_once
 def all_to_all_single(input: Any, output_split_sizes: Sequence[int] | None = None,  # noqa: A002
                       input_split_sizes: Sequence[int] | None = None, group: Any = None,
                       async_op: bool = False) -> Any:
     """Splits ``input`` along dim 0 by ``input_split_sizes`` (even if None), sends split ``i``
-    to rank ``i``, and concatenates what arrives.
+    to rank ``i``, and **returns** the concatenation of what arrives (torch writes it into
+    its first argument, ``output``).
 
     ``output_split_sizes`` is optional (jaxpg learns the sizes); when given it is checked.
     In a process holding several ranks, ``input`` is a list of per-rank arrays and the
     split sizes are lists of per-rank lists (or one list for all).
     """
     api = "all_to_all_single"
+    if _is_data(output_split_sizes) and not _is_sizes(output_split_sizes):
+        raise torch_form_error(api)  # torch's (output, input, ...): an array in the sizes' place
     pg, ctx = resolve(group, api)
+    check_inputs(input, api, "input")
     k = pg.size()
     if ctx is not None:
         x = jnp.asarray(input)

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg._jax_compat import array_from_single_block
+from jaxpg.collectives._dispatch import NARROW_64
 from jaxpg.groups.callbacks import on_reset
 from jaxpg.spmd import SpmdContext
 
@@ -71,7 +72,7 @@ def holds_every_member(group: Any, api: str) -> bool:
 
 
 def _as_stacked(x: Any, n_local: int, api: str, arg: str) -> Any:
-    arr = x if isinstance(x, jax.Array) else _host(x)
+    arr = x if isinstance(x, jax.Array) else _host(x, api)
     if n_local == 1:
         return arr[None]
     if arr.ndim == 0 or arr.shape[0] != n_local:
@@ -117,14 +118,14 @@ def _global_from_block(shape: tuple, sharding: NamedSharding, block: jax.Array) 
     return array_from_single_block(shape, sharding, block)
 
 
-def _host(x: Any) -> np.ndarray:
-    """A host input as numpy, with JAX's default dtypes (float64 -> float32 unless x64)."""
+def _host(x: Any, api: str = "collective") -> np.ndarray:
+    """A host input as numpy, in the dtypes JAX's x64 setting allows (float64 -> float32
+    unless x64, as ``jnp.asarray``); the op's ``check_input`` has warned or raised already."""
     arr = np.asarray(x)
-    if arr.dtype == np.float64 and not jax.config.jax_enable_x64:
-        return arr.astype(np.float32)
-    if arr.dtype == np.int64 and not jax.config.jax_enable_x64:
-        return arr.astype(np.int32)
-    return arr
+    narrow = NARROW_64.get(arr.dtype)
+    if narrow is None or jax.config.jax_enable_x64:
+        return arr
+    return arr.astype(narrow)
 
 
 def _compile_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
@@ -175,7 +176,7 @@ def _run_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
             if dev not in devs:
                 v = jax.device_put(v, dev)
         else:
-            v = jax.device_put(_host(v), dev)
+            v = jax.device_put(_host(v, api), dev)
         blocks.append(v)
     sig = tuple((v.shape, v.dtype) for v in blocks)
     key = (group.id, api, static_key, names, sig)

@@ -8,7 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpg.collectives._dispatch import check_same_shapes, group_rank_of, resolve
+from jaxpg.collectives._dispatch import (
+    check_input,
+    check_inputs,
+    check_same_shapes,
+    group_rank_of,
+    resolve,
+    torch_form_error,
+)
+from jaxpg.collectives.discarded import warns_if_discarded
 from jaxpg.collectives.eager import local_count, run_eager
 from jaxpg.collectives.work import completed, returns_work_at_once
 
@@ -43,9 +51,13 @@ def _pad_dim0(x: jax.Array, size: int) -> jax.Array:
     return x if pad == 0 else jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
 
+@warns_if_discarded
 @returns_work_at_once
 def all_gather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
-    """Gathers every rank's ``tensor``; returns a list indexed by group rank.
+    """Gathers every rank's ``tensor``; **returns** a list indexed by group rank.
+
+    torch's ``all_gather(tensor_list, tensor)`` fills ``tensor_list``; here it is
+    ``tensor_list = jaxpg.all_gather(tensor)`` (torch's form raises a TypeError saying so).
 
     Dim 0 may differ between ranks (eager only): each rank passes its own array, or, in a
     process holding several ranks, a tuple of its ranks' arrays. In SPMD code every rank's
@@ -53,6 +65,7 @@ def all_gather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     """
     api = "all_gather"
     pg, ctx = resolve(group, api)
+    check_inputs(tensor, api)
     if ctx is not None:
         stack = ctx.layout(pg).gather(jnp.asarray(tensor))
         return completed([stack[i] for i in range(pg.size())], async_op, api)
@@ -98,11 +111,14 @@ def all_gather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     return completed(out, async_op, api)
 
 
+@warns_if_discarded
 @returns_work_at_once
 def all_gather_into_tensor(input_tensor: Any, group: Any = None, async_op: bool = False) -> Any:
-    """Gathers every rank's ``input_tensor`` concatenated along dim 0 (torch's output)."""
+    """Gathers every rank's ``input_tensor`` concatenated along dim 0; **returns** what torch
+    writes into ``output_tensor`` (``output_tensor = jaxpg.all_gather_into_tensor(x)``)."""
     api = "all_gather_into_tensor"
     pg, ctx = resolve(group, api)
+    check_input(input_tensor, api, "input_tensor")
 
     def body(lay: Any, x: Any) -> Any:
         stack = lay.gather(x)
@@ -116,12 +132,18 @@ def all_gather_into_tensor(input_tensor: Any, group: Any = None, async_op: bool 
 all_gather_single = all_gather_into_tensor
 
 
+@warns_if_discarded
 @returns_work_at_once
 def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: bool = False,
               group_src: int | None = None) -> Any:
-    """Every rank gets rank ``src``'s ``tensor`` (``src`` is a global rank, as in torch)."""
+    """Every rank gets rank ``src``'s ``tensor`` (``src`` is a global rank, as in torch).
+
+    **Returns the result; ``tensor`` is not changed** (torch's ``dist.broadcast(t, src)`` is
+    ``t = jaxpg.broadcast(t, src)`` here).
+    """
     api = "broadcast"
     pg, ctx = resolve(group, api)
+    check_input(tensor, api)
     s = group_rank_of(pg, src, group_src, api, "src")
     if ctx is not None:
         return completed(ctx.layout(pg).broadcast(jnp.asarray(tensor), s), async_op, api)
@@ -129,16 +151,22 @@ def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: 
     return completed(out, async_op, api)
 
 
+@warns_if_discarded
 @returns_work_at_once
 def gather(tensor: Any, dst: int | None = None, group: Any = None, async_op: bool = False,
-           group_dst: int | None = None) -> Any:
+           group_dst: int | None = None, *, gather_list: Any = None) -> Any:
     """Gathers every rank's ``tensor`` onto ``dst``: a list there, None on other ranks.
 
-    torch fills ``gather_list`` on ``dst``; jaxpg returns the list instead. In SPMD code every
-    rank gets the list (shapes are static), and only ``dst``'s is meaningful by contract.
+    torch fills ``gather_list`` on ``dst``; jaxpg **returns** the list instead
+    (``gather_list = jaxpg.gather(tensor, dst=0)``; passing ``gather_list`` raises a
+    TypeError saying so). In SPMD code every rank gets the list (shapes are static), and
+    only ``dst``'s is meaningful by contract.
     """
     api = "gather"
+    if gather_list is not None or isinstance(dst, (list, tuple)):
+        raise torch_form_error(api)
     pg, ctx = resolve(group, api)
+    check_input(tensor, api)
     d = group_rank_of(pg, dst, group_dst, api, "dst")
     if ctx is not None:
         stack = ctx.layout(pg).gather(jnp.asarray(tensor))
@@ -152,16 +180,22 @@ def gather(tensor: Any, dst: int | None = None, group: Any = None, async_op: boo
     return completed([row[i] for i in range(pg.size())], async_op, api)
 
 
+@warns_if_discarded
 @returns_work_at_once
 def scatter(tensor: Any = None, scatter_list: list[Any] | None = None, src: int | None = None,
             group: Any = None, async_op: bool = False, group_src: int | None = None) -> Any:
     """Rank ``i`` gets ``scatter_list[i]`` from ``src``; returns this rank's part.
 
     ``scatter_list`` is given on ``src`` only. ``tensor`` is torch's output buffer: here it
-    only gives the shape and dtype on ranks that do not hold ``src`` (its values are unused).
+    only gives the shape and dtype on ranks that do not hold ``src`` (its values are unused),
+    and the part is **returned** (``tensor = jaxpg.scatter(tensor, scatter_list, src=0)``).
     """
     api = "scatter"
     pg, ctx = resolve(group, api)
+    if tensor is not None:
+        check_input(tensor, api)
+    for i, x in enumerate(scatter_list or []):
+        check_input(x, api, f"scatter_list[{i}]")
     s = group_rank_of(pg, src, group_src, api, "src")
     k = pg.size()
     if ctx is not None:

@@ -24,6 +24,11 @@ from jaxpg.reduce_op import RedOpType, ReduceOp
 
 __all__ = ["GroupLayout", "reduce_stack"]
 
+# XLA's MPI collectives have no MPI datatype for these (MPI has no half or 8-bit floats):
+# their reductions and gathers fail with "Unsupported primitive type". jaxpg gathers their
+# bits as unsigned integers of the same width (exact) and reduces them in float32.
+_NO_MPI_TYPE = {jnp.dtype(t) for t in ("float16", "float8_e4m3fn", "float8_e5m2")}
+
 
 def reduce_stack(stack: jax.Array, op: ReduceOp, count: Any) -> jax.Array:
     """Reduces ``stack`` ([k, ...], group-rank order) over axis 0 with ``op``, in order.
@@ -90,6 +95,20 @@ class GroupLayout:
         self._member_index = member_index
         self._size_of = size_of
         self.native_axes = self._find_native_axes()
+        self._mpi = str(getattr(group._world, "backend", "")) == "mpi"
+
+    def _mpi_bits(self, x: jax.Array) -> tuple[jax.Array, Any]:
+        """backend="mpi": a dtype XLA's MPI cannot move, as same-width unsigned integers."""
+        if not self._mpi or x.dtype not in _NO_MPI_TYPE:
+            return x, None
+        bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+        return lax.bitcast_convert_type(x, bits), x.dtype
+
+    def _mpi_wide(self, x: jax.Array) -> tuple[jax.Array, Any]:
+        """backend="mpi": a dtype XLA's MPI cannot reduce, widened to float32."""
+        if not self._mpi or x.dtype not in _NO_MPI_TYPE:
+            return x, None
+        return x.astype(jnp.float32), x.dtype
 
     # --------------------------------------------------------------------- layout facts
     def _find_native_axes(self) -> tuple[str, ...] | None:
@@ -143,7 +162,9 @@ class GroupLayout:
     def gather(self, x: jax.Array) -> jax.Array:
         """Returns [k, *x.shape]: every member's ``x`` in group-rank order."""
         if self.native_axes is not None:
-            return lax.all_gather(x, self.native_axes, axis=0, tiled=False)
+            bits, dtype = self._mpi_bits(x)
+            out = lax.all_gather(bits, self.native_axes, axis=0, tiled=False)
+            return out if dtype is None else lax.bitcast_convert_type(out, dtype)
         rotated = [x] + [self._ppermute(x, self._pairs(d)) for d in range(1, self.k)]
         stack = jnp.stack(rotated)  # stack[d] = value of member (j - d) mod size
         j = jnp.maximum(self.member_index(), 0)
@@ -154,6 +175,10 @@ class GroupLayout:
         axes = self.native_axes
         kind = op.kind
         if axes is not None and x.dtype != jnp.bool_:
+            wide, dtype = self._mpi_wide(x)
+            if dtype is not None and kind in (RedOpType.SUM, RedOpType.AVG, RedOpType.MIN,
+                                              RedOpType.MAX, RedOpType.PREMUL_SUM):
+                return self.all_reduce(wide, op).astype(dtype)
             if kind is RedOpType.SUM:
                 return lax.psum(x, axes)
             if kind is RedOpType.AVG:
@@ -174,6 +199,9 @@ class GroupLayout:
         if axes is not None and x.dtype != jnp.bool_ and op.kind in (
             RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM
         ):
+            wide, dtype = self._mpi_wide(x)
+            if dtype is not None:
+                return self.reduce_scatter(wide, op).astype(dtype)
             y = x * jnp.asarray(op.factor, x.dtype) if op.kind is RedOpType.PREMUL_SUM else x
             out = lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
             return out / jnp.asarray(self.k, x.dtype) if op.kind is RedOpType.AVG else out
@@ -203,6 +231,11 @@ class GroupLayout:
             if x.dtype == jnp.bool_:
                 return lax.psum(jnp.where(j == src, x, False).astype(jnp.int32),
                                 self.native_axes).astype(jnp.bool_)
+            bits, dtype = self._mpi_bits(x)
+            if dtype is not None:  # adding zeros to the bits is exact
+                return lax.bitcast_convert_type(
+                    lax.psum(jnp.where(j == src, bits, jnp.zeros_like(bits)), self.native_axes),
+                    dtype)
             return lax.psum(jnp.where(j == src, x, jnp.zeros_like(x)), self.native_axes)
         pairs = []
         for sub in self.subgroups:

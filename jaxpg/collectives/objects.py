@@ -20,7 +20,8 @@ import jax
 import msgpack
 import numpy as np
 
-from jaxpg.collectives._dispatch import group_rank_of, resolve
+from jaxpg.collectives._dispatch import group_rank_of, resolve, torch_form_error
+from jaxpg.collectives.discarded import warns_if_discarded
 from jaxpg.collectives.gathers import all_gather
 
 __all__ = [
@@ -98,8 +99,14 @@ def _gather_bytes(pg: Any, objs: list[Any], allow_pickle: bool, api: str) -> lis
 
 
 def all_gather_object(obj: Any, group: Any = None, *, allow_pickle: bool = False) -> list[Any]:
-    """Gathers every rank's picklable object; returns the list in group-rank order."""
+    """Gathers every rank's picklable object; **returns** the list in group-rank order
+    (torch's ``all_gather_object(object_list, obj)`` fills ``object_list``)."""
     api = "all_gather_object"
+    from jaxpg.groups.process_group import NON_GROUP_MEMBER, ProcessGroup
+
+    if group is not None and group is not NON_GROUP_MEMBER and not isinstance(group,
+                                                                               ProcessGroup):
+        raise torch_form_error(api)  # anything in the group's place is torch's obj
     pg, _ = resolve(group, api)
     return _gather_bytes(pg, _local_objects(pg, obj, api), allow_pickle, api)
 
@@ -114,10 +121,12 @@ def gather_object(obj: Any, dst: int | None = None, group: Any = None, *,
     return out if pg.ranks[d] in pg._world.local_ranks else None
 
 
+@warns_if_discarded
 def broadcast_object_list(object_list: Sequence[Any], src: int | None = None, group: Any = None,
                           *, group_src: int | None = None,
                           allow_pickle: bool = False) -> list[Any]:
-    """Returns ``src``'s ``object_list`` on every rank (torch fills the list in place)."""
+    """**Returns** ``src``'s ``object_list`` on every rank (torch fills the list in place:
+    ``object_list = jaxpg.broadcast_object_list(object_list, src=0)`` here)."""
     api = "broadcast_object_list"
     pg, _ = resolve(group, api)
     s = group_rank_of(pg, src, group_src, api, "src")

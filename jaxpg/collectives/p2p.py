@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpg.collectives._dispatch import resolve
+from jaxpg.collectives._dispatch import check_input, check_inputs, resolve
+from jaxpg.collectives.discarded import warns_if_discarded
 from jaxpg.collectives.eager import run_eager
 from jaxpg.collectives.p2p_meta import TensorMeta, decode_meta, encode_meta
 from jaxpg.collectives.work import Work
@@ -90,7 +91,18 @@ def _wire(state: Any, src: int, dst: int, data: Any, api: str) -> Any:
     return run_eager(pair, api, (s, d), lambda lay, x: lay.permute(x, [(s, d)]), {"x": data})
 
 
+def _check_backend(state: Any, src: int, dst: int, api: str) -> None:
+    """backend="mpi" cannot run a transfer between two of more than two processes."""
+    from jaxpg.groups.backend import Backend, mpi_unsupported
+
+    if state.backend == Backend.MPI:
+        error = mpi_unsupported(_pair_group(state, src, dst), f"{api} from rank {src} to {dst}")
+        if error is not None:
+            raise error
+
+
 def _remote_send(state: Any, tensor: Any, src: int, dst: int, meta: bool) -> None:
+    _check_backend(state, src, dst, "send")
     several = isinstance(tensor, (list, tuple))
     arrays = [jnp.asarray(t) for t in tensor] if several else [jnp.asarray(tensor)]
     if meta:
@@ -103,6 +115,7 @@ def _remote_send(state: Any, tensor: Any, src: int, dst: int, meta: bool) -> Non
 
 
 def _remote_recv(state: Any, template: Any, src: int, dst: int, meta: bool) -> Any:
+    _check_backend(state, src, dst, "recv")
     given = None
     if template is not None:
         items = template if isinstance(template, (list, tuple)) else [template]
@@ -143,6 +156,7 @@ def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
     """
     api = "send"
     pg, ctx = resolve(group, api)
+    check_inputs(tensor, api)
     dst_rank = _peer(pg, dst, group_dst, api, "dst")
     if ctx is not None:
         if src is None:
@@ -185,16 +199,20 @@ def _take_mail(pg: Any, src: int, me: int, tag: int, timeout: float) -> jax.Arra
         return box.popleft()
 
 
+@warns_if_discarded
 def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
          group_src: int | None = None, *, dst: int | None = None, meta: bool = True,
          timeout: float | None = None) -> Any:
-    """Receives an array from ``src`` and returns it (torch fills ``tensor`` in place).
+    """Receives an array from ``src`` and **returns it; ``tensor`` is not changed** (torch
+    fills ``tensor`` in place: ``dist.recv(t, src)`` is ``t = jaxpg.recv(t, src)`` here).
 
     ``tensor`` gives the shape and dtype; it may be None when the sender sends the metadata
     header (the default). In SPMD code pass ``dst=`` too; non-receivers get ``tensor`` back.
     """
     api = "recv"
     pg, ctx = resolve(group, api)
+    if tensor is not None:
+        check_inputs(tensor, api)
     src_rank = _peer(pg, src, group_src, api, "src")
     if ctx is not None:
         if dst is None or tensor is None:
@@ -251,7 +269,8 @@ def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
 
 def irecv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
           group_src: int | None = None, **kw: Any) -> Work:
-    """Receives asynchronously; ``wait()`` then ``result()`` gives the array."""
+    """Receives asynchronously; ``wait()`` then **``result()`` gives the array**: unlike
+    torch, ``tensor`` is not filled (``t = jaxpg.irecv(t, src).result()``)."""
     return _DeferredWork(
         lambda t: recv(tensor, src, group, tag, group_src, **({"timeout": t} if t else {}),
                        **kw), "irecv")
@@ -309,6 +328,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     return [works[i] for i in range(len(p2p_op_list))]
 
 
+@warns_if_discarded
 def permute(tensor: Any, pairs: Sequence[tuple[int, int]], group: Any = None) -> Any:
     """SPMD or eager: sends rank ``a``'s ``tensor`` to rank ``b`` for each ``(a, b)`` of
     group ranks (a partial permutation); ranks that receive nothing get zeros.
@@ -317,6 +337,7 @@ def permute(tensor: Any, pairs: Sequence[tuple[int, int]], group: Any = None) ->
     """
     api = "permute"
     pg, ctx = resolve(group, api)
+    check_input(tensor, api)
     srcs = [a for a, _ in pairs]
     dsts = [b for _, b in pairs]
     k = pg.size()

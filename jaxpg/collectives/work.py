@@ -14,6 +14,7 @@ from typing import Any
 import jax
 
 from jaxpg.errors import DistTimeoutError
+from jaxpg.groups.flight_recorder import call_pinned, recorder
 
 __all__ = ["Work", "completed", "returns_work_at_once"]
 
@@ -122,7 +123,7 @@ class Work:
         if ran is not None and getattr(ran, "group", None) is not None:
             from jaxpg.groups import multiprocess
 
-            return multiprocess._timeout_text(ran.group, ran.api, ran.seq, seconds)
+            return multiprocess.timeout_text(ran.group, ran.api, ran.seq, seconds)
         return f"{self._api}: Work.wait timed out after {seconds:.3f} s."
 
     def result(self) -> Any:
@@ -176,6 +177,8 @@ def returns_work_at_once(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         async_op = kwargs.get("async_op", args[index] if len(args) > index else False)
         if not async_op:
+            if recorder.ring is not None:  # the flight recorder notes where it was called
+                return call_pinned(fn, args, kwargs)
             return fn(*args, **kwargs)
         from jaxpg.groups import world
         from jaxpg.spmd import current_context

@@ -57,6 +57,7 @@ from jaxpg.ddp.step_layout import (
     step_layout,
 )
 from jaxpg.ddp.train_step import REDUCTIONS, StepMode, build_train_step
+from jaxpg.groups.recorded_step import recorded_step
 
 __all__ = ["DistributedDataParallel"]
 
@@ -199,6 +200,29 @@ class DistributedDataParallel:
             copy = jax.tree.map(lambda x: x.copy(), (self.params, self.rest))
         return nnx.merge(self._graphdef, *copy)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module's forward with the current parameters, as torch's DDP
+        forwards: ``ddp(x)`` is ``module(x)`` (NNX modules).
+
+        It runs on this process's own replica (its first device), on its own input, with no
+        communication: every rank holds the same parameters after each step. Training goes
+        through :meth:`train_step`; state a forward changes (BatchNorm statistics in
+        training mode, RNG counts) is not kept, unlike torch's forward, which writes its
+        buffers. A parameter pytree (Linen) has no forward to call: use
+        ``model.apply({"params": ddp.params}, x)``.
+        """
+        if self._graphdef is None:
+            raise TypeError(
+                "DistributedDataParallel: this DDP wraps a parameter pytree (Linen), which has "
+                "no forward of its own; call model.apply({'params': ddp.params}, x).")
+        from flax import nnx
+
+        def local(leaf: Any) -> Any:
+            return leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf
+
+        params, rest = jax.tree.map(local, (self.params, self.rest))
+        return nnx.merge(self._graphdef, params, rest)(*args, **kwargs)
+
     def _per_rank(self, tree: Any) -> Any:
         if tree is None:
             return None
@@ -269,6 +293,9 @@ class DistributedDataParallel:
                 reduction=self.reduction, donate=self.donate,
                 layout=self.layout if self.layout.sharded else None, opt_specs=self._opt_specs,
             )  # fmt: skip
+            # a launch is a recorded collective call on the group: numbered, in the flight
+            # recorder, and a hang inside names the ranks that never started it
+            fn = recorded_step(fn, self.group, name="DistributedDataParallel.train_step")
             self._compiled[key] = fn
         return fn
 

@@ -19,6 +19,12 @@ jaxpg with ``numpy.random.default_rng(seed + epoch).permutation``, so the
 equal shares, padding, new order per epoch via :meth:`set_epoch`) is the same.
 jaxpg does not depend on torch.
 
+``num_replicas`` and ``rank`` default, as in torch, to the default process group: the
+number of processes in it and this process's index. With one rank per process (torch's
+layout, ``jaxpg-run``) that is ``get_world_size()`` and ``get_rank()``. A process that holds
+several ranks (a notebook with 8 devices) gets one share for all of them, which
+``DistributedDataParallel.train_step`` splits among its ranks.
+
 Example:
     >>> sampler = DistributedSampler(10, num_replicas=4, rank=1, shuffle=False)
     >>> list(sampler)
@@ -59,32 +65,53 @@ def _check_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _default_group_share() -> tuple[int, int]:
+    """(number of processes, this process's index) in the default group, as torch's sampler
+    takes ``get_world_size()`` and ``get_rank()``."""
+    from jaxpg.groups import world
+
+    state = world.current(required=False)
+    if state is None:
+        raise ValueError(
+            "DistributedSampler: num_replicas and rank default to the default process group, "
+            "which is not initialized; call jaxpg.init_process_group() first, or pass "
+            "num_replicas= and rank=.")
+    return state.process_count, state.process_index
+
+
 class DistributedSampler:
     """Restricts data loading to this rank's share of the dataset.
 
     Args:
         dataset_len_or_dataset: the dataset, or its length.
-        num_replicas: the number of ranks sharing the dataset.
-        rank: this rank, in ``[0, num_replicas - 1]``.
+        num_replicas: the number of ranks sharing the dataset; None for the default
+            group's (its number of processes: its world size with one rank per process).
+        rank: this rank, in ``[0, num_replicas - 1]``; None for this process's index in
+            the default group (its rank with one rank per process).
         shuffle: permute the indices every epoch (seeded by ``seed + epoch``).
         seed: the shuffle seed; must be the same on every rank.
         drop_last: drop the tail so that the length divides evenly, instead of
             padding by repeating indices.
 
     Raises:
-        ValueError: if ``num_replicas < 1`` or ``rank`` is out of range.
+        ValueError: if ``num_replicas < 1`` or ``rank`` is out of range, or one of them is
+            None before ``init_process_group``.
         TypeError: if an argument has the wrong type.
     """
 
     def __init__(
         self,
         dataset_len_or_dataset: Any,
-        num_replicas: int,
-        rank: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        if num_replicas is None or rank is None:
+            replicas, index = _default_group_share()
+            num_replicas = replicas if num_replicas is None else num_replicas
+            rank = index if rank is None else rank
         num_replicas = _check_int("num_replicas", num_replicas)
         rank = _check_int("rank", rank)
         if num_replicas < 1:

@@ -1,10 +1,13 @@
-"""Backend names (gloo, mpi, nccl, xla) and the check that a choice is possible here."""
+"""Backend names (gloo, mpi, nccl, xla), the check that a choice is possible here, and what
+XLA's MPI collectives cannot do."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
-__all__ = ["Backend", "resolve_backend"]
+__all__ = ["Backend", "mpi_unsupported", "names_mpi", "resolve_backend"]
 
 
 class Backend(str):
@@ -31,6 +34,14 @@ class Backend(str):
                 "(or None to pick by platform)."
             )
         return super().__new__(cls, value)
+
+
+def names_mpi(backend: str | None) -> bool:
+    """Whether ``backend`` asks for MPI on CPU (``"mpi"`` or torch's ``"cpu:mpi,..."``)."""
+    if not isinstance(backend, str):
+        return False
+    value = backend.lower().replace(" ", "")
+    return value == "mpi" or "cpu:mpi" in value.split(",")
 
 
 _PLATFORM_BACKENDS = {
@@ -73,3 +84,29 @@ def resolve_backend(backend: str | None, platform: str | None = None) -> Backend
             f"(jax.devices() = {jax.devices()[:2]}...); use one of {allowed}, or None."
         )
     return result
+
+
+def mpi_unsupported(group: Any, api: str) -> NotImplementedError | None:
+    """The error for a collective XLA's MPI collectives cannot run on ``group``, or None.
+
+    XLA makes each MPI communicator with ``MPI_Comm_split`` over ``MPI_COMM_WORLD``, which
+    every process must enter at the same point. A collective whose kernel runs on some but
+    not all processes (``new_group`` of a subset, ``send``/``recv`` between two of more than
+    two processes) would wait there forever, or pair up with another group's split and mix
+    two groups' data. Families of subgroups that cover every process (``new_subgroups``, a
+    ``DeviceMesh`` dimension) split together and work, as does everything inside
+    ``jaxpg.spmd`` code, where every process runs the same program.
+    """
+    state = group._world
+    procs = sorted({state.devices[r].process_index for r in group.members})
+    if len(procs) in (1, state.process_count):
+        return None
+    return NotImplementedError(
+        f"{api} on group {group.group_name!r} (ranks {list(group.ranks)}, processes {procs} "
+        f"of {state.process_count}) is not available with backend='mpi': XLA's MPI "
+        "collectives make every communicator with MPI_Comm_split over MPI_COMM_WORLD, which "
+        "all processes must enter, so a collective that leaves processes out would hang or "
+        "mix with another group's. With backend='mpi', use the world, subgroups that cover "
+        "every process (new_subgroups, a DeviceMesh dimension; every process calls its own), "
+        "or jaxpg.spmd code; for this group, use backend='gloo'."
+    )

@@ -98,7 +98,7 @@ def compare_fingerprints(store: Any, seq: int, me: int, text: str, procs: Sequen
     except Exception:  # noqa: BLE001 (the store's timeout: say who never arrived)
         missing = [rank_of[p] for p, k in keys.items() if not store.check([k])]
         raise DistTimeoutError(
-            f"{api} on group {group_name!r} (sequence number {seq}): ranks {missing} did not "
+            f"{api} #{seq} on group {group_name!r}: ranks {missing} did not "
             f"reach it within {timeout.total_seconds():.1f} s (JAXPG_DEBUG=DETAIL fingerprint "
             "check)."
         ) from None

@@ -29,13 +29,20 @@ from typing import Any
 
 from jaxpg.errors import DistNetworkError
 
-__all__ = ["start", "stop", "lost", "check", "check_any", "wait_lost", "naming_lost",
-           "mark_reported"]
+__all__ = ["start", "stop", "lost", "left", "check", "check_any", "wait_lost", "naming_lost",
+           "mark_reported", "before_teardown"]
 
 _PERIOD = 0.25
 _ABORTED = "jaxpg_aborted/"
 _LEFT = "jaxpg_left/"
 TEARDOWN_EXIT_CODE = 1
+_teardown_hooks: list[Any] = []  # called with the error's text before a teardown
+
+
+def before_teardown(hook: Any) -> None:
+    """Registers ``hook(text)``, called before this module ends the process."""
+    if hook not in _teardown_hooks:
+        _teardown_hooks.append(hook)
 
 
 class _Monitor:
@@ -104,11 +111,17 @@ class _Monitor:
         """No jaxpg call told the program of the loss within the grace (it waits in a
         jitted collective, which nothing can interrupt): end the process, as torch's
         watchdog does."""
-        print(f"[jaxpg liveness] DistNetworkError: lost ranks {self.lost} (processes "
-              f"{self.lost}): the coordination service stopped hearing from them, and no "
-              f"jaxpg call of this process raised it within {self._grace:.1f} s (it waits in "
-              "a jitted collective or does not call jaxpg). Ending the process "
+        text = (f"lost ranks {self.ranks_of(self.lost)} (processes {self.lost}): the "
+                "coordination service stopped hearing from them, and no jaxpg call of this "
+                f"process raised it within {self._grace:.1f} s (it waits in a jitted collective "
+                "or does not call jaxpg)")
+        print(f"[jaxpg liveness] DistNetworkError: {text}. Ending the process "
               "(JAXPG_ASYNC_ERROR_HANDLING=0 keeps it running).", file=sys.stderr, flush=True)
+        for hook in _teardown_hooks:
+            try:
+                hook(f"DistNetworkError: {text}")
+            except Exception:  # noqa: BLE001
+                pass
         try:
             sys.stdout.flush()
         except Exception:  # noqa: BLE001
@@ -212,6 +225,17 @@ def _leave_at_exit() -> None:
 def lost() -> list[int]:
     """The processes found lost so far (empty when none, or when nothing is watched)."""
     return [] if _monitor is None else list(_monitor.lost)
+
+
+def left() -> list[int]:
+    """The processes that left the world cleanly (asks the service: one RPC)."""
+    if _monitor is None:
+        return []
+    try:
+        return sorted({int(k.rpartition("/")[2])
+                       for k, _ in _monitor._client.key_value_dir_get(_LEFT)})
+    except Exception:  # noqa: BLE001
+        return []
 
 
 def wait_lost(procs: Sequence[int], seconds: float) -> list[int]:

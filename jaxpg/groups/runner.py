@@ -29,7 +29,8 @@ class Job:
     done) that also says which collective it ran last (group, op, sequence number), so a
     timeout can name the missing ranks."""
 
-    __slots__ = ("_lock", "_result", "_error", "finished", "group", "api", "seq")
+    __slots__ = ("_lock", "_result", "_error", "finished", "group", "api", "seq", "thread",
+                 "caller")
 
     def __init__(self, api: str) -> None:
         self._lock = threading.Lock()
@@ -40,6 +41,8 @@ class Job:
         self.group: Any = None
         self.api = api
         self.seq = 0
+        self.thread: int | None = None  # the runner thread's ident (its compile time)
+        self.caller: Any = None  # the user's frame that queued it (flight recorder)
 
     def done(self) -> bool:
         return self.finished
@@ -70,7 +73,9 @@ class _Worker:
         self.submitted = 0  # written by callers only
         self.finished = 0  # written by this worker's thread only
         self._local = local
-        threading.Thread(target=self._loop, name="jaxpg-collective", daemon=True).start()
+        thread = threading.Thread(target=self._loop, name="jaxpg-collective", daemon=True)
+        thread.start()
+        self.ident = thread.ident
 
     def _loop(self) -> None:
         self._local.worker = self
@@ -120,11 +125,13 @@ class _Runner:
         worker = self._worker
         return worker is None or worker.submitted == worker.finished
 
-    def submit(self, fn: Callable[[], Any], api: str) -> Job:
-        """Queues ``fn`` and returns its Job at once."""
+    def submit(self, fn: Callable[[], Any], api: str, caller: Any = None) -> Job:
+        """Queues ``fn`` and returns its Job at once (``caller``: the user's frame, for the
+        flight recorder)."""
         if self._worker is None:
             self._worker = _Worker(self._local)
         job = Job(api)
+        job.thread, job.caller = self._worker.ident, caller
         self._worker.submitted += 1
         self._worker.jobs.put((fn, job))
         return job

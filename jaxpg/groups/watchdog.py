@@ -27,10 +27,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["blocking_wait", "watch", "forget", "Outstanding", "WATCHDOG_EXIT_CODE"]
+from jaxpg.groups import compile_clock
+
+__all__ = ["blocking_wait", "watch", "forget", "Outstanding", "WATCHDOG_EXIT_CODE",
+           "before_teardown"]
 
 WATCHDOG_EXIT_CODE = 6  # what a process torn down by torch's NCCL watchdog (SIGABRT) reports
 _TRUE = ("1", "true", "yes", "on")
+_teardown_hooks: list[Callable[[str], None]] = []
+
+
+def before_teardown(hook: Callable[[str], None]) -> None:
+    """Registers ``hook(text)``, called with the error's text when the watchdog fires,
+    before it ends the process (the flight recorder dumps there)."""
+    if hook not in _teardown_hooks:
+        _teardown_hooks.append(hook)
 
 
 def _env_flag(*names: str) -> str | None:
@@ -62,21 +73,44 @@ def _tears_down() -> bool:
 
 class Outstanding:
     """One watched collective: registered before its dispatch (which may itself block, on
-    CPU), given its output array after it; ready once that array is."""
+    CPU), given its output array after it; ready once that array is.
 
-    __slots__ = ("deadline", "describe", "array", "failed")
+    ``describe()`` gives the timeout's text, or ``(text, extend)`` where ``extend`` says a
+    peer still compiles the call (then the deadline moves on by the same span). Time the
+    dispatching ``thread`` spends compiling does not count. ``failure(error)`` gives the
+    text when the collective itself failed in XLA; ``record`` (the flight recorder's) is
+    marked completed once the output is ready.
+    """
 
-    def __init__(self, deadline: float, describe: Callable[[], str]) -> None:
+    __slots__ = ("deadline", "describe", "array", "failed", "span", "thread", "compiled",
+                 "record", "rid", "failure")
+
+    def __init__(self, deadline: float, describe: Callable[[], Any], thread: int | None = None,
+                 record: Any = None, failure: Callable[[str], str] | None = None) -> None:
         self.deadline = deadline
+        self.span = max(deadline - time.monotonic(), 0.0)
         self.describe = describe
         self.array: Any = None
         self.failed = False
+        self.thread = thread
+        self.compiled = compile_clock.seconds(thread) if thread is not None else 0.0
+        self.record = record
+        self.rid = record.id if record is not None else None  # its ring slot may be reused
+        self.failure = failure
 
     def is_ready(self) -> bool:
         if self.failed:
             return True
         array = self.array
-        return array is not None and array.is_ready()
+        return array is not None and (array.is_deleted() or array.is_ready())
+
+    def due(self, now: float) -> bool:
+        """Whether the deadline passed, not counting the dispatching thread's compile time."""
+        if self.thread is None:
+            return now >= self.deadline
+        if compile_clock.compiling(self.thread):
+            return False
+        return now >= self.deadline + compile_clock.seconds(self.thread) - self.compiled
 
 
 class _Watchdog:
@@ -98,8 +132,8 @@ class _Watchdog:
         self._lock = threading.Lock()
         self.fired: str | None = None  # the text of the last timeout (for in-process tests)
 
-    def watch(self, deadline: float, describe: Callable[[], str]) -> Outstanding:
-        entry = Outstanding(deadline, describe)
+    def watch(self, deadline: float, describe: Callable[[], Any], **kw: Any) -> Outstanding:
+        entry = Outstanding(deadline, describe, **kw)
         self._pending.append(entry)
         if self._thread is None and self._autostart:
             with self._lock:
@@ -130,36 +164,74 @@ class _Watchdog:
                 ready = True
             if ready:
                 pending.popleft()
+                self._finished(entry)
                 continue
-            if time.monotonic() < entry.deadline:
+            if not entry.due(time.monotonic()):
                 return
             pending.popleft()
-            self._fire(entry.describe)
+            if self._fire(entry):
+                return  # re-armed: a peer still compiles the call
 
-    def _fire(self, describe: Callable[[], str]) -> None:
+    def _finished(self, entry: Outstanding) -> None:
+        """Marks the record of a collective whose output is ready; fires if it failed."""
+        if entry.failed or entry.array is None:
+            return
+        if entry.array.is_deleted():  # donated to a later program (a train step's state):
+            if entry.record is not None:  # that program is watched in its turn
+                entry.record.complete(entry.rid)
+            return
         try:
-            text = describe()
-        except Exception as err:  # noqa: BLE001 (say what we know, then still tear down)
-            text = f"a collective timed out (its description failed: {err!r})"
+            entry.array.block_until_ready()  # ready: returns at once, or raises XLA's error
+        except Exception as err:  # noqa: BLE001 (a collective that failed in XLA)
+            if entry.record is not None:
+                entry.record.fail("failed", str(err), entry.rid)
+            if entry.failure is not None:
+                self._fire(entry, kind="DistNetworkError", text=entry.failure(str(err)))
+            return
+        if entry.record is not None:
+            entry.record.complete(entry.rid)
+
+    def _fire(self, entry: Outstanding, kind: str = "DistTimeoutError",
+              text: str | None = None) -> bool:
+        """Reports the entry's timeout (or ``text``) and ends the process; returns True
+        instead when a peer still compiles the call (the entry is watched again)."""
+        if text is None:
+            try:
+                described = entry.describe()
+            except Exception as err:  # noqa: BLE001 (say what we know, then still tear down)
+                described = f"a collective timed out (its description failed: {err!r})"
+            text, extend = described if isinstance(described, tuple) else (described, False)
+            if extend:  # a peer still compiles this call: not a hang yet
+                entry.deadline = time.monotonic() + entry.span
+                self._pending.appendleft(entry)
+                return True
+            if entry.record is not None:
+                entry.record.fail("timed out", text, entry.rid)
         tear_down = _tears_down()
-        print(f"[jaxpg watchdog] DistTimeoutError: {text}"
+        print(f"[jaxpg watchdog] {kind}: {text}"
               + (" Ending the process (JAXPG_ASYNC_ERROR_HANDLING=0 keeps it running; "
                  "JAXPG_BLOCKING_WAIT=1 raises in the caller instead)." if tear_down else ""),
               file=sys.stderr, flush=True)
+        for hook in _teardown_hooks:
+            try:
+                hook(f"{kind}: {text}")
+            except Exception:  # noqa: BLE001
+                pass
         if tear_down:
             os._exit(WATCHDOG_EXIT_CODE)
         self.fired = text  # last: a test that waits for it has seen the whole firing
+        return False
 
 
 _watchdog = _Watchdog()
 
 
-def watch(deadline: float, describe: Callable[[], str]) -> Outstanding:
+def watch(deadline: float, describe: Callable[[], Any], **kw: Any) -> Outstanding:
     """Watches one collective about to be dispatched: set the returned entry's ``array``
     (one of its outputs) after the dispatch, or ``failed`` if it raised. Unless that array
     is ready by ``deadline`` (``time.monotonic()``), the watchdog prints ``describe()`` and
-    ends the process."""
-    return _watchdog.watch(deadline, describe)
+    ends the process. Keywords: ``thread``, ``record`` and ``failure`` of ``Outstanding``."""
+    return _watchdog.watch(deadline, describe, **kw)
 
 
 def forget() -> None:

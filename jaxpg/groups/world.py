@@ -111,8 +111,15 @@ def _ordered_devices() -> list[Any]:
 
 
 def _wants_multiprocess(init_method: str | None, store: Any, world_size: int) -> bool:
-    return (init_method is not None or store is not None or world_size > 1
-            or int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    """Whether the world spans processes: arguments say so, or a launcher started several
+    (torchrun/jaxpg-run, a Slurm step, mpirun: never silently a world of one)."""
+    if (init_method is not None or store is not None or world_size > 1
+            or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        return True
+    from jaxpg.rendezvous.cluster_env import detect_launcher
+
+    found = detect_launcher()
+    return found is not None and found.world_size > 1
 
 
 def init_process_group(
@@ -128,13 +135,16 @@ def init_process_group(
 ) -> None:
     """Initialises the default process group (the world), as ``torch.distributed``.
 
-    With no launcher environment (no ``WORLD_SIZE`` > 1), no ``init_method`` and no
-    ``store``, the world is this process's devices: ``jax.devices()``, rank = device. Under
-    ``jaxpg-run`` (or with ``init_method``/``store``), processes rendezvous through JAX's
-    coordination service and the world is every device of every process.
+    With no launcher environment, no ``init_method`` and no ``store``, the world is this
+    process's devices: ``jax.devices()``, rank = device. Under a launcher that started
+    several processes (``jaxpg-run``/torchrun's ``RANK``/``WORLD_SIZE``, a Slurm step started
+    by ``srun``, Open MPI's or MPICH's ``mpirun``; see ``jaxpg.rendezvous.cluster_env``), or
+    with ``init_method``/``store``, processes rendezvous through JAX's coordination service
+    and the world is every device of every process.
 
     Args:
-        backend: "gloo", "mpi", "nccl", "xla" or None (pick by platform).
+        backend: "gloo", "mpi", "nccl", "xla" or None (pick by platform). "mpi" uses XLA's
+            MPI collectives under ``mpirun`` (``MPITRAMPOLINE_LIB``; see docs/cluster.md).
         init_method: "env://", "tcp://host:port" or "file:///path"; exclusive with ``store``.
         timeout: the default timeout of every blocking call on the world (30 minutes).
         world_size: number of processes (multi-process only).

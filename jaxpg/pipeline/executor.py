@@ -87,6 +87,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups.recorded_step import recorded_step
 from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
@@ -347,7 +348,9 @@ def check_param_specs(param_specs: Any, params: StagedParams, mesh: Mesh, pp_axi
 
 @functools.lru_cache(maxsize=64)
 def _compiled(cfg: _Config):
-    return jax.jit(functools.partial(_run, cfg, plan_buffers(cfg.timetable)))
+    # called from host code, a launch is a recorded collective call on the mesh's group
+    return recorded_step(jax.jit(functools.partial(_run, cfg, plan_buffers(cfg.timetable))),
+                         cfg.mesh, name="pipeline_value_and_grad")
 
 
 EXECUTORS = ("auto", "spmd", "mpmd")

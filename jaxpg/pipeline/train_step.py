@@ -22,6 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups.recorded_step import recorded_step
 from jaxpg.pipeline.executor import (
     EXECUTORS,
     StagedParams,
@@ -198,7 +199,8 @@ def make_train_step(
         loss, grads = grads_of(params, inputs, targets, "spmd")
         return *update(params, opt_state, grads), loss
 
-    return jax.jit(step, donate_argnums=donated)
+    # each launch is a recorded collective call on the mesh's group (docs/debugging.md)
+    return recorded_step(jax.jit(step, donate_argnums=donated), mesh, name="pipeline.train_step")
 
 
 def _jax_mesh(mesh: Any) -> Any:

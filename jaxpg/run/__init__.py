@@ -21,9 +21,14 @@ Each worker gets torchrun's variables: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 The launcher of node 0 hosts JAX's coordination service for the workers (see
 :mod:`jaxpg.run.coordination`), so the death of any worker, rank 0 included, leaves it up.
 
-Output: every line and every carriage-return redraw a worker prints comes out as it arrives,
-prefixed with ``[rank N]``; ``--local-ranks-filter`` shows only some local ranks,
-``--log-dir`` (with ``--tee``/``--redirect``) writes per-rank log files.
+Output: every line and every carriage-return redraw a worker prints comes out whole as soon
+as it ends (a partial line after a moment of quiet), prefixed with ``[rank N]``, so one
+rank's ``print`` is never split by another's; ``--local-ranks-filter`` shows only some local
+ranks, ``--log-dir`` (with ``--tee``/``--redirect``) writes per-rank log files. gloo's
+connection chatter and, once the job fails, C++ log lines are left out unless
+``JAXPG_DEBUG`` is set (:mod:`jaxpg.run.output`). When a worker fails, the launcher prints a
+one-line diagnosis after its output: the jaxpg error it raised, or what a C++ abort means
+(:mod:`jaxpg.run.diagnosis`).
 
 Failures: when a worker exits with a non-zero code, the launcher stops the others (SIGTERM,
 then SIGKILL after ``--grace-period`` seconds). With ``--max-restarts N`` it then starts the

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +20,7 @@ from jaxpg.run.cli import parse_args
 from jaxpg.run.coordination import LocalNodes, NodeChannel, PortInUseError, WorkerCoordinator
 from jaxpg.run.env import visible_gpus, worker_env
 from jaxpg.run.workers import WorkerGroup
+from jaxpg.service_client import LOBBY_VAR, show_cpp_logs
 
 __all__ = ["main"]
 
@@ -58,14 +65,14 @@ def _command(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-u", args.training_script, *args.training_script_args]
 
 
-def _start(args: argparse.Namespace, attempt: int, port: int, run_id: str) -> WorkerGroup:
-    import os
-
+def _start(args: argparse.Namespace, attempt: int, port: int, run_id: str,
+           lobby: str) -> WorkerGroup:
     nproc, gpus = args.nproc_per_node, visible_gpus()
     first = args.node_rank * nproc
+    base = {**os.environ, LOBBY_VAR: lobby}
     envs = [
         worker_env(
-            dict(os.environ), rank=first + local_rank, local_rank=local_rank,
+            dict(base), rank=first + local_rank, local_rank=local_rank,
             world_size=args.nnodes * nproc, local_world_size=nproc, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=port,
             devices_per_proc=args.devices_per_proc, gpus=gpus, nnodes=args.nnodes,
@@ -81,36 +88,83 @@ def _start(args: argparse.Namespace, attempt: int, port: int, run_id: str) -> Wo
     )  # fmt: skip
 
 
-def _watch(group: WorkerGroup, nodes, attempt: int) -> tuple[str | None, int]:
-    """Waits until this attempt ends: ``(None, 0)`` on success, else the failure and code."""
+def _watch(group: WorkerGroup, nodes, attempt: int,
+           lobby: str) -> tuple[str | None, int, list[int]]:
+    """Waits until this attempt ends: ``(None, 0, [])`` on success, else the failure, the
+    exit code and the ranks that failed here."""
     reported = False
     next_remote = 0.0
     while True:
         failed = group.failed()
         if failed:
+            group.filter.quiet = True  # the job comes down: drop C++ log lines from here on
             rank, rc = failed[0]
             message = _describe(rank, rc)
             if len(failed) > 1:
                 message += " (also failed: " + ", ".join(
                     f"rank {r} with code {c}" for r, c in failed[1:]) + ")"
             nodes.report_failure(attempt, message)
-            return message, _exit_code(rc)
+            return message, _exit_code(rc), [r for r, _ in failed]
         if not reported and group.all_succeeded():
             nodes.report_success(attempt)
             reported = True
         now = time.monotonic()
         if now >= next_remote:
             next_remote = now + _REMOTE_POLL_S
+            nodes.share_lobby(attempt, lobby)
             if (remote := nodes.failure(attempt)) is not None:
-                return f"{remote} (on another node)", 1
+                group.filter.quiet = True
+                return f"{remote} (on another node)", 1, []
             if reported and nodes.all_succeeded(attempt):
-                return None, 0
+                return None, 0, []
         time.sleep(_POLL_S)
+
+
+def _quiet_services() -> None:
+    """Keeps the C++ log lines of the coordination services this launcher hosts off its
+    console, unless ``JAXPG_DEBUG`` is set: the launcher's Python output (its messages,
+    the workers' stderr, a traceback) moves to a copy of stderr, and file descriptor 2,
+    where only C++ code still writes, goes through a thread that drops everything up to a
+    fatal line (``F....``, ``terminate called``, ``Fatal Python error``), which it passes on
+    with what follows."""
+    if show_cpp_logs() or getattr(sys.stderr, "_jaxpg_launcher", False):
+        return
+    try:
+        sys.stderr.flush()
+        real = os.dup(2)
+    except (AttributeError, OSError, ValueError):
+        return
+    stream = io.TextIOWrapper(open(real, "wb", closefd=False),  # noqa: SIM115
+                              write_through=True, line_buffering=True,
+                              errors="backslashreplace")
+    stream._jaxpg_launcher = True  # type: ignore[attr-defined]
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    sys.stderr = stream
+
+    def drain() -> None:
+        passing = False
+        while chunk := os.read(read_end, 65536):
+            if not passing:
+                found = re.search(rb"^F\d{4} |terminate called|Fatal Python error", chunk,
+                                  re.M)
+                if found is None:
+                    continue
+                passing, chunk = True, chunk[found.start():]
+            os.write(real, chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the launcher; returns its exit code (see :mod:`jaxpg.run`)."""
     args = parse_args(argv)
+    if argv is None:  # the command line (a test calling main(argv) keeps its stderr)
+        _quiet_services()
+    if args.cluster is not None:
+        _say(f"started by {args.cluster.launcher} ({args.cluster.variables}): node "
+             f"{args.node_rank} of {args.nnodes}, node 0 at {args.master_addr}:{args.master_port}")
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise _Terminated
@@ -136,12 +190,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 nodes.publish_port(attempt, port)
             else:
                 port = nodes.port(attempt)
-            group = _start(args, attempt, port, nodes.run_id)
-            failure, code = _watch(group, nodes, attempt)
-            if failure is not None:
-                _say(f"{failure}; stopping the other workers")
-            group.stop(args.grace_period)
-            group.join_output()
+            lobby = tempfile.mkdtemp(prefix="jaxpg-lobby-")
+            try:
+                group = _start(args, attempt, port, nodes.run_id, lobby)
+                failure, code, failed_ranks = _watch(group, nodes, attempt, lobby)
+                if failure is not None:
+                    _say(f"{failure}; stopping the other workers")
+                group.stop(args.grace_period)
+                group.join_output()
+                for rank in failed_ranks[:8]:
+                    if (diagnosis := group.diagnosis(rank)) is not None:
+                        _say(f"rank {rank}: {diagnosis}")
+            finally:
+                shutil.rmtree(lobby, ignore_errors=True)
             group = None
             nodes.barrier(f"stopped/{attempt}")
             if coordinator is not None:

@@ -34,12 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive_int("--nproc-per-node"),
                    default=1, help="worker processes on this node (default 1)")
-    p.add_argument("--nnodes", type=_positive_int("--nnodes"), default=1,
-                   help="number of nodes (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0,
-                   help="this node's index in [0, nnodes) (default 0)")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
-                   help="address of node 0, which hosts the coordination (default 127.0.0.1)")
+    p.add_argument("--nnodes", type=_positive_int("--nnodes"), default=None,
+                   help="number of nodes (default 1, or the tasks of an srun/mpirun that "
+                        "started one launcher per node)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=None,
+                   help="this node's index in [0, nnodes) (default 0, or the task's rank)")
+    p.add_argument("--master-addr", "--master_addr", default=None,
+                   help="address of node 0, which hosts the coordination (default 127.0.0.1, "
+                        "or the first node of the Slurm step / mpirun's host)")
     p.add_argument("--master-port", "--master_port", type=int, default=None,
                    help="port on node 0 (default: a free port; required with --nnodes > 1)")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
@@ -126,10 +128,44 @@ def _ranks_filter(text: str | None, nproc: int) -> set[int]:
     return ranks
 
 
+def _nodes_from_launcher(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Without ``--nnodes``, takes the nodes from the launcher that started one jaxpg-run per
+    node (``srun --ntasks-per-node=1 jaxpg-run ...``, or mpirun's): its tasks are the
+    nodes, the task's rank is the node rank, and node 0 is the coordinator's host and port
+    (see ``jaxpg.rendezvous.cluster_env``), where ``--node-rank``, ``--master-addr`` and
+    ``--master-port`` are not given; then torchrun's defaults for the rest."""
+    found = None
+    if not args.standalone and args.rdzv_endpoint is None:
+        from jaxpg.rendezvous.cluster_env import detect_launcher
+
+        try:
+            found = detect_launcher()
+        except ValueError as err:
+            parser.error(str(err))
+        if found is not None and (found.launcher == "torchrun" or found.world_size == 1):
+            found = None  # started by another launcher's worker, or a single task
+    if args.nnodes is not None:
+        found = None  # the user lays out the nodes
+    args.cluster = found
+    if found is not None:
+        host, _, port = (found.coordinator or "").rpartition(":")
+        args.nnodes = found.world_size
+        if args.node_rank is None:
+            args.node_rank = found.rank
+        if args.master_addr is None and host:
+            args.master_addr = host
+        if args.master_port is None and port:
+            args.master_port = int(port)
+    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
+    args.master_addr = "127.0.0.1" if args.master_addr is None else args.master_addr
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parses and checks ``argv``; exits with status 2 and a message naming the flag."""
     parser = _parser()
     args = parser.parse_args(argv)
+    _nodes_from_launcher(args, parser)
     if args.standalone:
         if args.nnodes != 1:
             parser.error(f"--standalone runs one node, but --nnodes is {args.nnodes}")

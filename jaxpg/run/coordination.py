@@ -118,6 +118,9 @@ class LocalNodes:
     def report_success(self, attempt: int) -> None:
         pass
 
+    def share_lobby(self, attempt: int, lobby: str) -> None:
+        pass
+
     def all_succeeded(self, attempt: int) -> bool:
         return True
 
@@ -145,6 +148,8 @@ class NodeChannel:
         self.nnodes, self.node_rank = nnodes, node_rank
         self._timeout_ms = int(timeout * 1000)
         self._service = None
+        self._shared: dict[int, str] = {}
+        self._nproc = 0  # --nproc-per-node, learned in agree()
         if node_rank == 0:
             self._service = _start_service(f"[::]:{master_port}", nnodes, AGENT_HEARTBEAT_S)
         self._client = _jax_compat.distributed_runtime_client(
@@ -163,6 +168,7 @@ class NodeChannel:
         Raises:
             ValueError: naming the setting that differs.
         """
+        self._nproc = int(settings.get("--nproc-per-node", 0))
         if self.node_rank == 0:
             self._client.key_value_set("settings", json.dumps(settings, sort_keys=True))
         else:
@@ -206,6 +212,27 @@ class NodeChannel:
     def all_succeeded(self, attempt: int) -> bool:
         done = self._client.key_value_dir_get(f"attempt/{attempt}/succeeded/")
         return len(done) == self.nnodes
+
+    def share_lobby(self, attempt: int, lobby: str) -> None:
+        """Publishes which of this node's ranks reached ``init_process_group`` (files in
+        ``lobby``) and copies the other nodes' into it, so that a worker's startup timeout
+        names missing ranks on every node (:mod:`jaxpg.service_client`)."""
+        try:
+            here = sorted(n for n in os.listdir(lobby) if n.isdigit())
+            mine = ",".join(n for n in here if self._is_mine(int(n)))
+            if mine and mine != self._shared.get(attempt):
+                self._client.key_value_set(f"attempt/{attempt}/lobby/{self.node_rank}", mine,
+                                           allow_overwrite=True)
+                self._shared[attempt] = mine
+            for _, ranks in self._client.key_value_dir_get(f"attempt/{attempt}/lobby/"):
+                for rank in filter(None, ranks.split(",")):
+                    if rank not in here:
+                        open(os.path.join(lobby, rank), "ab").close()
+        except Exception:  # noqa: BLE001 (best effort: only messages depend on it)
+            pass
+
+    def _is_mine(self, rank: int) -> bool:
+        return rank // self._nproc == self.node_rank if self._nproc else True
 
     def lost_nodes(self) -> list[int]:
         """The launchers that stopped sending heartbeats."""

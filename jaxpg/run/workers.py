@@ -11,8 +11,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from jaxpg.run.diagnosis import diagnose
 from jaxpg.run.env import affinity_of
-from jaxpg.run.output import consoles, pump
+from jaxpg.run.output import LineFilter, Tail, consoles, pump
 
 __all__ = ["WorkerGroup"]
 
@@ -68,6 +69,8 @@ class WorkerGroup:
         self.first_rank = first_rank
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
+        self.filter = LineFilter()
+        self.tails: list[tuple[Tail, Tail]] = []
         both = consoles(sys.stdout.buffer, sys.stderr.buffer)
         for local_rank, env in enumerate(envs):
             outs = [os.pipe(), os.pipe()]
@@ -91,9 +94,11 @@ class WorkerGroup:
                 for _, w in outs:
                     os.close(w)
             self.procs.append(proc)
+            tails = (Tail(), Tail())
+            self.tails.append(tails)
             prefix = f"[rank {first_rank + local_rank}] ".encode()
-            for bit, name, (read_end, _), console in zip((1, 2), ("stdout", "stderr"), outs,
-                                                         both):
+            for bit, name, (read_end, _), console, tail in zip(
+                    (1, 2), ("stdout", "stderr"), outs, both, tails):
                 to_log = (tee_masks[local_rank] | redirect_masks[local_rank]) & bit
                 shown = local_rank in console_ranks and not redirect_masks[local_rank] & bit
                 log = None
@@ -102,7 +107,8 @@ class WorkerGroup:
                     folder.mkdir(parents=True, exist_ok=True)
                     log = open(folder / f"{name}.log", "ab")  # noqa: SIM115 (closed by pump)
                 t = threading.Thread(
-                    target=pump, args=(read_end, console if shown else None, prefix, log),
+                    target=pump, args=(read_end, console if shown else None, prefix, log,
+                                       self.filter.for_stream(), tail),
                     daemon=True,
                 )
                 t.start()
@@ -117,6 +123,12 @@ class WorkerGroup:
             if rc is not None and rc != 0:
                 out.append((self.first_rank + local_rank, rc))
         return sorted(out, key=lambda item: item[1] >= 0)
+
+    def diagnosis(self, rank: int) -> str | None:
+        """A one-line explanation of how global ``rank`` ended, from its last output."""
+        local = rank - self.first_rank
+        out, err = self.tails[local]
+        return diagnose(out.text() + "\n" + err.text(), self.procs[local].returncode)
 
     def all_succeeded(self) -> bool:
         return all(p.poll() == 0 for p in self.procs)

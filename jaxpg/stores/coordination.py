@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxpg import _jax_compat
-from jaxpg.errors import DistBackendError
+from jaxpg.errors import DistBackendError, DistError
 
 __all__ = ["global_client", "start_jax_distributed", "service_host"]
 
@@ -37,6 +39,7 @@ def start_jax_distributed(
     timeout: float,
     heartbeat_timeout: float = 100,
     local_device_ids: list[int] | None = None,
+    lobby: Callable[[], Iterable[int] | None] | None = None,
 ) -> Any:
     """Starts ``jax.distributed`` (or checks the running one) and returns its client.
 
@@ -54,8 +57,13 @@ def start_jax_distributed(
         timeout: seconds to wait for every process to connect.
         heartbeat_timeout: seconds without heartbeats after which a process counts as dead.
         local_device_ids: the devices this process uses; None for all visible.
+        lobby: returns the ranks known to have reached the rendezvous (the rendezvous
+            store's claims), to name the missing ones if the connect times out.
 
     Raises:
+        DistTimeoutError: the coordinator could not be reached, or not every process
+            joined, within ``timeout``; the message names the address or the missing
+            ranks (:mod:`jaxpg.service_client`). Never JAX's C++ abort.
         ValueError: if the arguments are out of range, a running ``jax.distributed``
             disagrees with them, or ``GLOO_SOCKET_IFNAME`` names an interface this machine
             does not have.
@@ -91,42 +99,49 @@ def start_jax_distributed(
 
         host = coordinator_address.rpartition(":")[0].strip("[]")
         gloo_device.install(gloo_device.choose_gloo_device(host))
-    init_timeout = max(1, math.ceil(timeout))
     heartbeat = max(1, math.ceil(heartbeat_timeout))
     from jaxpg import (
         coordinator_process,  # rank 0's service, in a child process
         hosted_coordinator,  # jaxpg-run's launcher hosts the service
+        service_client,  # joining it within the timeout, with named errors
     )
 
+    deadline = time.monotonic() + timeout
+    service_client.note_arrival(process_id)
     try:
         launcher_hosted = hosted_coordinator.hosted_address() == coordinator_address
         child_hosted = not launcher_hosted and coordinator_process.enabled()
         if child_hosted and process_id == 0:
-            coordinator_process.start(bind, num_processes, heartbeat)
-        if launcher_hosted or child_hosted:
-            hosted_coordinator.connect(
-                coordinator_address,
-                process_id,
-                num_processes,
-                init_timeout=init_timeout,
-                heartbeat_timeout=heartbeat,
-                local_device_ids=local_device_ids,
-            )
-        else:
-            jax.distributed.initialize(
-                coordinator_address=coordinator_address,
-                num_processes=num_processes,
-                process_id=process_id,
-                local_device_ids=local_device_ids,
-                cluster_detection_method="deactivate",
-                initialization_timeout=init_timeout,
-                heartbeat_timeout_seconds=heartbeat,
-                coordinator_bind_address=bind,
-            )
+            coordinator_process.start(bind, num_processes, heartbeat,
+                                      register_by=time.time() + deadline - time.monotonic())
+        elif not launcher_hosted and process_id == 0:  # JAXPG_COORDINATOR_PROCESS=0
+            service_client.check_port_free(bind)
+            state.service = _jax_compat.distributed_runtime_service(
+                bind, num_processes, heartbeat_timeout=heartbeat,
+                cluster_register_timeout=max(1, int(deadline - time.monotonic())),
+                shutdown_timeout=300)
+        if lobby is None:  # jaxpg-run's lobby folder, if the launcher made one
+            lobby = service_client.lobby_arrivals
+        hosted_coordinator.connect(
+            coordinator_address,
+            process_id,
+            num_processes,
+            init_timeout=timeout,
+            heartbeat_timeout=heartbeat,
+            local_device_ids=local_device_ids,
+            host="jaxpg-run" if launcher_hosted else "rank 0",
+            lobby=lobby,
+            deadline=deadline,
+        )
     except Exception as err:
         if coordinator_process.running() is not None:  # started here: stop it again
             coordinator_process.finish(state.client or _NoClient(), num_processes, 0,
                                        state.shutdown)
+        if state.service is not None and state.client is None:
+            state.service.shutdown()
+            state.service = None
+        if isinstance(err, DistError):
+            raise
         raise DistBackendError(
             f"jax.distributed.initialize(coordinator_address={coordinator_address!r}, "
             f"num_processes={num_processes}, process_id={process_id}) failed: {err}. "

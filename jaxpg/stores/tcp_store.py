@@ -307,12 +307,16 @@ class TCPStore(Store):
     def _get_or_none(self, key: str, timeout: float) -> bytes | None:
         """Waits for ``key`` in the service; ``None`` if it is still missing after ``timeout``.
 
-        It waits in slices of at most ``_SLICE_S``; between them, a process of the world
-        that the coordination service lost raises ``DistNetworkError`` naming it (the key
-        may be due from it), rather than a bare timeout long after.
+        A key already set is returned at once. Else it waits in slices of at most
+        ``_SLICE_S``; between them, a process of the world that the coordination service
+        lost raises ``DistNetworkError`` naming it (the key may be due from it), rather than
+        a bare timeout long after.
         """
         what = f"TCPStore.get({key!r})"
         deadline = time.monotonic() + timeout
+        present = self._try_get(key)  # a key that is there is read, whoever was lost
+        if present is not None:
+            return present
         while True:
             _while_waiting(what)
             left = deadline - time.monotonic()

@@ -36,6 +36,9 @@ class _NeverReady:
     def is_ready(self) -> bool:
         return False
 
+    def is_deleted(self) -> bool:
+        return False
+
 
 def test_watchdog_fires_once_the_deadline_passes_and_skips_finished_work(monkeypatch):
     monkeypatch.setenv("JAXPG_ASYNC_ERROR_HANDLING", "0")  # print, do not end pytest
@@ -50,6 +53,21 @@ def test_watchdog_fires_once_the_deadline_passes_and_skips_finished_work(monkeyp
     assert dog.fired == "all_reduce on group 'WORLD' (seq 7)"
     assert list(dog._pending) == [future]  # the finished and the fired ones are gone
     dog.forget()  # else its thread fires "not yet" 60 s later, unpatched, and ends pytest
+
+
+def test_watchdog_takes_an_output_donated_to_the_next_step_as_finished(monkeypatch):
+    # a stream-ordered train step's state is donated to the next step before the watchdog
+    # looks at it: that is not a failure (the next step is watched in its turn)
+    monkeypatch.setenv("JAXPG_ASYNC_ERROR_HANDLING", "0")
+    dog = watchdog._Watchdog(autostart=False)
+    state = jnp.ones(4) + 0
+    entry = dog.watch(time.monotonic() + 60.0, lambda: "step #1", failure=lambda e: e)
+    entry.array = state
+    jax.jit(lambda s: s * 2, donate_argnums=0)(state)
+    assert state.is_deleted()
+    dog._check()
+    assert dog.fired is None and not dog._pending
+    dog.forget()
 
 
 def test_watchdog_watches_a_dispatch_that_never_returns(monkeypatch):
@@ -102,7 +120,8 @@ def test_one_rank_group_takes_and_returns_per_rank_arrays(world):
     np.testing.assert_array_equal(np.asarray(out), np.arange(6.0).reshape(2, 3))
     scalar = jaxpg.all_reduce(jnp.float32(2.5), group=solo, op=jaxpg.ReduceOp.MAX)
     assert scalar.shape == () and float(scalar) == 2.5
-    gathered = jaxpg.all_gather_into_tensor(np.ones(3), group=solo)
+    with pytest.warns(UserWarning, match="float64 and becomes float32"):  # x64 is off
+        gathered = jaxpg.all_gather_into_tensor(np.ones(3), group=solo)
     assert gathered.shape == (3,) and gathered.dtype == jnp.float32
     work = jaxpg.broadcast(x, src=5, group=solo, async_op=True)
     np.testing.assert_array_equal(np.asarray(work.result()), np.asarray(x))

@@ -9,7 +9,7 @@ from jaxpg.groups import callbacks
 
 
 def test_destroy_process_group_clears_the_eager_kernels():
-    jaxpg.all_reduce(jnp.ones((8, 2)))
+    _ = jaxpg.all_reduce(jnp.ones((8, 2)))  # compiles and caches a kernel
     assert eager._kernels  # compiled and cached
     assert eager.clear_kernel_cache in callbacks._resets
     jaxpg.destroy_process_group()

@@ -106,8 +106,8 @@ def test_missing_worker_raises_within_timeout(mode):
     assert code0 == 17, text0[-3000:]
     m = re.search(r"raised after ([\d.]+) s: (.*)", text0)
     assert m, text0[-3000:]
-    assert float(m.group(1)) < 3.0 + 4.0  # the 3 s timeout plus a margin
+    assert float(m.group(1)) < 3.0 + 20.0  # the group's 3 s timeout, and a loaded machine
     assert "ranks that did not arrive: [1]" in m.group(2)
     want = "DistTimeoutError" if mode == "never_arrives" else "Dist"
     assert m.group(2).startswith(want)
-    assert "all_reduce on group 'WORLD' (sequence number 2)" in m.group(2)
+    assert "all_reduce #1 on group 'group1'" in m.group(2)

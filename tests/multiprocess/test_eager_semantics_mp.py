@@ -56,7 +56,7 @@ def test_async_op_returns_before_its_input_is_computed_and_wait_names_missing_ra
     assert [w[0] for w in waits] == ["1.0", "None"], text0[-3000:]
     for _, cls, msg in waits:
         assert cls == "DistTimeoutError", msg
-        assert "all_reduce on group 'WORLD' (sequence number 4)" in msg, msg
+        assert "all_reduce #4 on group 'WORLD'" in msg, msg
         assert "ranks that did not arrive: [1]" in msg, msg
 
 
@@ -71,7 +71,7 @@ def test_watchdog_ends_the_process_with_the_named_error_under_stream_semantics()
     assert "WATCHDOG DID NOT FIRE" not in text0
     m = re.search(r"\[jaxpg watchdog\] DistTimeoutError: (.*)", text0)
     assert m, text0[-3000:]
-    assert "all_reduce on group 'WORLD' (sequence number 3)" in m.group(1)
+    assert "all_reduce #3 on group 'WORLD'" in m.group(1)
     assert "ranks that did not arrive: [1]" in m.group(1)
 
 

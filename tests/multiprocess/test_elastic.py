@@ -134,8 +134,9 @@ def test_fault_injection(tmp_path, reference, busy_loops, fault, load):
         assert int(resumed.group(1)) == step  # the killed step's checkpoint was never written
     elif kind == "stop":
         # rank 1 waits in the barrier for the group timeout and names the stopped rank 0
-        assert re.search(r"DistTimeoutError: barrier on group 'WORLD' .* did not finish "
-                         r"within 6\.0 s; ranks that did not arrive: \[0\]", result.stderr)
+        assert re.search(r"DistTimeoutError: barrier #\d+ on group 'WORLD' did not finish "
+                         r"within 6\.0 s: rank 0 .*ranks that did not arrive: \[0\]",
+                         result.stderr)
         assert "rank 1 exited with code 1" in result.stderr
         assert int(resumed.group(1)) == 3
     elif kind == "ckpt":

@@ -76,13 +76,28 @@ def test_script_options_that_prefix_launcher_flags_stay_the_scripts():
     assert args.training_script_args == ["--n", "2", "--nproc", "3"]
 
 
-def test_prefix_goes_before_every_line_and_redraw():
+def test_prefix_goes_before_every_line_and_redraw_once_it_is_whole():
     p = Prefixer(b"[rank 0] ")
     chunks = [b"\r 10%|#", b"#  |\r 20%", b"|\nhello\nwor", b"ld\n", b"\r\n"]
     assert [p.feed(c) for c in chunks] == [
-        b"\r[rank 0]  10%|#", b"#  |\r[rank 0]  20%", b"|\n[rank 0] hello\n[rank 0] wor",
-        b"ld\n", b"\r\n",
+        b"", b"\r[rank 0]  10%|##  |", b"\r[rank 0]  20%|\n[rank 0] hello\n",
+        b"[rank 0] world\n", b"\r\n",
     ]  # fmt: skip
+    assert p.feed(b"partial") == b"" and p.take_pending() == b"[rank 0] partial"
+
+
+def test_one_ranks_print_is_never_split_by_anothers():
+    import io
+
+    out = io.BytesIO()
+    console = Console(out)
+    a, b = Prefixer(b"[rank 0] "), Prefixer(b"[rank 1] ")
+    for piece in (b"Rank ", b"0", b" has data ", b"[1. 1.]", b"\n"):  # print()'s writes
+        console.write(a, piece)
+        console.write(b, piece.replace(b"0", b"1"))
+    console.close(a)
+    console.close(b)
+    assert out.getvalue() == b"[rank 0] Rank 0 has data [1. 1.]\n[rank 1] Rank 1 has data [1. 1.]\n"
 
 
 def test_console_ends_an_open_line_before_another_rank_writes():
@@ -92,10 +107,35 @@ def test_console_ends_an_open_line_before_another_rank_writes():
     console = Console(out)
     a, b = Prefixer(b"[rank 0] "), Prefixer(b"[rank 1] ")
     console.write(a, b"\r 10%")
+    console.flush_pending(a)  # a bar left open for a while is shown
     console.write(b, b"a line\n")
     console.write(a, b"\r 20%")
     console.close(a)
     assert out.getvalue() == b"\r[rank 0]  10%\n[rank 1] a line\n\r[rank 0]  20%\n"
+
+
+def test_gloo_chatter_and_cpp_logs_after_a_jaxpg_error_are_left_out():
+    import io
+
+    from jaxpg.run.output import LineFilter
+
+    def run(debug):
+        out = io.BytesIO()
+        console, filt = Console(out), LineFilter(debug=debug)
+        p = Prefixer(b"[rank 0] ", filt.for_stream())
+        console.write(p, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of "
+                         b"connected peer ranks is : 1\nW1125 10:00:00.000001 12 a.cc:3] early\n")
+        console.write(p, b"jaxpg.errors.DistTimeoutError: all_reduce ... [1].\n")
+        console.write(p, b"E1125 10:00:01.000001 12 coordination_service.cc:9] Stopping\n\n"
+                         b"Original error: ABORTED\nTraceback (most recent call last):\n")
+        console.close(p)
+        return out.getvalue().decode()
+
+    shown = run(debug=False)
+    assert "[Gloo]" not in shown and "Stopping" not in shown and "Original error" not in shown
+    assert "early" in shown  # before any error, C++ lines are left alone
+    assert "DistTimeoutError" in shown and "[rank 0] Traceback" in shown
+    assert "[Gloo]" in run(debug=True) and "Stopping" in run(debug=True)
 
 
 def test_cpu_workers_keep_large_buffers_in_the_heap_unless_told_otherwise():

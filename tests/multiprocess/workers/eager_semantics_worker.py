@@ -28,7 +28,10 @@ import jaxpg
 
 mode = sys.argv[1]
 timeout = datetime.timedelta(seconds=float(os.environ.get("TEST_TIMEOUT_S", "3")))
-jaxpg.init_process_group(timeout=timeout)
+# The world starts with a generous timeout (on a loaded machine the processes may take
+# longer than the short one to start); its collectives then get the short one.
+jaxpg.init_process_group(timeout=max(timeout, datetime.timedelta(seconds=120)))
+jaxpg.GroupMember.WORLD.timeout = timeout
 rank, n = jaxpg.get_rank(), jaxpg.get_world_size()
 
 

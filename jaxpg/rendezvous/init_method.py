@@ -5,9 +5,11 @@
 coordination service and this process's place in the job. The forms are torch's:
 
 * ``"env://"`` (the default) reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-  ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, as ``jaxpg-run`` sets them.
+  ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, as ``jaxpg-run`` sets them;
+  without ``RANK``, the world a cluster launcher made: a Slurm step started by ``srun``,
+  Open MPI's or MPICH's ``mpirun`` (:mod:`jaxpg.rendezvous.cluster_env`).
 * ``"tcp://host:port"`` names the coordinator; ``rank`` and ``world_size`` come
-  from the arguments (or ``?rank=..&world_size=..`` in the URL).
+  from the arguments (or ``?rank=..&world_size=..`` in the URL), else from the launcher.
 * ``"file:///path"`` meets through a :class:`~jaxpg.stores.FileStore`: each process
   claims its rank in the file, process 0 picks a free port and publishes the
   coordinator address there, and the others read it. The file must be fresh.
@@ -30,7 +32,8 @@ import socket
 import uuid
 from urllib.parse import parse_qs, urlparse
 
-from jaxpg.errors import DistError
+from jaxpg.errors import DistError, DistStoreError, DistTimeoutError
+from jaxpg.rendezvous.cluster_env import LauncherWorld, detect_launcher
 from jaxpg.stores import DEFAULT_TIMEOUT, FileStore, HashStore, PrefixStore, Store, TCPStore
 from jaxpg.stores.coordination import start_jax_distributed
 from jaxpg.stores.store import Timeout, to_seconds
@@ -61,6 +64,8 @@ class RendezvousInfo:
         store: the store the rendezvous went through (``file://`` or ``store=``),
             or ``None`` when the coordination service's store is to be used.
         init_method: the ``init_method`` it came from, for messages.
+        launcher: the cluster launcher whose variables gave the world (``"slurm"``,
+            ``"openmpi"``, ``"mpich"``), or ``None``.
     """
 
     coordinator_address: str | None
@@ -70,6 +75,7 @@ class RendezvousInfo:
     local_world_size: int = 1
     store: Store | None = None
     init_method: str | None = None
+    launcher: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("rank", "world_size", "local_rank", "local_world_size"):
@@ -134,7 +140,42 @@ def _locals(rank: int, world_size: int) -> tuple[int, int]:
     return _env_int("LOCAL_RANK", rank), _env_int("LOCAL_WORLD_SIZE", world_size)
 
 
+def _cluster_world() -> LauncherWorld | None:
+    """The world a cluster launcher (Slurm, mpirun) made, when ``RANK`` is not set."""
+    if os.environ.get("RANK", "").strip():
+        return None  # torchrun's variables win; _from_env reads them
+    found = detect_launcher()
+    return None if found is None or found.launcher == "torchrun" else found
+
+
+def _from_launcher(found: LauncherWorld, rank: int | None, world_size: int | None,
+                   init_method: str) -> RendezvousInfo:
+    """Explicit arguments first, then the cluster launcher's variables."""
+    rank = found.rank if rank is None else rank
+    world_size = found.world_size if world_size is None else world_size
+    if world_size > 1 and found.coordinator is None:
+        raise ValueError(
+            f"init_method={init_method!r}: {found.launcher} started {world_size} processes "
+            f"({found.variables}) on several machines, and its variables do not say where "
+            "rank 0 runs. Set MASTER_ADDR to rank 0's host (and MASTER_PORT to a free port) "
+            "in every process, e.g. mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=29500."
+        )
+    local_world_size = max(found.local_world_size, found.local_rank + 1)
+    return RendezvousInfo(
+        coordinator_address=found.coordinator if world_size > 1 else None,
+        rank=rank,
+        world_size=world_size,
+        local_rank=found.local_rank,
+        local_world_size=local_world_size,
+        init_method=init_method,
+        launcher=found.launcher,
+    )
+
+
 def _from_env(rank: int | None, world_size: int | None) -> RendezvousInfo:
+    found = _cluster_world()
+    if found is not None:
+        return _from_launcher(found, rank, world_size, "env://")
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
     needed = ["RANK"] * (rank is None) + ["WORLD_SIZE"] * (world_size is None)
@@ -144,7 +185,8 @@ def _from_env(rank: int | None, world_size: int | None) -> RendezvousInfo:
         raise ValueError(
             "init_method='env://' needs the environment variables "
             f"{', '.join(_ENV_VARS)}; missing: {', '.join(needed)}. Start the script with "
-            "jaxpg-run (which sets them), set them yourself, or pass rank= and world_size=."
+            "jaxpg-run (which sets them), srun or mpirun (whose worlds jaxpg reads), set them "
+            "yourself, or pass rank= and world_size=."
         )
     assert rank is not None and world_size is not None
     address = None
@@ -162,12 +204,16 @@ def _from_env(rank: int | None, world_size: int | None) -> RendezvousInfo:
     )
 
 
+def _base(store: Store) -> Store:
+    return store.underlying_store if isinstance(store, PrefixStore) else store
+
+
 def _through_store(
     store: Store, rank: int, world_size: int, init_method: str | None
 ) -> RendezvousInfo:
     """Claims ``rank`` in ``store``; rank 0 publishes a coordinator address."""
     local_rank, local_world_size = _locals(rank, world_size)
-    base = store.underlying_store if isinstance(store, PrefixStore) else store
+    base = _base(store)
     if isinstance(base, TCPStore):
         address = f"{base.host}:{base.port}"
     elif world_size == 1:
@@ -186,7 +232,7 @@ def _through_store(
             address = f"{host}:{free_port(host)}"
             store.set(f"{_RDZV}coordinator", address)
         else:
-            address = store.get(f"{_RDZV}coordinator").decode()
+            address = _coordinator_from_store(store, rank, world_size)
     return RendezvousInfo(
         coordinator_address=address,
         rank=rank,
@@ -196,6 +242,29 @@ def _through_store(
         store=store,
         init_method=init_method,
     )
+
+
+def _claimed_ranks(store: Store, world_size: int) -> list[int]:
+    """The ranks claimed in ``store``'s rendezvous so far (each process claims its own)."""
+    return [r for r in range(world_size) if store.check([f"{_RDZV}rank/{r}"])]
+
+
+def _coordinator_from_store(store: Store, rank: int, world_size: int) -> str:
+    """The coordinator address rank 0 publishes in ``store``; a named DistTimeoutError if
+    it does not come within the store's timeout."""
+    key = f"{_RDZV}coordinator"
+    try:
+        store.wait([key])
+    except DistStoreError:
+        seconds = store.timeout.total_seconds()
+        claimed = _claimed_ranks(store, world_size)
+        raise DistTimeoutError(
+            f"init_process_group: rank 0 did not publish the coordinator's address in the "
+            f"rendezvous store within {seconds:.1f} s (this is rank {rank} of {world_size}); "
+            f"{len(claimed)} of {world_size} processes joined; ranks that never joined: "
+            f"{[r for r in range(world_size) if r not in claimed]}."
+        ) from None
+    return store.get(key).decode()
 
 
 def rendezvous(
@@ -252,6 +321,11 @@ def rendezvous(
     world_size_ = (
         world_size_ if world_size_ is not None else _query_int(query, "world_size", init_method)
     )
+    if url.scheme in ("tcp", "file") and (rank_ is None or world_size_ is None):
+        found = detect_launcher()  # explicit arguments first, then the launcher's world
+        if found is not None:
+            rank_ = found.rank if rank_ is None else rank_
+            world_size_ = found.world_size if world_size_ is None else world_size_
     if url.scheme in ("tcp", "file") and (rank_ is None or world_size_ is None):
         raise ValueError(
             f"init_method={init_method!r} needs rank and world_size: pass rank=... and "
@@ -312,11 +386,12 @@ def initialize_jax_distributed(
         ``info.store`` if the rendezvous had one; else a :class:`TCPStore` on the
         coordination service, or a :class:`HashStore` in a one-process world.
 
-    If a peer never connects, JAX's coordination client aborts the process after
-    ``timeout`` (a fatal error, not an exception); ``jaxpg-run`` then reports that
-    worker's failure and stops the others.
+    If a peer never connects, or the coordinator cannot be reached, it raises
+    ``DistTimeoutError`` within ``timeout`` (plus the few seconds JAX's client adds), naming
+    the ranks that never joined or the address (:mod:`jaxpg.service_client`).
 
     Raises:
+        DistTimeoutError: not every process joined within ``timeout``.
         DistBackendError: if JAX's backends already started, or
             ``jax.distributed.initialize`` raised.
         ValueError: if a running ``jax.distributed`` disagrees with ``info``, or
@@ -329,9 +404,13 @@ def initialize_jax_distributed(
         return info.store if info.store is not None else HashStore(timeout=seconds)
     address = info.coordinator_address
     assert address is not None or distributed_state().client is not None
+    lobby = None
+    if info.store is not None and not isinstance(_base(info.store), TCPStore):
+        lobby = lambda: _claimed_ranks(info.store, info.world_size)  # noqa: E731
     client = start_jax_distributed(
         address or "", info.world_size, info.rank, timeout=seconds,
-        heartbeat_timeout=to_seconds(heartbeat_timeout), local_device_ids=local_device_ids)
+        heartbeat_timeout=to_seconds(heartbeat_timeout), local_device_ids=local_device_ids,
+        lobby=lobby)
     if info.store is not None:
         return info.store
     return TCPStore._from_client(client, timeout=seconds)
