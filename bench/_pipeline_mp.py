@@ -50,15 +50,17 @@ def single_process_reference(path, schedules, p, m, blocks, dim, microbatch) -> 
     np.savez(path, **out)
 
 
-def launch(nproc: int, worker_args: list[str], timeout: int = 3000) -> None:
-    """Runs the worker as ``nproc`` processes under ``jaxpg-run`` (each pinned to its own
-    core when there are enough), streaming rank 0's output; raises on failure."""
+def launch(nproc: int, worker_args: list[str], timeout: int = 3000,
+           worker: Path = WORKER) -> None:
+    """Runs ``worker`` (default ``_pipeline_mp_worker.py``) as ``nproc`` processes under
+    ``jaxpg-run`` (each pinned to its own core when there are enough, several to a core
+    round-robin when not), streaming rank 0's output; raises on failure."""
     env = dict(_WORKER_ENV)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     )
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(nproc),
-           "--local-ranks-filter", "0", str(WORKER), "--torch-port", str(free_port()),
+           "--local-ranks-filter", "0", str(worker), "--torch-port", str(free_port()),
            *worker_args]  # fmt: skip
     print(" ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=timeout)

@@ -114,16 +114,18 @@ def microbatched(blocks, m):
     return jax.jit(run)
 
 
-def jaxpg_step(name, mesh, m, layers, stage_order="model"):
+def jaxpg_step(name, mesh, m, layers, stage_order="model", executor="spmd"):
+    """jaxpg's pipeline step: ``executor="spmd"`` (lockstep, one jitted program) or
+    ``"mpmd"`` (the process executor, run from host code)."""
     from jaxpg.pipeline import pipeline_value_and_grad
 
     def run(params, x, t):
         return pipeline_value_and_grad(
             stage_fn(layers), mse, params, x, t, mesh=mesh, schedule=name, num_microbatches=m,
-            stage_order=stage_order,
+            stage_order=stage_order, executor=executor,
         )  # fmt: skip
 
-    return jax.jit(run)
+    return run if executor == "mpmd" else jax.jit(run)
 
 
 def gather(tree):
@@ -220,6 +222,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--torch-port", type=int, required=True)
     ap.add_argument("--schedules", default=",".join(CHUNKS))
+    ap.add_argument("--executors", default="spmd",
+                    help="jaxpg executors to time: spmd (key 'jaxpg <schedule>'), mpmd "
+                         "(key 'jaxpg-mpmd <schedule>')")  # fmt: skip
     ap.add_argument("--torch", default="", help="comma-separated torch schedule classes")
     ap.add_argument("--ms", default="4,8,16")
     ap.add_argument("--baseline", action="store_true", help="time the un-pipelined step")
@@ -242,6 +247,7 @@ def main() -> None:
     params = make_params(args.blocks, args.dim)
     ms = [int(v) for v in args.ms.split(",")]
     schedules = [s for s in args.schedules.split(",") if s]
+    executors = [s for s in args.executors.split(",") if s]
     torch_names = [s for s in args.torch.split(",") if s]
     reference = dict(np.load(args.reference)) if args.reference else {}
 
@@ -274,17 +280,20 @@ def main() -> None:
             tt = get_schedule(name, p, m, v)
             sp = jax.device_put(to_rank_order(staged(params, p * v), tt),
                                 NamedSharding(mesh, P("pp")))
-            fn = jaxpg_step(name, mesh, m, args.blocks // (p * v), stage_order="rank")
-            key = f"jaxpg {name} m={m}"
-            fns[key] = functools.partial(fn, sp, gx, gt)
-            loss, grads = fn(sp, gx, gt)
-            grads = {k: np.asarray(a).reshape(args.blocks, *a.shape[2:])
-                     for k, a in to_model_order(gather(grads), tt).items()}
-            checks[key] = {"loss": float(loss), "vs_un_pipelined": max_rel_diff(grads, ref_grads),
-                           "loss_vs_un_pipelined": abs(float(loss) - float(ref_loss))}  # fmt: skip
-            if f"{name} m={m} w1" in reference:
-                single = {k: reference[f"{name} m={m} {k}"] for k in grads}
-                checks[key]["vs_single_process"] = max_rel_diff(grads, single)
+            for executor in executors:
+                fn = jaxpg_step(name, mesh, m, args.blocks // (p * v), stage_order="rank",
+                                executor=executor)  # fmt: skip
+                key = f"jaxpg{'-mpmd' if executor == 'mpmd' else ''} {name} m={m}"
+                fns[key] = functools.partial(fn, sp, gx, gt)
+                loss, grads = fn(sp, gx, gt)
+                grads = {k: np.asarray(a).reshape(args.blocks, *a.shape[2:])
+                         for k, a in to_model_order(gather(grads), tt).items()}
+                checks[key] = {"loss": float(loss),
+                               "vs_un_pipelined": max_rel_diff(grads, ref_grads),
+                               "loss_vs_un_pipelined": abs(float(loss) - float(ref_loss))}
+                if f"{name} m={m} w1" in reference:
+                    single = {k: reference[f"{name} m={m} {k}"] for k in grads}
+                    checks[key]["vs_single_process"] = max_rel_diff(grads, single)
         for cls_name in torch_names:
             step, check = torch_variant(cls_name, rank, p, m, params, x, t)
             key = f"torch {cls_name} m={m}"

@@ -25,7 +25,7 @@ def collectives() -> list[str]:
     d = _load("collectives.json")
     if d is None:
         return []
-    out = ["### Collectives, one process, 8 simulated CPU devices (`bench/collectives.py`)", "",
+    out = ["## Collectives, one process, 8 simulated CPU devices (`bench/collectives.py`)", "",
            "Eager jaxpg call (input already a sharded global array, and a fresh numpy array) "
            "against a hand-written jitted `shard_map` of the same lax op; medians.", "",
            "| size | collective | hand-written µs | eager µs | overhead | eager from numpy µs "
@@ -44,7 +44,7 @@ def collectives_mp() -> list[str]:
     d = _load("collectives_mp.json")
     if d is None:
         return []
-    out = ["### Collectives across processes vs torch.distributed (gloo) "
+    out = ["## Collectives across processes vs torch.distributed (gloo) "
            "(`bench/collectives_mp.py`)", "",
            "Bus bandwidth (nccl-tests' definitions) of jaxpg's eager call, torch 2.13 gloo, and a "
            "plain jitted `psum` across the same JAX processes (the XLA floor); medians. Every size "
@@ -68,7 +68,7 @@ def ddp() -> list[str]:
     if d is None:
         return []
     cfg = d["config"]
-    out = ["### DDP (`bench/ddp.py`)", "",
+    out = ["## DDP (`bench/ddp.py`)", "",
            f"MLP {cfg['layers']} ({cfg['params'] / 1e6:.1f}M parameters), "
            f"{cfg['per_rank_batch']} samples per rank, {cfg['optimizer']}.", "",
            "| framework | N | where | step ms | samples/s |", "|---|---:|---|---:|---:|"]
@@ -85,7 +85,7 @@ def pipeline() -> list[str]:
     out = []
     b = _load("pipeline_bubbles.json")
     if b is not None:
-        out += ["### Pipeline schedules (`bench/pipeline_bubbles.py`, `bench/pipeline.py`)", "",
+        out += ["## Pipeline schedules (`bench/pipeline_bubbles.py`, `bench/pipeline.py`)", "",
                 f"Bubble fraction ({b['unit']}), p = 4, m = 8:", "",
                 "| schedule | v | ticks | bubble | theory |", "|---|---:|---:|---:|---:|"]
         for r in b["results"]:
@@ -113,8 +113,38 @@ def pipeline() -> list[str]:
     return out
 
 
+def pipeline_vs_torch() -> list[str]:
+    d = _load("pipeline_vs_torch.json")
+    if d is None or "zero_bubble" not in d:  # older files: the lockstep executor's table
+        return []
+    cfg = d["config"]
+    out = ["## Process executor vs torch.distributed.pipelining "
+           "(`bench/pipeline_vs_torch.py`)", "",
+           f"{cfg['blocks']} residual MLP blocks of width {cfg['dim']}, microbatches of "
+           f"{cfg['microbatch_rows']} rows, one process per pipeline rank; jaxpg "
+           f"(`executor='mpmd'`) and torch {cfg['torch']} in the same processes, medians of "
+           f"per-round ratios over {cfg['rounds']} rounds; load average (1 min) "
+           f"{', '.join(f'{v:.1f}' for v in d['load_1min'])}.", "",
+           "| p | m | jaxpg schedule | torch class | jaxpg ms | torch ms | jaxpg / torch "
+           "| efficiency jaxpg | efficiency torch |",
+           "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        cls = r["torch_class"] + (" (nearest)" if r["relation"] == "nearest" else "")
+        out.append(f"| {r['p']} | {r['m']} | {r['schedule']} | {cls} | {r['jaxpg_ms']:.0f} | "
+                   f"{r['torch_ms']:.0f} | {r['jaxpg_over_torch']:.2f} | "
+                   f"{r['jaxpg_efficiency']:.2f} | {r['torch_efficiency']:.2f} |")
+    out += ["", "| p | m | ratio | measured | predicted (measured costs) |",
+            "|---:|---:|---|---:|---:|"]
+    for r in d["zero_bubble"]:
+        pred = r.get("predicted_measured_costs")
+        out.append(f"| {r['p']} | {r['m']} | {r['ratio']} | {r['measured']:.3f} | "
+                   + (f"{pred:.3f} |" if pred is not None else "- |"))
+    return out + ["", "![pipeline vs torch](../bench/results/pipeline_vs_torch.png)", ""]
+
+
 def main() -> None:
-    body = "\n".join(collectives() + collectives_mp() + ddp() + pipeline())
+    body = "\n".join(collectives() + collectives_mp() + ddp() + pipeline()
+                     + pipeline_vs_torch())
     page = ROOT / "docs" / "benchmarks.md"
     text = page.read_text()
     block = f"<!-- BENCHMARKS -->\n{body}\n<!-- /BENCHMARKS -->"

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Job", "runner"]
+__all__ = ["Job", "Runner", "runner"]
 
 
 class Job:
@@ -92,10 +92,19 @@ class _Worker:
 
 
 class _Runner:
+    """A queue of calls run in order on one daemon thread (see the module docstring).
+
+    ``runner`` is the one every eager collective uses; other parts of jaxpg make their own
+    (``Runner()``: the pipeline's point-to-point lanes, one per peer) so that their calls
+    neither wait behind the collectives nor hold them up. A stuck thread of any runner is
+    handled at exit as the eager collectives' is.
+    """
+
     def __init__(self) -> None:
         self._worker: _Worker | None = None
         self._local = threading.local()
         self._abandoned: list[_Worker] = []
+        _all_runners.append(self)
 
     @property
     def current(self) -> Job | None:
@@ -140,6 +149,8 @@ class _Runner:
         return any(w.current is not None for w in self._abandoned)
 
 
+_all_runners: list[_Runner] = []
+Runner = _Runner
 runner = _Runner()
 
 
@@ -176,7 +187,7 @@ def _exit_past_stuck_collectives() -> None:
     is abandoned, to know its status here (``raise SystemExit(n)`` itself is not seen:
     such a process exits with 0).
     """
-    if not runner.stuck():
+    if not any(r.stuck() for r in _all_runners):
         return
     if getattr(sys, "last_value", None) is not None:
         code = 1

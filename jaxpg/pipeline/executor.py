@@ -40,6 +40,12 @@ through):
       (stage-input remat) only the stage input is kept and ``B`` recomputes the stage
       with ``jax.vjp`` (``W`` once more).
 
+A stage's parameter-only layout work (``w[i]`` of a stack of layers: slices, squeezes,
+transposes) is hoisted out of the loop (``jaxpg.pipeline.stage_hoist``): the loop runs
+the stage on the prepared per-layer arrays and accumulates their gradients, which are
+turned back into gradients of the stack once, after the loop (7-10% less work for
+two-block stages at width 512 than leaving it to XLA).
+
 Slot buffers and accumulators are the conds' state and are updated in place; no
 ``lax.switch`` carries them (XLA copies every output of a conditional with more than two
 branches on every tick; see ``tick_program``).
@@ -85,13 +91,20 @@ from jaxpg.groups.recorded_step import recorded_step
 from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
+from jaxpg.pipeline.stage_hoist import hoist_stage
 from jaxpg.pipeline.stage_meta import infer_stage_metadata
 from jaxpg.pipeline.stage_order import check_stage_order, loop_view, stacked
 from jaxpg.pipeline.stage_split import split_stage
 from jaxpg.pipeline.staged_params import StagedParams
 from jaxpg.pipeline.tick_program import KIND_OF, slot_buffers, tick_steps, write_slot
 
-__all__ = ["StagedParams", "pipeline_value_and_grad", "resolve_schedule", "check_param_specs"]
+__all__ = [
+    "EXECUTORS",
+    "StagedParams",
+    "check_param_specs",
+    "pipeline_value_and_grad",
+    "resolve_schedule",
+]
 
 
 def resolve_schedule(schedule: Any, num_ranks: int, num_microbatches: int | None, v: int):
@@ -143,12 +156,16 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     first_p, last_p = params.first, params.last
     inputs = split_microbatches(inputs, m)
     targets = split_microbatches(targets, m)
+    one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
+    stage_fn, hoisted = cfg.stage_fn, hoist_stage(cfg.stage_fn, one_stage, act_struct)
+    if hoisted is not None:  # the stage's parameter layout work, once (stage_hoist)
+        stage_fn, stages = hoisted.stage, jax.vmap(hoisted.prepare)(stages)
+        one_stage = hoisted.q_structs
     pieces = None
     if not cfg.remat:  # a split backward only where the timetable has W actions
-        one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
-        pieces = split_stage(cfg.stage_fn, one_stage, act_struct, "W" in plan.branches)
+        pieces = split_stage(stage_fn, one_stage, act_struct, "W" in plan.branches)
     steps = tick_steps(
-        cfg.stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches,
+        stage_fn, cfg.loss_fn, cfg.first_fn, m, plan.branches,
         (stages, first_p, last_p), inputs, targets, pieces,
     )  # fmt: skip
 
@@ -227,8 +244,11 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     acc, _ = lax.scan(tick, state, jnp.asarray(plan.table))
     loss_acc, g_last = acc["last"]
     loss = lax.psum(loss_acc, cfg.pp_axis)
+    g_stages = acc["g_stages"]
+    if hoisted is not None:
+        g_stages = [hoisted.grad_back(g) for g in g_stages]
     grads = StagedParams(
-        jax.tree.map(lambda *g: jnp.stack(g), *acc["g_stages"]),
+        jax.tree.map(lambda *g: jnp.stack(g), *g_stages),
         lax.psum(acc["g_first"], cfg.pp_axis),
         lax.psum(g_last, cfg.pp_axis),
     )
@@ -336,6 +356,33 @@ def _compiled(cfg: _Config):
                          cfg.mesh, name="pipeline_value_and_grad")
 
 
+EXECUTORS = ("auto", "spmd", "mpmd")
+
+
+def _use_mpmd(executor: Any, mesh: Mesh, args: Any, pp_axis: str, dp_axis: str | None,
+              param_specs: Any) -> bool:
+    """Whether the process executor runs this call (see ``executor`` in the docstring)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor={executor!r} is not one of {EXECUTORS}.")
+    if executor == "spmd":
+        return False
+    from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
+
+    traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args))
+    reason = mpmd_unsupported_reason(mesh, pp_axis, dp_axis, param_specs)
+    if executor == "auto":
+        return not traced and reason is None
+    if traced:
+        raise ValueError(
+            "executor='mpmd' runs each action from host code and cannot be traced: call "
+            "pipeline_value_and_grad outside jax.jit (or use executor='spmd')."
+        )
+    if reason is not None:
+        raise ValueError(f"executor='mpmd' cannot run on this mesh: {reason}. Use "
+                         "executor='spmd' (or 'auto').")
+    return True
+
+
 def pipeline_value_and_grad(
     stage_fn: Callable[[Any, Any], Any],
     loss_fn: Callable[[Any, Any, Any], Any],
@@ -352,6 +399,7 @@ def pipeline_value_and_grad(
     grad_reducer: Callable[[Any], Any] | None = None,
     remat: bool = False,
     stage_order: str = "model",
+    executor: str = "auto",
     param_specs: Any = None,
 ) -> tuple[jax.Array, Any]:
     """Mean loss over the batch and its gradient, computed by a pipeline schedule.
@@ -386,7 +434,15 @@ def pipeline_value_and_grad(
             ``B`` and ``W`` together do the work of one backward); ``True`` keeps only the
             stage inputs and recomputes the stage forward in the backward (and again in
             ``W``): less memory, more work.
-        stage_order: ``"model"`` or ``"rank"``, the order of the stage stacks.
+        stage_order: ``"model"`` or ``"rank"``, the order of the stage stacks in
+            ``params`` (``jaxpg.pipeline.stage_order``).
+        executor: ``"spmd"``: one program over the mesh, all ranks in lockstep (this
+            module); ``"mpmd"``: the process executor, one pipeline rank per process, each
+            running its own actions with point-to-point transfers
+            (``jaxpg.pipeline.mpmd``), from host code only; ``"auto"`` (default):
+            ``"mpmd"`` when called outside ``jax.jit`` on a mesh whose devices are each in
+            a process of their own, else ``"spmd"``. Both give the same loss and
+            gradients.
         param_specs: for parameters split over another mesh axis (tensor parallelism on a
             HybridCommunicateGroup's ``mp``): a ``StagedParams`` of ``PartitionSpec`` trees
             with the parameters' structure, one stage's specs for ``stages`` (see
@@ -430,5 +486,10 @@ def pipeline_value_and_grad(
         check_stage_order(stage_order),
         check_param_specs(param_specs, staged, mesh, pp_axis, dp),
     )
-    loss, grads = _compiled(cfg)(staged, inputs, targets)
+    if _use_mpmd(executor, mesh, (staged, inputs, targets), pp_axis, dp, param_specs):
+        from jaxpg.pipeline.mpmd import run_mpmd
+
+        loss, grads = run_mpmd(cfg, staged, inputs, targets)
+    else:
+        loss, grads = _compiled(cfg)(staged, inputs, targets)
     return loss, grads if isinstance(params, StagedParams) else grads.stages

@@ -17,12 +17,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.groups.recorded_step import recorded_step
-from jaxpg.pipeline.executor import StagedParams, check_param_specs, pipeline_value_and_grad
+from jaxpg.pipeline.executor import (
+    EXECUTORS,
+    StagedParams,
+    check_param_specs,
+    pipeline_value_and_grad,
+)
+from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
 from jaxpg.pipeline.stage_order import check_stage_order
 
 __all__ = ["make_train_step", "place_pipeline_params", "init_train_state"]
@@ -43,20 +50,34 @@ def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: st
     """
     mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)  # hcg / DeviceMesh
     staged = params if isinstance(params, StagedParams) else StagedParams(params)
-    staged = jax.tree.map(lambda a: jnp.array(a, copy=True), staged)
     if param_specs is None:
+        stage_sharding = NamedSharding(mesh, P(pp_axis))
+        replicated = NamedSharding(mesh, P())
         placed = StagedParams(
-            jax.device_put(staged.stages, NamedSharding(mesh, P(pp_axis))),
-            jax.device_put(staged.first, NamedSharding(mesh, P())),
-            jax.device_put(staged.last, NamedSharding(mesh, P())),
+            jax.tree.map(lambda a: _put(a, stage_sharding), staged.stages),
+            jax.tree.map(lambda a: _put(a, replicated), staged.first),
+            jax.tree.map(lambda a: _put(a, replicated), staged.last),
         )
     else:
         leaves, treedef = check_param_specs(param_specs, staged, mesh, pp_axis, None)
         specs = jax.tree.unflatten(treedef, leaves)
         specs = specs._replace(stages=jax.tree.map(lambda s: P(pp_axis, *s), specs.stages))
-        placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
-                              staged, specs)
+        placed = jax.tree.map(lambda a, s: _put(a, NamedSharding(mesh, s)), staged, specs)
     return placed if isinstance(params, StagedParams) else placed.stages
+
+
+def _put(a: Any, sharding: NamedSharding) -> jax.Array:
+    """A copy of ``a`` placed with ``sharding`` (``a`` itself is never donated away).
+
+    On a mesh that spans processes every process passes the same values; they go through
+    the host (numpy), because in jax 0.10.2 ``device_put`` of a one-device ``jax.Array``
+    to a sharding replicated across processes makes an array whose shards cannot be read.
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(jnp.array(a, copy=True), sharding)
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return jax.jit(lambda x: x, out_shardings=sharding)(a)
+    return jax.device_put(np.array(a), sharding)
 
 
 def init_train_state(
@@ -84,7 +105,7 @@ def init_train_state(
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
             return leaf
-        return jax.device_put(leaf, replicated)
+        return _put(leaf, replicated)
 
     return placed, jax.tree.map(place, optimizer.init(placed))
 
@@ -104,12 +125,16 @@ def make_train_step(
     donate: bool = True,
     remat: bool = False,
     stage_order: str = "model",
+    executor: str = "auto",
     param_specs: Any = None,
 ) -> Callable[[Any, Any, Any, Any], tuple[Any, Any, jax.Array]]:
     """Returns ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)``.
 
     The step computes the loss and gradients with ``pipeline_value_and_grad`` (same
-    arguments) and applies ``optimizer``; the whole step is one ``jax.jit``.
+    arguments) and applies ``optimizer``. With the SPMD executor the whole step is one
+    ``jax.jit``; with the process executor (``executor="mpmd"``, or ``"auto"`` on a mesh
+    whose devices are each in a process of their own) the gradients come from host code
+    and the optimizer update is one jitted program over the placed parameters.
 
     Args:
         stage_fn: the repeated block, ``stage_fn(stage_params, x) -> y``.
@@ -129,6 +154,7 @@ def make_train_step(
             ``params`` (see ``pipeline_value_and_grad``). With two chunks per rank, keep
             parameters in rank order (``to_rank_order`` before ``init_train_state``): no
             step then moves them between devices.
+        executor: ``"auto"``, ``"spmd"`` or ``"mpmd"`` (see ``pipeline_value_and_grad``).
         param_specs: how parameters are split over other mesh axes (tensor parallelism);
             see ``pipeline_value_and_grad``. Place them with the same ``param_specs``.
     """
@@ -140,16 +166,42 @@ def make_train_step(
             f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}."
         )
 
-    def step(params, opt_state, inputs, targets):
-        loss, grads = pipeline_value_and_grad(
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor={executor!r} is not one of {EXECUTORS}.")
+    donated = (0, 1) if donate else ()
+
+    def grads_of(params, inputs, targets, executor):
+        return pipeline_value_and_grad(
             stage_fn, loss_fn, params, inputs, targets, mesh=mesh, schedule=schedule,
             num_microbatches=num_microbatches, first_fn=first_fn, pp_axis=pp_axis,
             dp_axis=dp_axis, grad_reducer=grad_reducer, remat=remat,
-            stage_order=stage_order, param_specs=param_specs,
+            stage_order=stage_order, executor=executor, param_specs=param_specs,
         )  # fmt: skip
+
+    def update(params, opt_state, grads):
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state
+
+    mpmd = executor == "mpmd" or (
+        executor == "auto" and mpmd_unsupported_reason(
+            _jax_mesh(mesh), pp_axis, dp_axis, param_specs) is None)
+    if mpmd:
+        jitted_update = jax.jit(update, donate_argnums=donated)
+
+        def host_step(params, opt_state, inputs, targets):
+            loss, grads = grads_of(params, inputs, targets, executor)
+            params, opt_state = jitted_update(params, opt_state, grads)
+            return params, opt_state, loss
+
+        return host_step
+
+    def step(params, opt_state, inputs, targets):
+        loss, grads = grads_of(params, inputs, targets, "spmd")
+        return *update(params, opt_state, grads), loss
 
     # each launch is a recorded collective call on the mesh's group (docs/debugging.md)
-    return recorded_step(jax.jit(step, donate_argnums=(0, 1) if donate else ()), mesh,
-                         name="pipeline.train_step")
+    return recorded_step(jax.jit(step, donate_argnums=donated), mesh, name="pipeline.train_step")
+
+
+def _jax_mesh(mesh: Any) -> Any:
+    return getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)  # hcg / DeviceMesh

@@ -13,6 +13,7 @@ the next one, before any step reads the buffers. Stored at the end of the tick, 
 ``W`` read them, XLA copied both activation-slot buffers twice a tick in split schedules.
 """
 
+import functools
 import re
 
 import jax
@@ -22,7 +23,7 @@ import pytest
 from jax.sharding import Mesh
 
 from jaxpg.pipeline.executor import pipeline_value_and_grad
-from jaxpg.pipeline.hlo_loop import computations, loop_bodies, loop_text
+from jaxpg.pipeline.hlo_loop import computations, count_in_loop, loop_bodies, loop_text
 
 D, H, ROWS = 8, 40, 4  # [8, 40] and [40, 8] are the weights' shapes and nothing else's
 
@@ -35,6 +36,7 @@ def mse(_, y, t):
     return jnp.mean((y - t) ** 2)
 
 
+@functools.cache
 def loop_hlo(name, v, remat, p=2, m=4):
     k1, k2 = jax.random.split(jax.random.key(0))
     params = {
@@ -82,3 +84,12 @@ def test_no_slot_buffer_copy_in_the_loop(name, v, remat):
         if " copy(" in line and re.search(rf"= f32\[\d+,{ROWS},{D}\]", line)
     ]  # fmt: skip
     assert not slot_copies, slot_copies
+
+
+@pytest.mark.parametrize("name,v,p,want", [("1f1b", 1, 2, 1), ("zb_v", 2, 2, 1), ("1f1b", 1, 4, 2)])
+def test_one_transfer_per_tick_and_way(name, v, p, want):
+    """A tick sends its message to r + 1 and r - 1 (two ring ppermutes); with p = 2 both
+    are one swap of one message, which XLA runs once: one collective-permute a tick (one
+    gloo round trip across processes), two from p = 3 on."""
+    hlo = loop_hlo(name, v, False, p=p, m=4)
+    assert count_in_loop(hlo, " collective-permute(") == want
