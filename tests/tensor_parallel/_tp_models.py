@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpg.tensor_parallel import (
     ColwiseParallel,
@@ -100,3 +101,15 @@ def max_diff(a, b) -> float:
     diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y)))),
                          a, b)
     return max(jax.tree.leaves(diffs))
+
+
+def spmd_grad(fn, mesh, state_specs, x_spec, *, reduce_loss: bool = False):
+    """``jit(shard_map(value_and_grad(fn)))`` over ``mesh``: ``fn(state, x) -> scalar``,
+    gradients for the state and the input; ``reduce_loss`` sums a per-rank partial loss."""
+
+    def body(state, x):
+        loss, grads = jax.value_and_grad(fn, argnums=(0, 1))(state, x)
+        return (jax.lax.psum(loss, "tp") if reduce_loss else loss), grads
+
+    return jax.jit(jax.shard_map(body, mesh=mesh.jax_mesh, in_specs=(state_specs, x_spec),
+                                 out_specs=(P(), (state_specs, x_spec)), check_vma=False))

@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _tp_models import max_diff
-from conftest import spmd_grad
+from _tp_models import max_diff, spmd_grad
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 

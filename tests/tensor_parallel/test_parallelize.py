@@ -5,8 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _tp_models import Block, TitanBlock, block_plan, max_diff, titan_plan
-from conftest import spmd_grad
+from _tp_models import Block, TitanBlock, block_plan, max_diff, spmd_grad, titan_plan
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
