@@ -200,7 +200,8 @@ def make_train_step(
         return *update(params, opt_state, grads), loss
 
     # each launch is a recorded collective call on the mesh's group (docs/debugging.md)
-    return recorded_step(jax.jit(step, donate_argnums=donated), mesh, name="pipeline.train_step")
+    return recorded_step(jax.jit(step, donate_argnums=donated), _jax_mesh(mesh),
+                         name="pipeline.train_step")
 
 
 def _jax_mesh(mesh: Any) -> Any:
