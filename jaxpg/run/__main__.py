@@ -4,4 +4,5 @@ import sys
 
 from jaxpg.run.agent import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a tool (the docs build) imports the module
+    sys.exit(main())
