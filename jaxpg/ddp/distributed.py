@@ -245,6 +245,13 @@ class DistributedDataParallel:
             raise TypeError(
                 "DistributedDataParallel: this DDP wraps a parameter pytree (Linen), which has "
                 "no forward of its own; call model.apply({'params': ddp.params}, x).")
+        if self.layout.sharded:  # one device holds only its shard of the model
+            raise NotImplementedError(
+                "DistributedDataParallel.__call__: this model is split over more axes than the "
+                f"data-parallel group's ({self.layout.mesh.axis_names}, tensor parallelism), "
+                "so no one device holds a replica to run the forward on; use ddp.module(x) "
+                "(the whole model, gathered), or run the forward inside your own SPMD code."
+            )
         from flax import nnx
 
         def local(leaf: Any) -> Any:

@@ -148,8 +148,15 @@ def test_ddp_and_pipeline_refuse_layouts_they_cannot_run(tp4):
     with pytest.raises(ValueError, match="is not one dimension of it; pass the data-parallel "
                                          "dimension's group"):
         DistributedDataParallel(model, optax.sgd(0.1), group=jaxpg.new_group([0, 1, 2, 3]))
+    ddp = DistributedDataParallel(model, optax.sgd(0.1), group=tp4.get_group("dp"))
     with pytest.raises(ValueError, match="uneven inputs are not supported"):
-        DistributedDataParallel(model, optax.sgd(0.1), group=tp4.get_group("dp")).join()
+        ddp.join()
+    with pytest.raises(NotImplementedError, match=r"no one device holds a replica .* use "
+                                                  r"ddp.module\(x\)"):
+        ddp(np.ones((2, 8), np.float32))
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(ddp.module(x)), np.asarray(Mlp()(x)), rtol=1e-5,
+                               atol=1e-6)  # what the error advises: the whole model
     hcg = jaxpg.HybridCommunicateGroup(dp_degree=2, pp_degree=2, mp_degree=2)
     params = StagedParams({"w": jnp.ones((2, 4, 4))}, {}, {})
     with pytest.raises(ValueError, match="names mesh axis 'pp'"):
