@@ -90,9 +90,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.groups.recorded_step import recorded_step
 from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
-from jaxpg.pipeline.microbatch import microbatch_size, split_microbatches
+from jaxpg.pipeline.microbatch import split_microbatches
 from jaxpg.pipeline.stage_hoist import hoist_stage
-from jaxpg.pipeline.stage_meta import infer_stage_metadata
+from jaxpg.pipeline.stage_meta import batch_stage_metadata
 from jaxpg.pipeline.stage_order import check_stage_order, loop_view, stacked
 from jaxpg.pipeline.stage_split import split_stage
 from jaxpg.pipeline.staged_params import StagedParams
@@ -263,30 +263,8 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
 
 
 def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
-    p = cfg.mesh.shape[cfg.pp_axis]
     tt = cfg.timetable
-    v, m = tt.num_chunks, tt.num_microbatches
-    dp = cfg.mesh.shape[cfg.dp_axis] if cfg.dp_axis is not None else 1
-    size = microbatch_size(inputs, 1)
-    if microbatch_size(targets, 1) != size:
-        raise ValueError(
-            f"inputs have batch size {size} but targets have {microbatch_size(targets, 1)}."
-        )
-    if size % (dp * m):
-        raise ValueError(
-            f"batch size {size} is not divisible by data-parallel size {dp} x "
-            f"num_microbatches {m} = {dp * m}; use a batch size that is a multiple of {dp * m}."
-        )
-    mb = size // (dp * m)
-
-    def mb_struct(tree):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((mb, *a.shape[1:]), a.dtype), tree)
-
-    metas = infer_stage_metadata(
-        cfg.stage_fn, params.stages, mb_struct(inputs), num_ranks=p, num_chunks=v,
-        first_fn=cfg.first_fn, first_params=params.first, loss_fn=cfg.loss_fn,
-        last_params=params.last, targets=mb_struct(targets),
-    )  # fmt: skip
+    metas, _ = batch_stage_metadata(cfg, params, inputs, targets)
     stages = jax.tree.map(lambda a: loop_view(a, tt, cfg.stage_order), params.stages)
     batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
     param_spec = _param_spec(cfg)

@@ -44,11 +44,10 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.errors import DistTimeoutError
 from jaxpg.groups import callbacks, world
 from jaxpg.pipeline.action_programs import action_programs
-from jaxpg.pipeline.microbatch import microbatch_size
 from jaxpg.pipeline.p2p_lanes import PairLane, StepMail
 from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
 from jaxpg.pipeline.stage_hoist import HoistedStage, hoist_stage
-from jaxpg.pipeline.stage_meta import infer_stage_metadata
+from jaxpg.pipeline.stage_meta import batch_stage_metadata
 from jaxpg.pipeline.stage_order import loop_view, stacked
 from jaxpg.pipeline.staged_params import StagedParams
 from jaxpg.pipeline.step_timeline import recording
@@ -326,29 +325,9 @@ def run_mpmd(cfg: Any, params: StagedParams, inputs: Any, targets: Any) -> tuple
         ``(loss, grads)`` as ``pipeline_value_and_grad`` returns them.
     """
     tt = cfg.timetable
-    v, m = tt.num_chunks, tt.num_microbatches
-    p = cfg.mesh.shape[cfg.pp_axis]
+    m = tt.num_microbatches
     dp = cfg.mesh.shape[cfg.dp_axis] if cfg.dp_axis is not None else 1
-    size = microbatch_size(inputs, 1)
-    if microbatch_size(targets, 1) != size:
-        raise ValueError(
-            f"inputs have batch size {size} but targets have {microbatch_size(targets, 1)}."
-        )
-    if size % (dp * m):
-        raise ValueError(
-            f"batch size {size} is not divisible by data-parallel size {dp} x "
-            f"num_microbatches {m} = {dp * m}; use a batch size that is a multiple of {dp * m}."
-        )
-    rows = size // (dp * m)
-
-    def mb_struct(tree):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), tree)
-
-    metas = infer_stage_metadata(
-        cfg.stage_fn, params.stages, mb_struct(inputs), num_ranks=p, num_chunks=v,
-        first_fn=cfg.first_fn, first_params=params.first, loss_fn=cfg.loss_fn,
-        last_params=params.last, targets=mb_struct(targets),
-    )  # fmt: skip
+    metas, rows = batch_stage_metadata(cfg, params, inputs, targets)
     act = metas[0].input
     plan = _plans(cfg)
     one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params.stages)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["StageMeta", "infer_stage_metadata", "format_struct"]
+__all__ = ["StageMeta", "infer_stage_metadata", "batch_stage_metadata", "format_struct"]
 
 
 class StageMeta(NamedTuple):
@@ -151,3 +151,41 @@ def infer_stage_metadata(
                 f"loss_fn must return a scalar loss per microbatch; got {format_struct(loss)}."
             )
     return tuple(metas)
+
+
+def batch_stage_metadata(cfg: Any, params: Any, inputs: Any,
+                         targets: Any) -> tuple[list[StageMeta], int]:
+    """Every stage's metadata for one microbatch of ``inputs`` and ``targets`` (a global
+    batch split over the data-parallel ranks and ``cfg``'s microbatches), as both pipeline
+    executors infer it, and that microbatch's rows.
+
+    Raises:
+        ValueError: if inputs and targets differ in batch size, or it does not divide into
+            data-parallel size x microbatches.
+    """
+    from jaxpg.pipeline.microbatch import microbatch_size
+
+    tt = cfg.timetable
+    v, m = tt.num_chunks, tt.num_microbatches
+    p = cfg.mesh.shape[cfg.pp_axis]
+    dp = cfg.mesh.shape[cfg.dp_axis] if cfg.dp_axis is not None else 1
+    size = microbatch_size(inputs, 1)
+    if microbatch_size(targets, 1) != size:
+        raise ValueError(
+            f"inputs have batch size {size} but targets have {microbatch_size(targets, 1)}."
+        )
+    if size % (dp * m):
+        raise ValueError(
+            f"batch size {size} is not divisible by data-parallel size {dp} x "
+            f"num_microbatches {m} = {dp * m}; use a batch size that is a multiple of {dp * m}."
+        )
+    rows = size // (dp * m)
+
+    def mb_struct(tree: Any) -> Any:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), tree)
+
+    return infer_stage_metadata(
+        cfg.stage_fn, params.stages, mb_struct(inputs), num_ranks=p, num_chunks=v,
+        first_fn=cfg.first_fn, first_params=params.first, loss_fn=cfg.loss_fn,
+        last_params=params.last, targets=mb_struct(targets),
+    ), rows  # fmt: skip

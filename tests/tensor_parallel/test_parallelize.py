@@ -65,10 +65,10 @@ def test_block_matches_the_unsharded_block(mesh, sp):
     assert max_diff(host, nnx.merge(*nnx.split(Block(16, 4, nnx.Rngs(0))))(X)) < 1e-5
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+# one tp degree suffices for the plain count; tp=4 runs with sp
+@pytest.mark.parametrize("mesh, sp", [(2, False), (2, True), (4, True)], indirect=["mesh"],
+                         ids=["tp2", "tp2-sp", "tp4-sp"])
 def test_prepare_module_input_shares_one_gradient_reduction(mesh, sp):
-    if mesh.size("tp") == 4 and not sp:
-        pytest.skip("one tp degree suffices for the count; tp=4 runs with sp")
     want, (want_g, want_gx) = _reference(TitanBlock(16, 4, nnx.Rngs(2)))
     block = parallelize_module(TitanBlock(16, 4, nnx.Rngs(2)), mesh["tp"], titan_plan(sp))
     (got, (g, gx)), compiled = _grads(block, mesh, sp)
@@ -129,10 +129,10 @@ def test_plan_keys_match_paths_with_wildcards_and_change_the_module_in_place(mes
     assert max_diff(model(X[..., :8]), want) < 1e-5
 
 
-@pytest.mark.parametrize("style", ["colwise", "rowwise", "rowwise_sp"])
+# rowwise runs at tp=4 as rowwise_sp
+@pytest.mark.parametrize("mesh, style", [(2, "colwise"), (2, "rowwise"), (2, "rowwise_sp"),
+                                         (4, "colwise"), (4, "rowwise_sp")], indirect=["mesh"])
 def test_embedding_styles_match_nnx_embed(mesh, style):
-    if mesh.size("tp") == 4 and style == "rowwise":
-        pytest.skip("rowwise runs at tp=4 as rowwise_sp")
     styles = {"colwise": ColwiseParallel(output_layouts=Replicate()),
               "rowwise": RowwiseParallel(input_layouts=Replicate()),
               "rowwise_sp": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
