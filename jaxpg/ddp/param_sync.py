@@ -194,8 +194,22 @@ def shard_batch(batch: Any, pg: Any) -> Any:
     Raises:
         ValueError: if a leaf has no leading dimension or it does not divide evenly.
     """
-    sharding = NamedSharding(pg.mesh, P(pg.axis_name))
-    n_local = len(pg.local_members())
+    return place_batch(batch, NamedSharding(pg.mesh, P(pg.axis_name)),
+                       len(pg.local_members()), all_local(pg),
+                       "rank(s) of the DDP group. Drop or pad the last batch, e.g. "
+                       "DistributedSampler(..., drop_last=True) or a batch size that is a "
+                       "multiple of the rank count.")
+
+
+def place_batch(batch: Any, sharding: NamedSharding, n_local: int, local: bool,
+                where: str) -> Any:
+    """Lays out each leaf of ``batch`` with ``sharding``, its dim 0 split among this
+    process's ``n_local`` positions (``local``: the mesh is all on this process).
+
+    Raises:
+        ValueError: naming the leaf whose leading dimension does not divide; ``where``
+            ends the message (what the positions are, and what to do).
+    """
 
     def place(path, x):
         if isinstance(x, jax.Array) and x.sharding == sharding:
@@ -204,11 +218,9 @@ def shard_batch(batch: Any, pg: Any) -> Any:
         if not shape or shape[0] % n_local:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}; its leading "
-                f"(sample) dimension must divide evenly among this process's {n_local} rank(s) "
-                "of the DDP group. Drop or pad the last batch, e.g. DistributedSampler(..., "
-                "drop_last=True) or a batch size that is a multiple of the rank count."
+                f"(sample) dimension must divide evenly among this process's {n_local} {where}"
             )
-        if all_local(pg):
+        if local:
             return jax.device_put(x, sharding)
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 

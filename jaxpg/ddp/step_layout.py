@@ -30,6 +30,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.ddp.param_sync import place_batch
+
 __all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank"]
 
 
@@ -234,24 +236,9 @@ def layout_batch(batch: Any, layout: StepLayout) -> Any:
     index = [mesh.axis_names.index(a) for a in layout.dp_axes]
     coords = {tuple(int(c[i]) for i in index) for c in np.argwhere(
         np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices))}
-    n_local = len(coords)
-
-    def place(path, x):
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            return x
-        shape = np.shape(x)
-        if not shape or shape[0] % n_local:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}; its leading "
-                f"(sample) dimension must divide evenly among this process's {n_local} "
-                "data-parallel position(s) of the mesh (every tensor-parallel rank of a "
-                "replica gets the same samples)."
-            )
-        if _all_local(mesh):
-            return jax.device_put(x, sharding)
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-
-    return jax.tree_util.tree_map_with_path(place, batch)
+    return place_batch(batch, sharding, len(coords), _all_local(mesh),
+                       "data-parallel position(s) of the mesh (every tensor-parallel rank of a "
+                       "replica gets the same samples).")
 
 
 def layout_per_rank(tree: Any, layout: StepLayout) -> Any:
