@@ -197,7 +197,7 @@ def fr_probe(rounds: int, calls: int = 300) -> dict:
     import numpy as np
 
     import jaxpg
-    from jaxpg.groups.flight_recorder import recorder
+    from jaxpg.supervision.flight_recorder import recorder
 
     jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1,
                              rank=0)
@@ -231,7 +231,7 @@ def _recorder_parts(group) -> dict:
     on, and a public collective's caller lookup (``call_pinned``) against a plain call."""
     import timeit
 
-    from jaxpg.groups import flight_recorder as fr
+    from jaxpg.supervision import flight_recorder as fr
 
     fp = ("all_reduce", None, (("x", (256,), "float32"),))
     rec = fr._Recorder()

@@ -79,7 +79,8 @@ def run_launcher(tmp: Path, fault: str, restarts: int = 2,
 
 
 def _service_children(port: int) -> list[int]:
-    """Pids of coordination-service children serving ``port`` (jaxpg.coordinator_process)."""
+    """Pids of coordination-service children serving ``port``
+    (jaxpg.runtime.coordinator_process)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -21,7 +21,8 @@ API_PACKAGES = {
     "jaxpg.tensor_parallel": "Tensor and sequence parallelism on the model-parallel axis.",
     "jaxpg.pipeline": "Pipeline parallelism: schedules as timetables and their executors.",
     "jaxpg.run": "The jaxpg-run launcher.",
-    "jaxpg.fr_trace": "jaxpg-fr-trace: reads flight-recorder dumps and names the rank at fault.",
+    "jaxpg.supervision.fr_trace":
+        "jaxpg-fr-trace: reads flight-recorder dumps and names the rank at fault.",
 }
 
 

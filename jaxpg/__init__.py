@@ -5,7 +5,7 @@ collective runs eagerly from host code or, inside ``jaxpg.spmd``, lowers to ``la
 collectives under ``shard_map``.
 """
 
-import jaxpg.mpi_library  # noqa: F401  (first: checks MPITRAMPOLINE_LIB before jax is imported)
+import jaxpg.runtime.mpi_library  # noqa: F401  (first: checks MPITRAMPOLINE_LIB before jax is imported)
 from jaxpg import ddp, fsdp, pipeline, tensor_parallel  # noqa: E402  (subpackages, after the core they build on)
 from jaxpg.collectives import *  # noqa: F403
 from jaxpg.collectives import __all__ as _collectives_all

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.groups import world as _world
 from jaxpg.groups.callbacks import set_traced_rank
-from jaxpg.groups.recorded_step import recorded_step
+from jaxpg.supervision.recorded_step import recorded_step
 
 __all__ = ["spmd", "SpmdContext", "current_context"]
 

@@ -23,20 +23,18 @@ PACKAGE = ROOT / "jaxpg"
 # Bottom-up; a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # _jax_compat holds every private jax API jaxpg uses; it imports only jaxpg.errors.
-    # mpi_library checks MPITRAMPOLINE_LIB before anything imports jax.
-    ("errors", ("jaxpg.errors", "jaxpg.reduce_op", "jaxpg._jax_compat", "jaxpg.mpi_library")),
-    # gloo_device, hosted_coordinator and coordinator_process (rank 0's service child) start
-    # gloo and JAX's coordination service for the rendezvous; service_client joins it within
-    # the timeout with named errors. They import nothing from jaxpg above the errors layer.
-    ("stores", ("jaxpg.stores", "jaxpg.gloo_device", "jaxpg.hosted_coordinator",
-                "jaxpg.coordinator_process", "jaxpg.service_client")),
+    ("errors", ("jaxpg.errors", "jaxpg.reduce_op", "jaxpg._jax_compat")),
+    # the processes' machinery: JAX's coordination service (its client, its hosting, rank 0's
+    # service child), gloo's network interface and the MPI library; it imports nothing from
+    # jaxpg above the errors layer.
+    ("runtime", ("jaxpg.runtime",)),
+    ("stores", ("jaxpg.stores",)),
     ("rendezvous", ("jaxpg.rendezvous",)),
-    ("groups", ("jaxpg.groups",)),
+    ("groups", ("jaxpg.groups", "jaxpg.supervision")),
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),
     ("tensor_parallel", ("jaxpg.tensor_parallel",)),
     ("ddp/fsdp/pipeline", ("jaxpg.ddp", "jaxpg.fsdp", "jaxpg.pipeline")),
-    # the flight-recorder analyzer only reads dump files (jaxpg.groups.fr_dump's format)
-    ("run", ("jaxpg.run", "jaxpg.fr_trace")),
+    ("run", ("jaxpg.run",)),
     ("surface", ("jaxpg",)),
 ]
 

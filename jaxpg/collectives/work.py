@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from jaxpg.errors import DistTimeoutError
-from jaxpg.groups.flight_recorder import call_pinned, recorder
+from jaxpg.supervision.flight_recorder import call_pinned, recorder
 
 __all__ = ["Work", "completed", "returns_work_at_once"]
 
@@ -35,7 +35,7 @@ class Work:
     """A pending collective, as torch's ``Work``.
 
     It holds either the collective's result (arrays JAX may still be computing), or a job
-    queued on the multi-process runner thread (``jaxpg.groups.runner.Job``), which
+    queued on the multi-process runner thread (``jaxpg.supervision.runner.Job``), which
     dispatches the collective after earlier ones without blocking the caller.
 
     Args:

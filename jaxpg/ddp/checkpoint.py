@@ -69,7 +69,7 @@ def save_checkpoint(
     """
     import orbax.checkpoint as ocp
 
-    from jaxpg.groups import liveness
+    from jaxpg.supervision import liveness
 
     arrays, paths = _flat(ddp)
     meta = {"step": ddp.step, "data_state": data_state or {}, "paths": paths}

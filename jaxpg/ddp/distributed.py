@@ -59,7 +59,7 @@ from jaxpg.ddp.step_layout import (
 )
 from jaxpg.ddp.train_step import REDUCTIONS, StepMode, ZeroSharding, build_train_step
 from jaxpg.ddp.zero import init_sharded_opt_state
-from jaxpg.groups.recorded_step import recorded_step
+from jaxpg.supervision.recorded_step import recorded_step
 
 __all__ = ["DistributedDataParallel"]
 

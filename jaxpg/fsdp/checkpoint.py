@@ -66,7 +66,7 @@ def _write(directory: str | os.PathLike, step: int, arrays: dict[str, Any],
            meta: dict[str, Any]) -> None:
     import orbax.checkpoint as ocp
 
-    from jaxpg.groups import liveness
+    from jaxpg.supervision import liveness
 
     heartbeat = float(os.environ.get("JAXPG_HEARTBEAT_TIMEOUT", "10"))
     with liveness.naming_lost("save_checkpoint", heartbeat), _manager(directory) as mngr:

@@ -2,10 +2,8 @@
 
 from jaxpg.groups.backend import Backend
 from jaxpg.groups.device_mesh import DeviceMesh, init_device_mesh
-from jaxpg.groups.fr_on_demand import dump_flight_recorder
 from jaxpg.groups.hybrid import HybridCommunicateGroup, get_hybrid_communicate_group
 from jaxpg.groups.process_group import ProcessGroup
-from jaxpg.groups.recorded_step import RecordedStep, recorded_step
 from jaxpg.groups.subgroups import (
     get_global_rank,
     get_group_rank,
@@ -25,6 +23,8 @@ from jaxpg.groups.world import (
     init_process_group,
     is_initialized,
 )
+from jaxpg.supervision.fr_on_demand import dump_flight_recorder
+from jaxpg.supervision.recorded_step import RecordedStep, recorded_step
 
 __all__ = [
     "Backend", "DeviceMesh", "init_device_mesh", "HybridCommunicateGroup",

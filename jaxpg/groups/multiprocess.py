@@ -6,7 +6,7 @@ coordination service runs; its key/value store is the world's Store, and XLA's o
 collectives (gloo or MPI on CPU, NCCL on GPU) move every tensor byte.
 
 Every eager collective and recorded jitted step runs through
-``jaxpg.groups.collective_call`` (re-exported here: ``run_collective``, ``submit``,
+``jaxpg.supervision.collective_call`` (re-exported here: ``run_collective``, ``submit``,
 ``wait_job``): numbered on its group, noted as this process's progress, recorded by the
 flight recorder, and run by the world's semantics, so that a call whose peers never come
 raises a ``DistTimeoutError`` naming them instead of hanging.
@@ -23,19 +23,19 @@ from typing import Any
 import jax
 
 from jaxpg.errors import DistError, DistNetworkError, DistTimeoutError
-from jaxpg.groups import collective_call, compile_clock, fr_requests, liveness, watchdog
-from jaxpg.groups.collective_call import (  # noqa: F401 (the call API, re-exported)
+from jaxpg.supervision import collective_call, compile_clock, fr_requests, liveness, watchdog
+from jaxpg.supervision.collective_call import (  # noqa: F401 (the call API, re-exported)
     _group_store,
     run_collective,
     submit,
     timeout_text,
     wait_job,
 )
-from jaxpg.groups.desync import detail_enabled
-from jaxpg.groups.flight_recorder import buffer_size_from_env, recorder
-from jaxpg.groups.hang_diagnosis import processes_of as _processes_of
-from jaxpg.groups.hang_diagnosis import ranks_of_processes as _ranks_of_processes
-from jaxpg.groups.progress import progress as _progress
+from jaxpg.supervision.desync import detail_enabled
+from jaxpg.supervision.flight_recorder import buffer_size_from_env, recorder
+from jaxpg.supervision.hang_diagnosis import processes_of as _processes_of
+from jaxpg.supervision.hang_diagnosis import ranks_of_processes as _ranks_of_processes
+from jaxpg.supervision.progress import progress as _progress
 
 __all__ = ["init_world", "shutdown_world", "on_groups_created", "run_collective", "submit",
            "wait_job", "timeout_text", "monitored_barrier"]
@@ -85,12 +85,12 @@ def init_world(backend: str | None, init_method: str | None, timeout: datetime.t
                               check=_check_mpi if in_place else None)
     recorder.configure(fr_size)
     compile_clock.install()
-    from jaxpg.stores import coordination
+    from jaxpg.runtime import coordination_service
 
-    client = coordination.global_client()
+    client = coordination_service.global_client()
     if client is not None:
         liveness.start(client, state.process_count, state.process_index,
-                       abort_on_lost_zero=coordination.service_host == "rank0-child",
+                       abort_on_lost_zero=coordination_service.service_host == "rank0-child",
                        grace_s=timeout.total_seconds(),
                        ranks_of=lambda procs: _ranks_of_processes(state, procs,
                                                                   range(len(devices))))

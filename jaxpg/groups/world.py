@@ -21,6 +21,7 @@ import jax
 from jaxpg.groups import callbacks
 from jaxpg.groups.backend import Backend, resolve_backend
 from jaxpg.groups.process_group import NON_GROUP_MEMBER, ProcessGroup
+from jaxpg.supervision import world_link
 
 __all__ = [
     "init_process_group",
@@ -104,6 +105,9 @@ def current(required: bool = True) -> WorldState | None:
     if _state is None and required:
         raise ValueError(_NOT_INITIALIZED)
     return _state
+
+
+world_link.register(current, ProcessGroup)  # supervision finds the world through it
 
 
 def _ordered_devices() -> list[Any]:

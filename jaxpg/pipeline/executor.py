@@ -87,7 +87,6 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.groups.recorded_step import recorded_step
 from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import split_microbatches
@@ -97,6 +96,7 @@ from jaxpg.pipeline.stage_order import check_stage_order, loop_view, stacked
 from jaxpg.pipeline.stage_split import split_stage
 from jaxpg.pipeline.staged_params import StagedParams
 from jaxpg.pipeline.tick_program import KIND_OF, slot_buffers, tick_steps, write_slot
+from jaxpg.supervision.recorded_step import recorded_step
 
 __all__ = [
     "EXECUTORS",

@@ -3,7 +3,7 @@
 Between two processes XLA's only transfer is a collective: a two-device ``ppermute``
 that both processes must enter (gloo on CPU, NCCL on GPU). A :class:`PairLane` holds
 one such two-device mesh, its compiled ``ppermute`` kernels (one per direction), and
-one thread of its own (a :class:`jaxpg.groups.runner.Runner`), on which it runs the
+one thread of its own (a :class:`jaxpg.supervision.runner.Runner`), on which it runs the
 transfers of one pipeline step in the order both ranks agree on
 (``jaxpg.pipeline.rank_program.pair_transfers``). Both ends run the same list, so the
 collectives always pair up; a collective blocks only the lane's thread, so the rank's
@@ -44,9 +44,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.collectives.p2p_meta import TensorMeta, decode_meta, encode_meta
 from jaxpg.errors import DistNetworkError, DistTimeoutError
-from jaxpg.groups import liveness
-from jaxpg.groups.runner import Runner
 from jaxpg.pipeline.stage_meta import format_struct
+from jaxpg.supervision import liveness
+from jaxpg.supervision.runner import Runner
 
 __all__ = ["PairLane", "StepMail", "describe_key"]
 

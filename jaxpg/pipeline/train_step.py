@@ -22,7 +22,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.groups.recorded_step import recorded_step
 from jaxpg.pipeline.executor import (
     EXECUTORS,
     StagedParams,
@@ -31,6 +30,7 @@ from jaxpg.pipeline.executor import (
 )
 from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
 from jaxpg.pipeline.stage_order import check_stage_order
+from jaxpg.supervision.recorded_step import recorded_step
 
 __all__ = ["make_train_step", "place_pipeline_params", "init_train_state"]
 

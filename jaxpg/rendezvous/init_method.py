@@ -34,8 +34,8 @@ from urllib.parse import parse_qs, urlparse
 
 from jaxpg.errors import DistError, DistStoreError, DistTimeoutError
 from jaxpg.rendezvous.cluster_env import LauncherWorld, detect_launcher
+from jaxpg.runtime.coordination_service import start_jax_distributed
 from jaxpg.stores import DEFAULT_TIMEOUT, FileStore, HashStore, PrefixStore, Store, TCPStore
-from jaxpg.stores.coordination import start_jax_distributed
 from jaxpg.stores.store import Timeout, to_seconds
 
 __all__ = [
@@ -370,9 +370,9 @@ def initialize_jax_distributed(
     A one-process world starts nothing. If ``jax.distributed`` is already running,
     its process id and count must match ``info``. On CPU, cross-process
     collectives use gloo (``jax_cpu_collectives_implementation``), listening on an
-    address the other hosts can reach (:mod:`jaxpg.gloo_device`). Under ``jaxpg-run``
+    address the other hosts can reach (:mod:`jaxpg.runtime.gloo_interface`). Under ``jaxpg-run``
     the launcher hosts the coordination service and every process, rank 0 included,
-    joins it as a client (:mod:`jaxpg.hosted_coordinator`). Call this before
+    joins it as a client (:mod:`jaxpg.runtime.hosted_coordinator`). Call this before
     anything that initializes JAX's backends (``jax.devices()``, any computation).
 
     Args:
@@ -388,7 +388,7 @@ def initialize_jax_distributed(
 
     If a peer never connects, or the coordinator cannot be reached, it raises
     ``DistTimeoutError`` within ``timeout`` (plus the few seconds JAX's client adds), naming
-    the ranks that never joined or the address (:mod:`jaxpg.service_client`).
+    the ranks that never joined or the address (:mod:`jaxpg.runtime.service_client`).
 
     Raises:
         DistTimeoutError: not every process joined within ``timeout``.
@@ -420,17 +420,17 @@ def shutdown_jax_distributed() -> None:
     """Stops ``jax.distributed`` if it runs (waits for the other processes).
 
     Rank 0, when it hosts the service in a child process, first waits until the other
-    processes left it (at most 300 s), then stops the child (:mod:`jaxpg.coordinator_process`).
+    processes left it (at most 300 s), then stops the child
+    (:mod:`jaxpg.runtime.coordinator_process`).
     """
     import jax
 
     if jax.distributed.is_initialized():
-        from jaxpg import hosted_coordinator
+        from jaxpg.runtime import hosted_coordinator
 
         hosted_coordinator.clear_before_shutdown()
-        from jaxpg import coordinator_process
         from jaxpg._jax_compat import distributed_state
-        from jaxpg.stores import coordination
+        from jaxpg.runtime import coordination_service, coordinator_process
 
         state = distributed_state()
         address = state.coordinator_address
@@ -438,7 +438,7 @@ def shutdown_jax_distributed() -> None:
             coordinator_process.finish(state.client, state.num_processes, 300.0,
                                        jax.distributed.shutdown)
         jax.distributed.shutdown()
-        if coordination.service_host == "rank0-child" and address:
+        if coordination_service.service_host == "rank0-child" and address:
             # a new world made at once must not join this one's service before it stops
             coordinator_process.wait_until_stopped(address, 30.0)
-        coordination.service_host = None
+        coordination_service.service_host = None

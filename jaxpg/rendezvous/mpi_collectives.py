@@ -6,7 +6,7 @@ says who is who. jaxpg reads the same world from ``mpirun``'s variables
 client exchanges its topology through it, and jaxpg's store and progress records live
 there), and moves every tensor byte with XLA's MPI collectives, which jaxlib reaches
 through MPItrampoline and the ``libmpiwrapper.so`` named by ``MPITRAMPOLINE_LIB``
-(:mod:`jaxpg.mpi_library`).
+(:mod:`jaxpg.runtime.mpi_library`).
 
 Three rules of XLA's MPI collectives (jaxlib 0.10.2 and 0.12.0.1, Open MPI 4.1) shape this:
 
@@ -35,8 +35,9 @@ import ctypes
 import threading
 from typing import Any
 
-from jaxpg import _jax_compat, mpi_library
+from jaxpg import _jax_compat
 from jaxpg.errors import DistBackendError
+from jaxpg.runtime import mpi_library
 
 __all__ = ["check_started", "main_thread", "prepare", "started", "warm_up"]
 

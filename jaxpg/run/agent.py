@@ -20,7 +20,7 @@ from jaxpg.run.cli import parse_args
 from jaxpg.run.coordination import LocalNodes, NodeChannel, PortInUseError, WorkerCoordinator
 from jaxpg.run.env import visible_gpus, worker_env
 from jaxpg.run.workers import WorkerGroup
-from jaxpg.service_client import LOBBY_VAR, show_cpp_logs
+from jaxpg.runtime.service_client import LOBBY_VAR, show_cpp_logs
 
 __all__ = ["main"]
 

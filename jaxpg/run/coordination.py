@@ -216,7 +216,7 @@ class NodeChannel:
     def share_lobby(self, attempt: int, lobby: str) -> None:
         """Publishes which of this node's ranks reached ``init_process_group`` (files in
         ``lobby``) and copies the other nodes' into it, so that a worker's startup timeout
-        names missing ranks on every node (:mod:`jaxpg.service_client`)."""
+        names missing ranks on every node (:mod:`jaxpg.runtime.service_client`)."""
         try:
             here = sorted(n for n in os.listdir(lobby) if n.isdigit())
             mine = ",".join(n for n in here if self._is_mine(int(n)))

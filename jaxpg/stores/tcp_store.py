@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from jaxpg.errors import DistNetworkError, DistStoreError
-from jaxpg.stores.coordination import global_client, start_jax_distributed
+from jaxpg.runtime.coordination_service import global_client, start_jax_distributed
 from jaxpg.stores.store import (
     DEFAULT_TIMEOUT,
     Store,
@@ -67,7 +67,7 @@ _wait_checks: list[Callable[[str], None]] = []
 
 def add_wait_check(check: Callable[[str], None]) -> None:
     """Registers ``check(what)``, called between the slices of a blocking read; it raises to
-    end the wait (``jaxpg.groups.liveness`` registers one that names lost ranks)."""
+    end the wait (``jaxpg.supervision.liveness`` registers one that names lost ranks)."""
     if check not in _wait_checks:
         _wait_checks.append(check)
 
@@ -104,7 +104,7 @@ class TCPStore(Store):
     2. the running one, when ``jax.distributed`` is initialized (``host_name`` and
        ``port``, if given, must then match its coordinator address);
     3. otherwise it initializes ``jax.distributed`` itself, through
-       :func:`jaxpg.stores.coordination.start_jax_distributed`, with the coordinator at
+       :func:`jaxpg.runtime.coordination_service.start_jax_distributed`, with the coordinator at
        ``host_name:port``, ``world_size`` processes and this process's ``rank``
        (``0`` when ``is_master``, else the ``RANK`` environment variable). This must
        happen before JAX initializes its backends.

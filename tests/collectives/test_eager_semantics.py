@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxpg
-from jaxpg.groups import desync, watchdog
+from jaxpg.supervision import desync, watchdog
 
 
 @pytest.mark.parametrize("env,platform,want", [
@@ -131,7 +131,7 @@ def test_runner_keeps_call_order_and_starts_afresh_after_abandon():
     import concurrent.futures
     import threading
 
-    from jaxpg.groups.runner import _Runner
+    from jaxpg.supervision.runner import _Runner
 
     runner = _Runner()
     gate, order = threading.Event(), []

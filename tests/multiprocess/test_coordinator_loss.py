@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxpg.coordinator_process import linger_seconds
 from jaxpg.rendezvous import free_port
+from jaxpg.runtime.coordinator_process import linger_seconds
 
 WORKER = Path(__file__).parent / "workers" / "coordinator_loss.py"
 LINGER_S = 4

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from _procs import finish
 
-from jaxpg.fr_trace import analyze, load_dumps
-from jaxpg.groups.fr_dump import read_dump
 from jaxpg.rendezvous import free_port
+from jaxpg.supervision.fr_dump import read_dump
+from jaxpg.supervision.fr_trace import analyze, load_dumps
 
 WORKER = Path(__file__).parent / "workers" / "hang_worker.py"
 WORLD = 3

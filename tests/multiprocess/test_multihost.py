@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from _netns import HOST_ADDRESSES, two_hosts, why_no_namespaces
 
-from jaxpg.gloo_device import GlooDevice, choose_gloo_device
+from jaxpg.runtime.gloo_interface import GlooDevice, choose_gloo_device
 
 WORKERS = Path(__file__).parent / "workers"
 

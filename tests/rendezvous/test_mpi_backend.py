@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import jaxpg
-from jaxpg import mpi_library
 from jaxpg.errors import DistBackendError
+from jaxpg.runtime import mpi_library
 
 
 def test_library_problems_are_named(tmp_path):

@@ -28,7 +28,7 @@ import time
 import jax.numpy as jnp
 
 import jaxpg
-from jaxpg import coordinator_process
+from jaxpg.runtime import coordinator_process
 
 rank, world, port, case = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 20.0

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpg import errors
-from jaxpg.groups import compile_clock, fr_dump, watchdog
-from jaxpg.groups.flight_recorder import (
+from jaxpg.supervision import compile_clock, fr_dump, watchdog
+from jaxpg.supervision.flight_recorder import (
     ENV_NAMES,
     _Recorder,
     buffer_size_from_env,
@@ -100,7 +100,7 @@ def test_the_caller_is_the_first_frame_outside_jaxpg():
 
 
 def test_a_public_collective_pins_its_caller_for_every_record_it_makes():
-    from jaxpg.groups import flight_recorder
+    from jaxpg.supervision import flight_recorder
 
     namespace = {"capture_caller": capture_caller, "call_pinned": flight_recorder.call_pinned}
     exec(compile("def all_reduce_like():\n    return capture_caller(), capture_caller()\n"
@@ -118,7 +118,7 @@ def test_a_public_collective_pins_its_caller_for_every_record_it_makes():
 def test_a_collective_under_another_decorator_still_pins_the_users_line():
     # the public collectives are wrapped twice (the discarded-result check outside the
     # async/pinning wrapper): the pin must skip the outer wrapper, not name it
-    from jaxpg.groups import flight_recorder
+    from jaxpg.supervision import flight_recorder
 
     namespace = {"capture_caller": capture_caller, "call_pinned": flight_recorder.call_pinned}
     exec(compile("def all_gather_like():\n    return capture_caller()\n"

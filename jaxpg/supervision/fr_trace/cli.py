@@ -15,8 +15,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from jaxpg.fr_trace.analysis import analyze, load_dumps
-from jaxpg.groups.fr_dump import DEFAULT_NAME
+from jaxpg.supervision.fr_dump import DEFAULT_NAME
+from jaxpg.supervision.fr_trace.analysis import analyze, load_dumps
 
 __all__ = ["main"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxpg.groups import fr_dump, fr_requests, world
+from jaxpg.supervision import fr_dump, fr_requests, world_link
 
 __all__ = ["dump_flight_recorder"]
 
@@ -23,7 +23,7 @@ def dump_flight_recorder(path: str | None = None, *, all_ranks: bool = False) ->
     Example:
         >>> path = jaxpg.dump_flight_recorder()
     """
-    state = world.current()
+    state = world_link.current_world()
     written = fr_dump.write_dump("dump_flight_recorder()", state, path)
     if all_ranks and state.multiprocess:
         fr_requests.request("dump", f"rank {state.local_ranks[0]} called "

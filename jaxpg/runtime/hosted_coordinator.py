@@ -10,7 +10,7 @@ the CPU client's gloo collectives, ``jax.distributed.shutdown()`` all work as us
 
 Every jaxpg world joins this way, whoever hosts the service (the launcher, rank 0's child
 process, or rank 0's own process with ``JAXPG_COORDINATOR_PROCESS=0``): the client is
-connected by :mod:`jaxpg.service_client`, so a process that never comes is a named
+connected by :mod:`jaxpg.runtime.service_client`, so a process that never comes is a named
 ``DistTimeoutError`` within the timeout instead of JAX's C++ abort.
 """
 
@@ -54,16 +54,17 @@ def connect(
         shutdown_timeout: seconds the shutdown waits for the others.
         host: who hosts the service, for messages.
         lobby: the ranks known to have arrived, for a timeout's message
-            (:func:`jaxpg.service_client.connect`).
+            (:func:`jaxpg.runtime.service_client.connect`).
         deadline: when ``init_timeout`` ends (``time.monotonic()``), if it began earlier.
 
     Raises:
         DistTimeoutError: the service or a process did not come within ``init_timeout``
-            (:mod:`jaxpg.service_client`); never JAX's C++ abort.
+            (:mod:`jaxpg.runtime.service_client`); never JAX's C++ abort.
     """
     import jax
 
-    from jaxpg import _jax_compat, service_client
+    from jaxpg import _jax_compat
+    from jaxpg.runtime import service_client
 
     state = _jax_compat.distributed_state()
     if state.client is not None:

@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from jaxpg.groups import fr_requests, hang_diagnosis, liveness
-from jaxpg.groups.flight_recorder import _Recorder
 from jaxpg.stores import HashStore
+from jaxpg.supervision import fr_requests, hang_diagnosis, liveness
+from jaxpg.supervision.flight_recorder import _Recorder
 
 STEP = "DistributedDataParallel.train_step"
 

@@ -1,6 +1,6 @@
 """Merging a job's flight-recorder dumps into one verdict (``jaxpg-fr-trace``).
 
-The dumps (``jaxpg.groups.fr_dump``: one per process) are read, partial ones included,
+The dumps (``jaxpg.supervision.fr_dump``: one per process) are read, partial ones included,
 and compared group by group, sequence number by sequence number. The verdict names, by
 rank and by the names the user called:
 
@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpg.groups.fr_dump import DEFAULT_NAME, Dump, read_dump
+from jaxpg.supervision.fr_dump import DEFAULT_NAME, Dump, read_dump
 
 __all__ = ["Proc", "load_dumps", "analyze"]
 

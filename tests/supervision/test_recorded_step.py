@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxpg
-from jaxpg.groups.recorded_step import group_of_devices, hlo_collectives
+from jaxpg.supervision.recorded_step import group_of_devices, hlo_collectives
 
 
 def _program(mesh):
@@ -89,9 +89,9 @@ def test_ddp_and_the_pipeline_record_their_steps(world):
     from flax import nnx
 
     from jaxpg.ddp.train_step import StepMode
-    from jaxpg.groups.recorded_step import RecordedStep
     from jaxpg.pipeline import pipeline_mesh
     from jaxpg.pipeline.train_step import make_train_step
+    from jaxpg.supervision.recorded_step import RecordedStep
 
     step = make_train_step(lambda w, x: x @ w, lambda h, y, t: jnp.mean((y - t) ** 2),
                            optax.sgd(0.1), mesh=pipeline_mesh(2), num_microbatches=2)

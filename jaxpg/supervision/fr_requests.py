@@ -12,7 +12,7 @@ dump first. A process that never answers is stopped (SIGSTOP), hung where Python
 run, or dead; the liveness monitor tells the dead apart. This is torch's dump-on-timeout,
 signalled through its store the same way.
 
-Process signals (SIGUSR1, SIGTERM) that make it dump: ``jaxpg.groups.fr_os_signals``.
+Process signals (SIGUSR1, SIGTERM) that make it dump: ``jaxpg.supervision.fr_os_signals``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxpg.groups import compile_clock, fr_dump, fr_os_signals
-from jaxpg.groups.desync import fingerprint_text
-from jaxpg.groups.flight_recorder import recorder
+from jaxpg.supervision import compile_clock, fr_dump, fr_os_signals
+from jaxpg.supervision.desync import fingerprint_text
+from jaxpg.supervision.flight_recorder import recorder
 
 __all__ = ["install", "start", "stop", "request", "collect", "local_state", "tick",
            "dump_everywhere", "process_state", "ACK_GRACE_S"]
@@ -78,7 +78,7 @@ def _on_failure(error: BaseException) -> None:
 def install() -> None:
     """Hooks the recorder's dumps into the places that report failures (once)."""
     from jaxpg import errors
-    from jaxpg.groups import liveness, watchdog
+    from jaxpg.supervision import liveness, watchdog
 
     errors.on_failure(_on_failure)
     for module in (liveness, watchdog):

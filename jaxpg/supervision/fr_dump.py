@@ -24,8 +24,8 @@ from typing import Any
 
 import jax
 
-from jaxpg.groups import liveness
-from jaxpg.groups.flight_recorder import CallRecord, recorder
+from jaxpg.supervision import liveness
+from jaxpg.supervision.flight_recorder import CallRecord, recorder
 
 __all__ = ["FORMAT", "VERSION", "DEFAULT_NAME", "dump_prefix", "write_dump", "read_dump",
            "Dump", "note_error", "note_diagnosis", "record_json"]

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxpg.groups import compile_clock
+from jaxpg.supervision import compile_clock
 
 __all__ = ["blocking_wait", "watch", "forget", "Outstanding", "WATCHDOG_EXIT_CODE",
            "before_teardown"]

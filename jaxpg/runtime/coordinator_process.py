@@ -7,7 +7,7 @@ detected fatal errors"; jax 0.10.2's ``missed_heartbeat_callback`` cannot replac
 fails with ``std::bad_cast`` when it fires). Without a launcher, jaxpg's rank 0 therefore
 starts the service in a child process instead (recoverable mode, as ``jaxpg-run``'s
 launcher does) and every process, rank 0 included, joins it as a client
-(:mod:`jaxpg.hosted_coordinator`). For the user it is still "rank 0 hosts the service":
+(:mod:`jaxpg.runtime.hosted_coordinator`). For the user it is still "rank 0 hosts the service":
 same address, same port, nothing else to start.
 
 The child's lifetime:
@@ -18,7 +18,7 @@ The child's lifetime:
 * rank 0 dies (its end of the pipe closes without a stop): the child keeps serving for
   ``JAXPG_COORDINATOR_LINGER`` seconds (default: the larger of 30 s and three heartbeat
   timeouts), so the survivors see rank 0 missing, name it and detach their clients
-  (:mod:`jaxpg.groups.liveness`), then stops. It never outlives rank 0 by more than that.
+  (:mod:`jaxpg.supervision.liveness`), then stops. It never outlives rank 0 by more than that.
 
 ``JAXPG_COORDINATOR_PROCESS=0`` turns this off: process 0 hosts the service in-process,
 as ``jax.distributed.initialize`` does (and a lost rank 0 ends the others in C++).
@@ -110,7 +110,7 @@ def start(bind_address: str, num_processes: int, heartbeat_timeout: int,
 
     ``register_by`` (``time.time()``; default an hour from now) is until when the service
     waits for every process to register; then it answers the waiting ones with the names
-    of the missing (:mod:`jaxpg.service_client`). It is a point in time, not a duration, so
+    of the missing (:mod:`jaxpg.runtime.service_client`). It is a point in time, not a duration, so
     that the child's own start-up (seconds on a loaded machine) does not lengthen it.
 
     Raises:

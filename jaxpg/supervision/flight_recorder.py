@@ -5,7 +5,7 @@ collective, a point-to-point transfer, a recorded jitted step) makes one ``CallR
 group, sequence number, op or step name, inputs' shapes and dtypes, static arguments
 (reduce op, src/dst), the collectives inside a step's compiled program, state, times, and
 the caller's file and line. The last record of each group is always kept: it is what this
-process tells a peer that diagnoses a hang (``jaxpg.groups.fr_requests``). The ring buffer of
+process tells a peer that diagnoses a hang (``jaxpg.supervision.fr_requests``). The ring buffer of
 the last N records is kept when ``JAXPG_FR_BUFFER_SIZE=N`` (or torch's
 ``TORCH_FR_BUFFER_SIZE`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is above 0, read at
 ``init_process_group``; only then is the caller's frame looked up (about 1 µs), since

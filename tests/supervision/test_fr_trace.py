@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jaxpg.fr_trace import analyze, load_dumps, main
+from jaxpg.supervision.fr_trace import analyze, load_dumps, main
 
 STEP = "DistributedDataParallel.train_step"
 

@@ -1,4 +1,4 @@
-"""jaxpg.service_client's pieces, without starting a coordination service: reading the
+"""jaxpg.runtime.service_client's pieces, without starting a coordination service: reading the
 service's registration answer, waiting for a listener, the lobby, the long-wait reminder.
 (Joining a service, and failing to, runs in tests/multiprocess/test_startup_mp.py.)"""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jaxpg import service_client
+from jaxpg.runtime import service_client
 
 # What JAX's client logged when the service gave up on the registration: jax 0.12.0.1's
 # wording; 0.10.2 writes the same lines; older releases named tasks by their full path.

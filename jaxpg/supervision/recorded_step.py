@@ -3,7 +3,7 @@
 A compiled program whose collectives span processes (DDP's ``train_step``, the pipeline's
 step, a function run by ``jaxpg.spmd``) can hang inside XLA where no Python runs. Wrapped
 by :func:`recorded_step`, each launch of it in a multi-process world is one call on its
-group, exactly like an eager collective (``jaxpg.groups.collective_call``): it takes the
+group, exactly like an eager collective (``jaxpg.supervision.collective_call``): it takes the
 group's next sequence number, is noted as this process's progress and in the flight
 recorder (with the collectives of its compiled program, read from the HLO once per
 program), and runs by the world's semantics. On gloo the caller waits until the step's
@@ -36,8 +36,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpg._jax_compat import jit_cache_size
-from jaxpg.groups import flight_recorder
-from jaxpg.groups.process_group import ProcessGroup
+from jaxpg.supervision import flight_recorder, world_link
 
 __all__ = ["RecordedStep", "recorded_step", "hlo_collectives", "group_of_devices"]
 
@@ -60,7 +59,7 @@ def hlo_collectives(hlo: str) -> tuple[str, ...]:
     return tuple(c if counts[c] == 1 else f"{c} x{counts[c]}" for c in dict.fromkeys(found))
 
 
-def group_of_devices(state: Any, devices: Any) -> ProcessGroup:
+def group_of_devices(state: Any, devices: Any) -> Any:
     """The group a program over ``devices`` is numbered on: the world when it spans every
     rank, else a group of exactly those ranks, named after them (the same name in every
     process, made on first use, as point-to-point's pair groups are)."""
@@ -73,7 +72,7 @@ def group_of_devices(state: Any, devices: Any) -> ProcessGroup:
         contiguous = ranks == tuple(range(ranks[0], ranks[-1] + 1))
         name = (f"devices_{ranks[0]}-{ranks[-1]}" if contiguous
                 else "devices_" + hashlib.sha1(repr(ranks).encode()).hexdigest()[:12])
-        group = groups[ranks] = ProcessGroup(state, ranks, name=name)
+        group = groups[ranks] = world_link.group_type()(state, ranks, name=name)
     return group
 
 
@@ -123,6 +122,11 @@ class _Programs:
             return None
 
 
+def _is_process_group(value: Any) -> bool:
+    group_type = world_link.group_type()
+    return group_type is not None and isinstance(value, group_type)
+
+
 def _traced(args: Any, kwargs: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
 
@@ -142,8 +146,8 @@ class RecordedStep:
     def __init__(self, fn: Any, group: Any = None, *, name: str | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"recorded_step: fn={fn!r} must be callable (a jax.jit function).")
-        if group is not None and not isinstance(group, (ProcessGroup, Mesh)) \
-                and not hasattr(group, "jax_mesh"):
+        if group is not None and not _is_process_group(group) \
+                and not isinstance(group, Mesh) and not hasattr(group, "jax_mesh"):
             raise TypeError(
                 f"recorded_step: group={group!r} must be a ProcessGroup, a jax.sharding.Mesh, "
                 "a DeviceMesh or None (the world).")
@@ -157,22 +161,20 @@ class RecordedStep:
         self._programs = _Programs(fn)
         functools.update_wrapper(self, fn, updated=())
 
-    def _group(self, state: Any) -> ProcessGroup:
+    def _group(self, state: Any) -> Any:
         target = self.group
         if target is None:
             return state.world_group
-        if isinstance(target, ProcessGroup):
+        if _is_process_group(target):
             return target
         mesh = getattr(target, "jax_mesh", target)
         return group_of_devices(state, mesh.devices.flat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from jaxpg.groups import world
-
-        state = world.current(required=False)
+        state = world_link.current_world(required=False)
         if state is None or not state.multiprocess or _traced(args, kwargs):
             return self.fn(*args, **kwargs)
-        from jaxpg.groups import collective_call
+        from jaxpg.supervision import collective_call
 
         group = self._group(state)
         if group._world is not state:

@@ -8,7 +8,7 @@
 Python runs a signal's handler in the main thread, between bytecodes: not while that thread
 waits inside XLA (a jitted step that hangs). So the handlers only set a flag, and each
 signal's number also arrives on a pipe given to ``signal.set_wakeup_fd``, which the flight
-recorder's own thread reads every poll (``jaxpg.groups.fr_requests``): it dumps on SIGUSR1,
+recorder's own thread reads every poll (``jaxpg.supervision.fr_requests``): it dumps on SIGUSR1,
 and on SIGTERM, if the main thread did not end the process within a moment, it dumps and
 ends it with status 128 + 15. A program that already uses the wakeup fd (asyncio) keeps
 it; then only the flags work.

@@ -22,7 +22,7 @@ __all__ = ["global_client", "start_jax_distributed", "service_host"]
 
 service_host: str | None = None
 """Where the running world's coordination service lives: "launcher" (``jaxpg-run``),
-"rank0-child" (a child process of rank 0, :mod:`jaxpg.coordinator_process`), "rank0" (in
+"rank0-child" (a child process of rank 0, :mod:`jaxpg.runtime.coordinator_process`), "rank0" (in
 rank 0's own process), or None before ``jax.distributed`` starts through jaxpg."""
 
 
@@ -45,9 +45,9 @@ def start_jax_distributed(
 
     On CPU, cross-process collectives use gloo (``jax_cpu_collectives_implementation``)
     unless something chose otherwise first, listening on an address the other hosts can
-    reach (:mod:`jaxpg.gloo_device`). Under ``jaxpg-run`` the launcher hosts the
+    reach (:mod:`jaxpg.runtime.gloo_interface`). Under ``jaxpg-run`` the launcher hosts the
     coordination service and every process, rank 0 included, joins it as a client
-    (:mod:`jaxpg.hosted_coordinator`). Call this before anything that initializes
+    (:mod:`jaxpg.runtime.hosted_coordinator`). Call this before anything that initializes
     JAX's backends (``jax.devices()``, any computation).
 
     Args:
@@ -63,7 +63,7 @@ def start_jax_distributed(
     Raises:
         DistTimeoutError: the coordinator could not be reached, or not every process
             joined, within ``timeout``; the message names the address or the missing
-            ranks (:mod:`jaxpg.service_client`). Never JAX's C++ abort.
+            ranks (:mod:`jaxpg.runtime.service_client`). Never JAX's C++ abort.
         ValueError: if the arguments are out of range, a running ``jax.distributed``
             disagrees with them, or ``GLOO_SOCKET_IFNAME`` names an interface this machine
             does not have.
@@ -95,12 +95,12 @@ def start_jax_distributed(
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", coordinator_address)
     if _jax_compat.cpu_collectives_implementation() == "gloo":
-        from jaxpg import gloo_device  # where gloo listens: reachable from other hosts
+        from jaxpg.runtime import gloo_interface  # where gloo listens: reachable from other hosts
 
         host = coordinator_address.rpartition(":")[0].strip("[]")
-        gloo_device.install(gloo_device.choose_gloo_device(host))
+        gloo_interface.install(gloo_interface.choose_gloo_device(host))
     heartbeat = max(1, math.ceil(heartbeat_timeout))
-    from jaxpg import (
+    from jaxpg.runtime import (
         coordinator_process,  # rank 0's service, in a child process
         hosted_coordinator,  # jaxpg-run's launcher hosts the service
         service_client,  # joining it within the timeout, with named errors

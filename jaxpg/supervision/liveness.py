@@ -9,7 +9,7 @@ them (:func:`check`, called by ``jaxpg.groups.multiprocess``), within the heartb
 of the death (at once for a process that exited or was killed; after the heartbeat timeout
 for one that hangs or is stopped).
 
-When rank 0 hosts the service in its child process (:mod:`jaxpg.coordinator_process`) and
+When rank 0 hosts the service in its child process (:mod:`jaxpg.runtime.coordinator_process`) and
 rank 0 is lost, the child serves only a while longer; this process then shuts its client
 down at once (as torch aborts a communicator), so the service's later end cannot end this
 process with JAX's C++ fatal error. Before that it notes ``jaxpg_aborted/<process>`` in the

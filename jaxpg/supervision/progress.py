@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from jaxpg.groups.desync import fingerprint_text
+from jaxpg.supervision.desync import fingerprint_text
 
 __all__ = ["progress"]
 

@@ -2,7 +2,7 @@
 
 When a collective or a recorded jitted step does not finish within the group's timeout
 (or fails in XLA), the process asks every peer of the group what it runs
-(``jaxpg.groups.fr_requests``: each live peer answers within a poll period), reads the
+(``jaxpg.supervision.fr_requests``: each live peer answers within a poll period), reads the
 progress records of those that do not answer, and names, per rank:
 
 * ``rank 1 never started it (its last call: barrier #4, waiting at train.py:52)``: its last
@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpg.groups import fr_dump, fr_requests, liveness
-from jaxpg.groups.desync import describe_mismatch, fingerprint_text
-from jaxpg.groups.flight_recorder import recorder
-from jaxpg.groups.progress import progress as _progress
+from jaxpg.supervision import fr_dump, fr_requests, liveness
+from jaxpg.supervision.desync import describe_mismatch, fingerprint_text
+from jaxpg.supervision.flight_recorder import recorder
+from jaxpg.supervision.progress import progress as _progress
 
 __all__ = ["Diagnosis", "diagnose", "processes_of", "ranks_of_processes"]
 

@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import signal, sys, threading, time
-    from jaxpg.groups import fr_os_signals
+    from jaxpg.supervision import fr_os_signals
 
     out = sys.argv[1]
     def dump(trigger):

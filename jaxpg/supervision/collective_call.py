@@ -2,12 +2,13 @@
 
 Every eager collective and every recorded jitted step (``jaxpg.recorded_step``) goes
 through :func:`run_collective`. The call takes the group's next sequence number, notes it
-as this process's progress (``jaxpg.groups.progress``, published in the background), starts
-a flight-recorder record (``jaxpg.groups.flight_recorder``) and runs by the world's semantics
-(``jaxpg.groups.watchdog``): blocking on the runner thread (``jaxpg.groups.runner``) for at
-most the group's timeout, or stream-ordered under the watchdog. Time the dispatching thread
-spends tracing and compiling does not count (``jaxpg.groups.compile_clock``). When the
-result does not come, ``jaxpg.groups.hang_diagnosis`` asks the peers what they run and the
+as this process's progress (``jaxpg.supervision.progress``, published in the background),
+starts a flight-recorder record (``jaxpg.supervision.flight_recorder``) and runs by the
+world's semantics (``jaxpg.supervision.watchdog``): blocking on the runner thread
+(``jaxpg.supervision.runner``) for at most the group's timeout, or stream-ordered under the
+watchdog. Time the dispatching thread spends tracing and compiling does not count
+(``jaxpg.supervision.compile_clock``). When the result does not come,
+``jaxpg.supervision.hang_diagnosis`` asks the peers what they run and the
 ``DistTimeoutError`` names the ranks at fault; a failure inside XLA's collectives (gloo's
 ``Connection closed by peer``) becomes a ``DistNetworkError`` that names them the same way.
 """
@@ -23,11 +24,11 @@ from typing import Any
 import jax
 
 from jaxpg.errors import DistNetworkError, DistTimeoutError
-from jaxpg.groups import compile_clock, hang_diagnosis, liveness, watchdog
-from jaxpg.groups.flight_recorder import capture_caller, recorder
-from jaxpg.groups.progress import progress as _progress
-from jaxpg.groups.runner import Job
-from jaxpg.groups.runner import runner as _runner
+from jaxpg.supervision import compile_clock, hang_diagnosis, liveness, watchdog
+from jaxpg.supervision.flight_recorder import capture_caller, recorder
+from jaxpg.supervision.progress import progress as _progress
+from jaxpg.supervision.runner import Job
+from jaxpg.supervision.runner import runner as _runner
 
 __all__ = ["configure", "run_collective", "submit", "wait_job", "timeout_text"]
 
@@ -145,11 +146,11 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None,
 
     The call's sequence number and fingerprint are noted as this process's progress and in
     the flight recorder; under ``JAXPG_DEBUG=DETAIL`` the processes first compare
-    fingerprints (``jaxpg.groups.desync``). Then, by the world's semantics:
+    fingerprints (``jaxpg.supervision.desync``). Then, by the world's semantics:
 
     * blocking (gloo): ``fn`` runs on the runner thread and the caller waits until its
       outputs are ready for at most the group's timeout (compile time excluded); then the
-      ``DistTimeoutError`` names the ranks at fault (``jaxpg.groups.hang_diagnosis``), and
+      ``DistTimeoutError`` names the ranks at fault (``jaxpg.supervision.hang_diagnosis``), and
       a failure in XLA's collectives becomes ``DistNetworkError`` naming them;
     * stream-ordered (NCCL, TPU): ``fn`` is dispatched here and its result returned at once;
       the watchdog ends the process if it is not done within the group's timeout.
@@ -293,7 +294,7 @@ def _failure_text(group: Any, api: str, seq: int, err: Any) -> str:
 
 
 def _compare(group: Any, api: str, seq: int, fingerprint: Any) -> None:
-    from jaxpg.groups import desync
+    from jaxpg.supervision import desync
 
     state = group._world
     procs = hang_diagnosis.processes_of(state, group.members)
