@@ -1,8 +1,10 @@
 """jaxpg's layers, bottom-up, and no import cycles: read from the source with ``ast``.
 
-Layers (docs/design.md): errors/reduce_op -> stores -> rendezvous -> groups ->
-collectives (and spmd) -> tensor_parallel -> ddp/fsdp/pipeline -> run -> the ``jaxpg`` package's own
-``__init__`` (the torch.distributed-style surface, which re-exports everything).
+Layers (docs/design.md): errors/reduce_op/_jax_compat -> runtime -> stores -> rendezvous ->
+supervision -> groups -> collectives (and spmd) -> tensor_parallel/context_parallel/
+expert_parallel -> ddp/fsdp -> pipeline -> run -> the ``jaxpg`` package's own ``__init__``
+(the torch.distributed-style surface, which re-exports everything). A module's layer is its
+package's; only the base modules and ``spmd`` sit loose at jaxpg's root.
 
 Every ``import`` and ``from ... import`` counts, wherever it is: at module level, inside a
 function (a lazy import), or under ``if TYPE_CHECKING:``. As in grimp/import-linter, importing
@@ -20,24 +22,29 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxpg"
 
-# Bottom-up; a module may import from its own layer and the layers below it.
+# Bottom-up; a module may import from its own layer and the layers below it. A layer is a set
+# of packages (``jaxpg.<name>`` and everything under it); the only modules at jaxpg's root are
+# the base ones below, ``spmd`` (beside the collectives) and ``jaxpg`` itself (the surface).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # _jax_compat holds every private jax API jaxpg uses; it imports only jaxpg.errors.
-    ("errors", ("jaxpg.errors", "jaxpg.reduce_op", "jaxpg._jax_compat")),
+    ("base", ("errors", "reduce_op", "_jax_compat")),
     # the processes' machinery: JAX's coordination service (its client, its hosting, rank 0's
-    # service child), gloo's network interface and the MPI library; it imports nothing from
-    # jaxpg above the errors layer.
-    ("runtime", ("jaxpg.runtime",)),
-    ("stores", ("jaxpg.stores",)),
-    ("rendezvous", ("jaxpg.rendezvous",)),
-    ("groups", ("jaxpg.groups", "jaxpg.supervision")),
-    ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),
-    ("tensor_parallel", ("jaxpg.tensor_parallel",)),
-    ("ddp/fsdp/pipeline", ("jaxpg.ddp", "jaxpg.fsdp", "jaxpg.pipeline")),
-    ("run", ("jaxpg.run",)),
-    ("surface", ("jaxpg",)),
+    # service child), gloo's network interface and the MPI library.
+    ("runtime", ("runtime",)),
+    ("stores", ("stores",)),
+    ("rendezvous", ("rendezvous",)),
+    # watchdog, liveness, progress, desync, hang diagnosis, recorded steps, the flight
+    # recorder and its analyzer: below the world model, which registers what they need of it
+    # (jaxpg.supervision.world_link).
+    ("supervision", ("supervision",)),
+    ("groups", ("groups",)),
+    ("collectives", ("collectives", "spmd")),
+    ("tensor_parallel", ("tensor_parallel", "context_parallel", "expert_parallel")),
+    ("ddp/fsdp", ("ddp", "fsdp")),
+    ("pipeline", ("pipeline",)),
+    ("run", ("run",)),
 ]
-
+ROOT_MODULES = {"errors", "reduce_op", "_jax_compat", "spmd"}  # besides jaxpg/__init__.py
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
@@ -87,13 +94,19 @@ def _known_module(target: str) -> str:
 
 
 def _layer(name: str) -> int:
-    """The index of the layer ``name`` belongs to (the longest matching prefix wins)."""
-    best, best_len = -1, -1
-    for index, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_len:
-                best, best_len = index, len(prefix)
-    return best
+    """The index of the layer ``name`` belongs to: its package's (``jaxpg.<package>...``);
+    ``jaxpg`` itself is the surface, above every layer; -1 for a module of no layer."""
+    if name == "jaxpg":
+        return len(LAYERS)
+    package = name.split(".")[1]
+    for index, (_, packages) in enumerate(LAYERS):
+        if package in packages:
+            return index
+    return -1
+
+
+def _layer_name(index: int) -> str:
+    return LAYERS[index][0] if index < len(LAYERS) else "the jaxpg surface"
 
 
 GRAPH = {name: _imports(name) for name in MODULES}
@@ -152,8 +165,17 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_every_module_has_a_layer():
     assert [m for m in MODULES if _layer(m) < 0] == []
+    assert _layer("jaxpg.supervision.watchdog") < _layer("jaxpg.groups.world")
+    assert _layer("jaxpg.runtime.service_client") < _layer("jaxpg.stores.tcp_store")
     assert _layer("jaxpg.spmd") == _layer("jaxpg.collectives.eager")
     assert _layer("jaxpg.groups.world") < _layer("jaxpg.collectives.eager")
+
+
+def test_the_root_holds_only_the_base_modules():
+    # A new module goes into the package of its layer, not loose at jaxpg's root.
+    loose = {name.split(".")[1] for name, (_, is_package) in MODULES.items()
+             if name.count(".") == 1 and not is_package}
+    assert loose == ROOT_MODULES, f"put {sorted(loose - ROOT_MODULES)} in a package"
 
 
 def test_no_import_cycles():
@@ -163,8 +185,8 @@ def test_no_import_cycles():
 
 def test_no_module_imports_from_a_higher_layer():
     upward = [
-        f"{name}:{line} imports {target} ({LAYERS[_layer(target)][0]} is above "
-        f"{LAYERS[_layer(name)][0]})"
+        f"{name}:{line} imports {target} ({_layer_name(_layer(target))} is above "
+        f"{_layer_name(_layer(name))})"
         for name, targets in sorted(GRAPH.items())
         for target, line in sorted(targets, key=lambda e: e[1])
         if _layer(target) > _layer(name)

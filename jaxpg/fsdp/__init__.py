@@ -1,6 +1,6 @@
 """Sharded data parallelism: ZeRO stages 1 to 3 and torch FSDP2's ``fully_shard`` for
 Flax NNX and optax, HSDP, mixed precision, sharded checkpoints that reshard on load, and
-ZeRO-1/2 inside pipeline stages.
+ZeRO-1/2 inside pipeline stages (:mod:`jaxpg.pipeline.zero`, in the pipeline's layer above).
 
 See ``docs/fsdp.md``. DDP's ZeRO-1 switch is ``DistributedDataParallel(...,
 shard_optimizer_state=True)`` (:mod:`jaxpg.ddp.zero`).
@@ -15,16 +15,13 @@ from jaxpg.fsdp.checkpoint import (
 from jaxpg.fsdp.fully_sharded import FullyShardedDataParallel
 from jaxpg.fsdp.memory import StepMemory, step_memory
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
-from jaxpg.fsdp.pipeline import init_zero_train_state, make_zero_train_step
 
 __all__ = [
     "FullyShardedDataParallel",
     "MixedPrecisionPolicy",
     "StepMemory",
     "consolidate_checkpoint",
-    "init_zero_train_state",
     "latest_step",
-    "make_zero_train_step",
     "restore_checkpoint",
     "save_checkpoint",
     "step_memory",

@@ -8,7 +8,7 @@
   first dimension replicates, the second shards (torch's ``("replicate", "shard")``);
 * a ``HybridCommunicateGroup``: Paddle's hybrid group, replicated over ``dp`` and sharded
   over ``sharding`` (``sharding_degree``); its ``pp`` and ``mp`` degrees must be 1 here
-  (for a pipeline use :mod:`jaxpg.fsdp.pipeline`).
+  (for a pipeline use :mod:`jaxpg.pipeline.zero`).
 
 The batch is split over all ranks, replicas first (row-major over the mesh, which is
 global-rank order for meshes made by ``init_device_mesh`` and the hybrid group).
@@ -236,7 +236,7 @@ def resolve_shard_group(group: Any, api: str) -> ShardGroup:
             raise ValueError(
                 f"{api}: group={group!r} has {bad}; FullyShardedDataParallel shards over its "
                 "'sharding' dimension and replicates over 'dp' only. For a pipeline use "
-                "jaxpg.fsdp.pipeline (ZeRO-1/2 over dp inside each stage)."
+                "jaxpg.pipeline.zero (ZeRO-1/2 over dp inside each stage)."
             )
         mesh = group.mesh.jax_mesh
         _check_members(mesh, f"group={group!r}", api)

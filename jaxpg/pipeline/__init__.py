@@ -32,6 +32,7 @@ from jaxpg.pipeline.stage_order import to_model_order, to_rank_order
 from jaxpg.pipeline.stage_split import StagePieces, split_stage
 from jaxpg.pipeline.timetable import KIND_CODES, Action, Timetable
 from jaxpg.pipeline.train_step import init_train_state, make_train_step, place_pipeline_params
+from jaxpg.pipeline.zero import init_zero_train_state, make_zero_train_step
 
 __all__ = [
     "Action", "Timetable", "KIND_CODES", "gpipe", "one_f_one_b", "interleaved_1f1b",
@@ -43,4 +44,5 @@ __all__ = [
     "stack_modules", "split_module", "module_fn", "bucketed_grad_reducer", "ActionCosts",
     "TimedTimetable", "default_costs", "lockstep_time", "measure_costs", "timed",
     "StagePieces", "split_stage", "to_rank_order", "to_model_order",
+    "init_zero_train_state", "make_zero_train_step",
 ]

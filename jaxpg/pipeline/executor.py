@@ -268,7 +268,7 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
     stages = jax.tree.map(lambda a: loop_view(a, tt, cfg.stage_order), params.stages)
     batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
     param_spec = _param_spec(cfg)
-    # a reducer that reduce-scatters over dp (ZeRO-2, jaxpg.fsdp.pipeline) says how
+    # a reducer that reduce-scatters over dp (ZeRO-2, jaxpg.pipeline.zero) says how
     # its output is laid out, in this [v, p, ...] view
     grad_spec = getattr(cfg.grad_reducer, "grad_spec", None) or param_spec
     body = functools.partial(_body, cfg, plan, metas[0].input)
@@ -404,7 +404,7 @@ def pipeline_value_and_grad(
             stage gradients ``[v, ...]`` and the replicated first/last gradients) over the
             data-parallel axis; default ``pmean`` over ``dp_axis``. Without a ``dp_axis``
             it is applied as given (default: none). A reducer whose output is split over
-            ``dp`` (ZeRO-2, ``jaxpg.fsdp.pipeline``) carries a ``grad_spec`` attribute: a
+            ``dp`` (ZeRO-2, ``jaxpg.pipeline.zero``) carries a ``grad_spec`` attribute: a
             ``StagedParams`` of ``PartitionSpec`` trees for its output, stage leaves in
             the loop's ``[v, p, ...]`` view.
         remat: ``False`` (default) keeps each microbatch's vjp residuals from its

@@ -88,7 +88,7 @@ def test_bad_groups_and_optimizers(world):
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
         FullyShardedDataParallel(Net(0), optax.adam)
     hcg = jaxpg.HybridCommunicateGroup(dp_degree=2, pp_degree=2, sharding_degree=2)
-    with pytest.raises(ValueError, match=r"\{'pp': 2\}.*jaxpg.fsdp.pipeline"):
+    with pytest.raises(ValueError, match=r"\{'pp': 2\}.*jaxpg.pipeline.zero"):
         FullyShardedDataParallel(Net(0), OPT, group=hcg)
     mesh = jaxpg.init_device_mesh((2, 2, 2), ("a", "b", "c"))
     with pytest.raises(ValueError, match="has 3 dimensions"):

@@ -11,9 +11,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
 from test_executor import block, embed, head_loss, make_batch, make_params  # noqa: E402
 
-from jaxpg.fsdp.pipeline import init_zero_train_state, make_zero_train_step  # noqa: E402
 from jaxpg.pipeline.mesh import pipeline_mesh  # noqa: E402
 from jaxpg.pipeline.train_step import init_train_state, make_train_step  # noqa: E402
+from jaxpg.pipeline.zero import init_zero_train_state, make_zero_train_step  # noqa: E402
 
 OPT = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
 

@@ -92,8 +92,8 @@ def main(scratch):
     from jax.sharding import Mesh
     from test_executor import block, embed, head_loss, make_batch, make_params
 
-    from jaxpg.fsdp.pipeline import init_zero_train_state, make_zero_train_step
     from jaxpg.pipeline.train_step import init_train_state, make_train_step
+    from jaxpg.pipeline.zero import init_zero_train_state, make_zero_train_step
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 1), ("dp", "pp"))
     x, t = (np.asarray(a) for a in make_batch(8))
