@@ -6,7 +6,6 @@ collectives under ``shard_map``.
 """
 
 import jaxpg.runtime.mpi_library  # noqa: F401  (first: checks MPITRAMPOLINE_LIB before jax is imported)
-from jaxpg import ddp, fsdp, pipeline, tensor_parallel  # noqa: E402  (subpackages, after the core they build on)
 from jaxpg.collectives import *  # noqa: F403
 from jaxpg.collectives import __all__ as _collectives_all
 from jaxpg.errors import (
@@ -33,5 +32,21 @@ __all__ = [
     "DistNetworkError", "DistStoreError",
     "DistTimeoutError",
     "ReduceOp", "RedOpType", "spmd", "Store", "HashStore", "FileStore", "PrefixStore",
-    "TCPStore", "ddp", "fsdp", "pipeline", "tensor_parallel",
+    "TCPStore",
 ]
+
+# The parallelism packages load flax, optax and orbax: ``import jaxpg`` does not, and
+# ``jaxpg.ddp`` (or ``import jaxpg.ddp``) imports the package on first use.
+_SUBPACKAGES = ("ddp", "fsdp", "pipeline", "tensor_parallel")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"jaxpg.{name}")
+    raise AttributeError(f"module 'jaxpg' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SUBPACKAGES))
