@@ -42,14 +42,8 @@ from torch.distributed.tensor.parallel import parallelize_module as torch_parall
 import jaxpg
 from jaxpg import tensor_parallel as tp
 from jaxpg.ddp.train_step import CPU_COMPILER_OPTIONS
-from jaxpg.tensor_parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    Shard,
-    collective_bytes,
-    collective_counts,
-)
+from jaxpg.internal import collective_bytes, collective_counts
+from jaxpg.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, Shard
 
 EPS = 1e-6
 LR = 1e-3

@@ -86,7 +86,7 @@ def sizes_between(lo: int, hi: int, step: int) -> list[int]:
 def run_n(n: int, sizes: list[int], args: argparse.Namespace, breakdown: list[int]) -> dict:
     """Starts N workers through jaxpg.run; returns rank 0's JSON."""
     sys.path.insert(0, str(ROOT))
-    from jaxpg.rendezvous import free_port
+    from jaxpg.internal import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"n{n}.json"

@@ -104,7 +104,7 @@ def _stopped(pid: int) -> bool:
 
 def run_plain(tmp: Path, fault: str, n: int = 3) -> dict:
     """``n`` processes without the launcher; returns what each did and when."""
-    from jaxpg.rendezvous import free_port
+    from jaxpg.internal import free_port
 
     port = free_port()
     env = _env()

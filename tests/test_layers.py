@@ -43,6 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ddp/fsdp", ("ddp", "fsdp")),
     ("pipeline", ("pipeline",)),
     ("run", ("run",)),
+    # the internal tier (helpers for jaxpg's tests, benchmarks and tools) gathers from all
+    ("internal", ("internal",)),
 ]
 ROOT_MODULES = {"errors", "reduce_op", "_jax_compat", "spmd"}  # besides jaxpg/__init__.py
 

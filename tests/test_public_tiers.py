@@ -44,3 +44,23 @@ def test_parallelism_packages_are_attributes_of_jaxpg():
         assert "no_such_package" in str(error)
     else:
         raise AssertionError("jaxpg.no_such_package did not raise AttributeError")
+
+
+def test_internals_are_out_of_every_public_all():
+    import importlib
+
+    import jaxpg.internal
+
+    public = ["jaxpg", "jaxpg.ddp", "jaxpg.fsdp", "jaxpg.pipeline", "jaxpg.tensor_parallel",
+              "jaxpg.rendezvous", "jaxpg.stores", "jaxpg.run"]
+    exported = {name for package in public
+                for name in importlib.import_module(package).__all__}
+    assert set(jaxpg.internal.__all__) & exported == set()
+    # each internal name is the defining module's object, not a copy
+    from jaxpg.ddp.reducer import fused_pmean
+    from jaxpg.rendezvous.init_method import free_port
+    from jaxpg.tensor_parallel.hlo_counts import collective_counts
+
+    assert jaxpg.internal.fused_pmean is fused_pmean
+    assert jaxpg.internal.free_port is free_port
+    assert jaxpg.internal.collective_counts is collective_counts

@@ -13,7 +13,7 @@ from jaxpg.ddp.comm_hooks import (
 from jaxpg.ddp.distributed import DistributedDataParallel
 from jaxpg.ddp.grad_bucket import GradBucket
 from jaxpg.ddp.join import Join
-from jaxpg.ddp.param_sync import param_signature, verify_param_shapes
+from jaxpg.ddp.param_sync import verify_param_shapes
 from jaxpg.ddp.powersgd import (
     PowerSGDConfig,
     PowerSGDState,
@@ -21,7 +21,7 @@ from jaxpg.ddp.powersgd import (
     powerSGD_compression_stats,
     powerSGD_hook,
 )
-from jaxpg.ddp.reducer import fused_pmean, reduce_gradients
+from jaxpg.ddp.reducer import reduce_gradients
 from jaxpg.ddp.sampler import DistributedSampler
 from jaxpg.ddp.sync_batchnorm import convert_sync_batchnorm, sync_batchnorm_axis
 
@@ -38,13 +38,11 @@ __all__ = [
     "bf16_compress_hook",
     "convert_sync_batchnorm",
     "fp16_compress_hook",
-    "fused_pmean",
     "init_powerSGD_state",
     "latest_step",
     "make_bucket_plan",
     "make_comm_hook",
     "noop_hook",
-    "param_signature",
     "powerSGD_compression_stats",
     "powerSGD_hook",
     "reduce_gradients",

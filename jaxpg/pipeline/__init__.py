@@ -30,12 +30,12 @@ from jaxpg.pipeline.schedules import (
 from jaxpg.pipeline.stage_meta import StageMeta, infer_stage_metadata
 from jaxpg.pipeline.stage_order import to_model_order, to_rank_order
 from jaxpg.pipeline.stage_split import StagePieces, split_stage
-from jaxpg.pipeline.timetable import KIND_CODES, Action, Timetable
+from jaxpg.pipeline.timetable import Action, Timetable
 from jaxpg.pipeline.train_step import init_train_state, make_train_step, place_pipeline_params
 from jaxpg.pipeline.zero import init_zero_train_state, make_zero_train_step
 
 __all__ = [
-    "Action", "Timetable", "KIND_CODES", "gpipe", "one_f_one_b", "interleaved_1f1b",
+    "Action", "Timetable", "gpipe", "one_f_one_b", "interleaved_1f1b",
     "zero_bubble_h1", "zero_bubble_v", "get_schedule", "available_schedules", "theory_ticks",
     "theory_bubble_fraction", "check_timetable", "peak_in_flight", "default_in_flight_limits",
     "render_text", "render_png", "StagedParams", "pipeline_value_and_grad", "make_train_step",

@@ -11,7 +11,6 @@ environments (torchrun/jaxpg-run, Slurm, Open MPI, MPICH).
 from jaxpg.rendezvous.cluster_env import LauncherWorld, detect_launcher
 from jaxpg.rendezvous.init_method import (
     RendezvousInfo,
-    free_port,
     initialize_jax_distributed,
     rendezvous,
     shutdown_jax_distributed,
@@ -21,7 +20,6 @@ __all__ = [
     "LauncherWorld",
     "RendezvousInfo",
     "detect_launcher",
-    "free_port",
     "initialize_jax_distributed",
     "rendezvous",
     "shutdown_jax_distributed",

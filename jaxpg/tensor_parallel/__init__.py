@@ -2,7 +2,6 @@
 ``parallelize_module`` plans for Flax NNX modules (see docs/tensor_parallel.md)."""
 
 from jaxpg.tensor_parallel.cross_entropy import ParallelCrossEntropy, vocab_parallel_cross_entropy
-from jaxpg.tensor_parallel.hlo_counts import collective_bytes, collective_counts
 from jaxpg.tensor_parallel.mappings import (
     all_to_all_region,
     copy_to_tensor_parallel_region,
@@ -37,7 +36,7 @@ from jaxpg.tensor_parallel.styles import (
     RowwiseParallel,
     SequenceParallel,
 )
-from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
+from jaxpg.tensor_parallel.tp_mesh import TPMesh
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -45,10 +44,10 @@ __all__ = [
     "RowSequenceParallelLinear", "parallelize_module", "parallel_style_of", "ParallelStyle",
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
     "PrepareModuleOutput", "PrepareModuleInputOutput", "Placement", "Shard", "Replicate",
-    "Partial", "TPMesh", "resolve_tp_mesh", "param_specs", "local_shape", "distribute_tensor",
+    "Partial", "TPMesh", "param_specs", "local_shape", "distribute_tensor",
     "to_global", "to_local", "copy_to_tensor_parallel_region",
     "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-    "all_to_all_region", "collective_counts", "collective_bytes",
+    "all_to_all_region",
 ]

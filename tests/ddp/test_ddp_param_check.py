@@ -5,7 +5,8 @@ import pytest
 from _ddp_models import MLP, group
 
 import jaxpg.ddp.param_sync as param_sync
-from jaxpg.ddp import DistributedDataParallel, param_signature, verify_param_shapes
+from jaxpg.ddp import DistributedDataParallel, verify_param_shapes
+from jaxpg.internal import param_signature
 
 
 def test_equal_signatures_pass():

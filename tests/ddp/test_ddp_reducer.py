@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.ddp import GradBucket, fused_pmean, make_bucket_plan, reduce_gradients
+from jaxpg.ddp import GradBucket, make_bucket_plan, reduce_gradients
+from jaxpg.internal import fused_pmean
 
 SHAPES = {
     "conv": {"kernel": (3, 3, 4, 8), "bias": (8,)},

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpg.rendezvous import free_port
+from jaxpg.internal import free_port
 from jaxpg.runtime.coordinator_process import linger_seconds
 
 WORKER = Path(__file__).parent / "workers" / "coordinator_loss.py"

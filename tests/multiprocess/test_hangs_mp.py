@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from _procs import finish
 
-from jaxpg.rendezvous import free_port
+from jaxpg.internal import free_port
 from jaxpg.supervision.fr_dump import read_dump
 from jaxpg.supervision.fr_trace import analyze, load_dumps
 

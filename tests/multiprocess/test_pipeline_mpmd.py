@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.rendezvous import free_port
+from jaxpg.internal import free_port
 
 WORKER = Path(__file__).parent / "workers" / "pipeline_mpmd_worker.py"
 CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called",

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpg
 from jaxpg.ddp import DistributedDataParallel
+from jaxpg.internal import resolve_tp_mesh
 from jaxpg.pipeline import StagedParams, pipeline_value_and_grad
 from jaxpg.tensor_parallel import (
     ColumnParallelLinear,
@@ -25,7 +26,6 @@ from jaxpg.tensor_parallel import (
     parallel_style_of,
     parallelize_module,
     param_specs,
-    resolve_tp_mesh,
     to_global,
 )
 

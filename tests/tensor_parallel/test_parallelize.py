@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.internal import collective_bytes, collective_counts
 from jaxpg.tensor_parallel import (
     ColwiseParallel,
     PrepareModuleOutput,
@@ -17,8 +18,6 @@ from jaxpg.tensor_parallel import (
     RowwiseParallel,
     SequenceParallel,
     Shard,
-    collective_bytes,
-    collective_counts,
     parallel_style_of,
     parallelize_module,
     param_specs,
