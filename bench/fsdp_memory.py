@@ -45,10 +45,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpg  # noqa: E402
+from jaxpg.data_parallel.shard_layout import make_layouts  # noqa: E402
+from jaxpg.data_parallel.zero import abstract_sharded_opt_state  # noqa: E402
 from jaxpg.ddp import bucket_plan, comm_hooks  # noqa: E402
-from jaxpg.ddp.shard_layout import make_layouts  # noqa: E402
 from jaxpg.ddp.train_step import StepMode, ZeroSharding, build_train_step  # noqa: E402
-from jaxpg.ddp.zero import abstract_sharded_opt_state  # noqa: E402
 from jaxpg.fsdp import FullyShardedDataParallel  # noqa: E402
 from jaxpg.fsdp.memory import StepMemory, state_bytes, step_memory  # noqa: E402
 

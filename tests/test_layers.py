@@ -40,6 +40,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("groups", ("groups",)),
     ("collectives", ("collectives", "spmd")),
     ("tensor_parallel", ("tensor_parallel", "context_parallel", "expert_parallel")),
+    # the data-parallel core ddp and fsdp share (batch placement, checkpoint format, ZeRO)
+    ("data_parallel", ("data_parallel",)),
     ("ddp/fsdp", ("ddp", "fsdp")),
     ("pipeline", ("pipeline",)),
     ("run", ("run",)),
@@ -194,6 +196,23 @@ def test_no_module_imports_from_a_higher_layer():
         if _layer(target) > _layer(name)
     ]
     assert upward == []
+
+
+def test_no_private_name_crosses_packages():
+    # ``from jaxpg.<package>... import _name`` only inside <package>: what another package
+    # needs is public in its module (the shared data-parallel core, say), not borrowed.
+    borrowed = []
+    for name, (path, _) in sorted(MODULES.items()):
+        own = name.split(".")[1] if "." in name else ""
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level \
+                    and (node.module or "").startswith("jaxpg."):
+                package = node.module.split(".")[1]
+                borrowed += [f"{name}:{node.lineno} imports {node.module}.{a.name}"
+                             for a in node.names
+                             if a.name.startswith("_") and a.name != "__all__"
+                             and package != own]
+    assert borrowed == []
 
 
 def test_jax_compat_stays_at_the_bottom():

@@ -27,26 +27,19 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+
+from jaxpg.data_parallel.checkpoint_format import numbered_arrays, restore_leaves
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "latest_step"]
 
 _PARTS = ("params", "rest", "opt_state", "hook_state")
 
 
-def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _flat(ddp: Any) -> tuple[dict[str, Any], list[str]]:
     state = ddp.state_dict()
     tree = {k: state[k] for k in _PARTS}
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    arrays = {
-        f"{i:05d}": (jax.random.key_data(x) if _is_key(x) else x)
-        for i, (_, x) in enumerate(leaves)
-        if x.size  # orbax refuses empty arrays; restore takes them from the model
-    }
+    arrays = numbered_arrays([x for _, x in leaves])
     return arrays, [jax.tree_util.keystr(p) for p, _ in leaves]
 
 
@@ -134,12 +127,6 @@ def restore_checkpoint(
     state = ddp.state_dict()
     tree = {k: state[k] for k in _PARTS}
     leaves, treedef = jax.tree.flatten(tree)
-    new = []
-    for i, old in enumerate(leaves):
-        value = restored.get(f"{i:05d}", old)
-        if _is_key(old) and value is not old:
-            value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(old))
-        new.append(value)
-    loaded = jax.tree.unflatten(treedef, new)
+    loaded = jax.tree.unflatten(treedef, restore_leaves(leaves, restored))
     ddp.load_state_dict({**loaded, "step": meta["step"]})
     return int(meta["step"]), dict(meta["data_state"])

@@ -45,11 +45,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.shard_layout import make_layouts
+from jaxpg.data_parallel.zero import init_sharded_opt_state
 from jaxpg.ddp import param_sync
 from jaxpg.ddp.bucket_plan import BucketPlan, make_bucket_plan
 from jaxpg.ddp.comm_hooks import make_comm_hook
 from jaxpg.ddp.join import Join
-from jaxpg.ddp.shard_layout import make_layouts
 from jaxpg.ddp.step_layout import (
     StepLayout,
     layout_batch,
@@ -58,7 +59,6 @@ from jaxpg.ddp.step_layout import (
     step_layout,
 )
 from jaxpg.ddp.train_step import REDUCTIONS, StepMode, ZeroSharding, build_train_step
-from jaxpg.ddp.zero import init_sharded_opt_state
 from jaxpg.supervision.recorded_step import recorded_step
 
 __all__ = ["DistributedDataParallel"]
@@ -86,7 +86,7 @@ class DistributedDataParallel:
             instead of copied first).
         shard_optimizer_state: ZeRO-1, as torch's ``ZeroRedundancyOptimizer``: the
             optimizer state is split on dim 0 over the group (padded to a multiple of the
-            rank count, :mod:`jaxpg.ddp.zero`), the gradients are still reduced by the
+            rank count, :mod:`jaxpg.data_parallel.zero`), the gradients are still reduced by the
             bucketed reducer and its hook, each rank steps its shard, and the new
             parameters are all-gathered. ``opt_state`` then holds sharded global arrays.
 
@@ -172,7 +172,7 @@ class DistributedDataParallel:
 
     def _init_zero_opt_state(self) -> tuple[Any, ZeroSharding]:
         """ZeRO-1's optimizer state: split on dim 0 over the data-parallel axes, on top of
-        any tensor-parallel split of the parameter it follows (:mod:`jaxpg.ddp.zero`)."""
+        any tensor-parallel split of the parameter it follows (:mod:`jaxpg.data_parallel.zero`)."""
         lay = self.layout
         axes = lay.dp_axes
         if lay.sharded:

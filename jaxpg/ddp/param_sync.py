@@ -28,6 +28,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.prng_keys import unkey
+
 __all__ = [
     "split_model",
     "ParamSignature",
@@ -128,26 +130,6 @@ def gather_param_signatures(params: Any, pg: Any) -> list[ParamSignature]:
     return [tuple((p, tuple(s), d) for p, s, d in g[0]) for g in gathered]
 
 
-def _is_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _unkey(tree: Any) -> tuple[Any, Any]:
-    """Replaces PRNG key leaves by their raw data; returns the tree and a function undoing it."""
-    leaves, treedef = jax.tree.flatten(tree)
-    impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
-    raw = [jax.random.key_data(x) if i is not None else x for x, i in zip(leaves, impls)]
-
-    def rekey(new_tree: Any) -> Any:
-        new = jax.tree.leaves(new_tree)
-        return treedef.unflatten(
-            [jax.random.wrap_key_data(x, impl=i) if i is not None else x
-             for x, i in zip(new, impls, strict=True)]
-        )
-
-    return treedef.unflatten(raw), rekey
-
-
 def replicate_from_rank0(tree: Any, pg: Any, *, broadcast: bool = True) -> Any:
     """Returns ``tree`` as fresh arrays replicated over ``pg.mesh``, with rank 0's values.
 
@@ -161,7 +143,7 @@ def replicate_from_rank0(tree: Any, pg: Any, *, broadcast: bool = True) -> Any:
         # A fresh copy first: device_put may alias a buffer already on a mesh device, and
         # the train step donates its inputs.
         return jax.tree.map(lambda x: jax.device_put(jnp.array(x, copy=True), sharding), tree)
-    raw, rekey = _unkey(tree)
+    raw, rekey = unkey(tree)
     if not broadcast:
         return rekey(jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), raw))

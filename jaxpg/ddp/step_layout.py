@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.prng_keys import is_key
 from jaxpg.ddp.param_sync import place_batch
 
 __all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank"]
@@ -154,10 +155,6 @@ def _all_local(mesh: Mesh) -> bool:
     return all(d.id in local for d in mesh.devices.flat)
 
 
-def _is_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def place_on_layout(tree: Any, specs: Any, layout: StepLayout, *, broadcast: bool = True) -> Any:
     """Fresh arrays of ``tree`` laid out by ``specs`` on ``layout.mesh``.
 
@@ -168,7 +165,7 @@ def place_on_layout(tree: Any, specs: Any, layout: StepLayout, *, broadcast: boo
     mesh = layout.mesh
     leaves, treedef = jax.tree.flatten(tree)
     spec_leaves = treedef.flatten_up_to(specs)
-    impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+    impls = [jax.random.key_impl(x) if is_key(x) else None for x in leaves]
     raw = [jax.random.key_data(x) if i is not None else x for x, i in zip(leaves, impls)]
     if _all_local(mesh):
         out = [jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, P(*s)))

@@ -46,10 +46,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.zero import sharded_update
 from jaxpg.ddp.bucket_plan import BucketPlan
 from jaxpg.ddp.comm_hooks import CommHook
 from jaxpg.ddp.reducer import fused_pmean, reduce_gradients
-from jaxpg.ddp.zero import sharded_update
 
 __all__ = ["StepMode", "ZeroSharding", "build_train_step", "REDUCTIONS"]
 
@@ -169,11 +169,11 @@ def build_train_step(
             own mesh, everything replicated.
         opt_specs: the optimizer state's ``PartitionSpec`` tree, with ``layout``.
         zero: ZeRO-1 (``shard_optimizer_state=True``): the optimizer state is split over
-            the group (:mod:`jaxpg.ddp.zero`; with ``layout``, over its data-parallel axes on
-            top of each parameter's tensor-parallel split) and never enters the ``shard_map``; the
-            per-rank function returns the reduced gradients, and the update runs on the
-            global arrays after it, each rank stepping its shard, then the new parameters
-            are all-gathered.
+            the group (:mod:`jaxpg.data_parallel.zero`; with ``layout``, over its
+            data-parallel axes on top of each parameter's tensor-parallel split) and never
+            enters the ``shard_map``; the per-rank function returns the reduced gradients,
+            and the update runs on the global arrays after it, each rank stepping its
+            shard, then the new parameters are all-gathered.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}.")
@@ -268,7 +268,7 @@ def build_train_step(
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class ZeroSharding:
-    """Where DDP's ZeRO-1 optimizer state lives (see :mod:`jaxpg.ddp.zero`).
+    """Where DDP's ZeRO-1 optimizer state lives (see :mod:`jaxpg.data_parallel.zero`).
 
     Attributes:
         layouts: a ``ShardLayout`` per parameter.

@@ -28,8 +28,9 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
+from jaxpg.data_parallel.checkpoint_format import numbered_arrays, restore_leaves
+from jaxpg.data_parallel.prng_keys import is_key
 from jaxpg.ddp.checkpoint import latest_step
 from jaxpg.fsdp.model_parallel import has_block_padding
 from jaxpg.fsdp.placement import check_fits
@@ -40,18 +41,13 @@ __all__ = ["save_checkpoint", "restore_checkpoint", "consolidate_checkpoint", "l
 _PARTS = ("params", "rest", "opt_state")
 
 
-def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _tree(state: dict[str, Any]) -> dict[str, Any]:
     # DDP's tree, so that paths and array numbers are the same (no hook state here)
     return {**{k: state[k] for k in _PARTS}, "hook_state": None}
 
 
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
-    return {f"{i:05d}": (jax.random.key_data(x) if _is_key(x) else x)
-            for i, x in enumerate(jax.tree.leaves(tree)) if x.size}
+    return numbered_arrays(jax.tree.leaves(tree))
 
 
 def _manager(directory: str | os.PathLike, **kwargs: Any) -> Any:
@@ -150,9 +146,9 @@ def restore_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
         key = f"{i:05d}"
         if key not in saved_shapes:
             continue
-        raw = jax.random.key_data(x) if _is_key(x) else x
+        raw = jax.random.key_data(x) if is_key(x) else x
         stored = saved_shapes[key]
-        if _is_key(x):  # key data has one more dimension than the key array
+        if is_key(x):  # key data has one more dimension than the key array
             stored, true = stored[: x.ndim], tuple(true)
         check_fits(path, stored, tuple(saved_true[i]) if saved_true else stored, true,
                    "restore_checkpoint")
@@ -162,13 +158,7 @@ def restore_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
     with _manager(directory) as mngr:
         restored = mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract, strict=False)))["state"]
-    new = []
-    for i, old in enumerate(leaves):
-        value = restored.get(f"{i:05d}", old)
-        if _is_key(old) and value is not old:
-            value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(old))
-        new.append(value)
-    loaded = jax.tree.unflatten(treedef, new)
+    loaded = jax.tree.unflatten(treedef, restore_leaves(leaves, restored))
     fsdp.load_state_dict({**{k: loaded[k] for k in _PARTS}, "step": meta["step"]})
     return int(meta["step"]), dict(meta["data_state"])
 

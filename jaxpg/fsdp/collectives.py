@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpg.ddp.shard_layout import ShardLayout
+from jaxpg.data_parallel.shard_layout import ShardLayout
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["Comm", "divide_factors", "gather_leaf", "reduce_leaf", "allreduce_leaf",

@@ -22,9 +22,9 @@ import jax
 import numpy as np
 import optax
 
+from jaxpg.data_parallel.shard_layout import ShardLayout, layout_bytes, make_layouts
+from jaxpg.data_parallel.zero import abstract_sharded_opt_state, init_sharded_opt_state
 from jaxpg.ddp import param_sync
-from jaxpg.ddp.shard_layout import ShardLayout, layout_bytes, make_layouts
-from jaxpg.ddp.zero import abstract_sharded_opt_state, init_sharded_opt_state
 from jaxpg.fsdp import placement
 from jaxpg.fsdp.collectives import Comm
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy

@@ -11,8 +11,8 @@ DeviceMesh holds global arrays laid out on that mesh (a column-parallel kernel
   ``tp`` rank of a replica, and ``loss_fn`` runs the tensor-parallel code on each device's
   blocks;
 * shards each parameter over ``dp`` on top of its tensor-parallel split
-  (:class:`~jaxpg.ddp.shard_layout.ShardLayout` with the parameter's ``base_spec``): dim 0's
-  spec entry gains ``"dp"`` (``P("dp", "tp")`` for a column-parallel kernel,
+  (:class:`~jaxpg.data_parallel.shard_layout.ShardLayout` with the parameter's
+  ``base_spec``): dim 0's spec entry gains ``"dp"`` (``P("dp", "tp")`` for a column-parallel kernel,
   ``P(("tp", "dp"))`` for a row-parallel one, whose ``tp`` blocks are each padded alone);
   gathering over ``dp`` inside the step gives back exactly the block the
   tensor-parallel code expects, and gradients are reduce-scattered over ``dp`` only.
@@ -30,7 +30,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from jaxpg.ddp.shard_layout import ShardLayout
+from jaxpg.data_parallel.shard_layout import ShardLayout
 from jaxpg.ddp.step_layout import StepLayout, step_layout
 from jaxpg.fsdp.shard_group import ShardGroup
 

@@ -155,9 +155,9 @@ class ShardGroup:
         if self.all_local:
             return jax.tree.map(
                 lambda x: jax.device_put(jnp.array(x, copy=True), replicated), tree)
-        from jaxpg.ddp.param_sync import _unkey
+        from jaxpg.data_parallel.prng_keys import unkey
 
-        raw, rekey = _unkey(tree)
+        raw, rekey = unkey(tree)
         stacked = self.sharding(self.batch_spec)
         local = jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(stacked, np.asarray(x)[None]),

@@ -10,12 +10,13 @@ Per rank (inside ``shard_map`` over the group's mesh) the step
   ``param_dtype``, then all-reduces (stage 1) or reduce-scatters (stage 2) the gradients
   in ``reduce_dtype``.
 
-Then, on the global arrays after the ``shard_map`` (:func:`jaxpg.ddp.zero.sharded_update`),
-the optax update runs on each rank's shard of the optimizer state; stage 1 and 2
-all-gather the new parameters, stage 3 keeps them sharded. Under ``no_sync`` each rank
-adds its unreduced, unsharded gradients to a per-rank accumulator instead (torch's
-``set_requires_gradient_sync(False)``: that accumulator is as large as the parameters),
-and the next synchronising step adds it before reducing.
+Then, on the global arrays after the ``shard_map``
+(:func:`jaxpg.data_parallel.zero.sharded_update`), the optax update runs on each rank's
+shard of the optimizer state; stage 1 and 2 all-gather the new parameters, stage 3 keeps
+them sharded. Under ``no_sync`` each rank adds its unreduced, unsharded gradients to a
+per-rank accumulator instead (torch's ``set_requires_gradient_sync(False)``: that
+accumulator is as large as the parameters), and the next synchronising step adds it before
+reducing.
 
 Inside ``loss_fn``, ``jaxpg.get_rank()`` is the traced rank and jaxpg collectives lower
 onto the group's mesh, as in DDP's step.
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.ddp.zero import sharded_update
+from jaxpg.data_parallel.zero import sharded_update
 from jaxpg.fsdp import units as _units
 from jaxpg.fsdp.collectives import Comm, accumulate, allreduce_leaf, gather_param, reduce_leaf
 from jaxpg.fsdp.model_parallel import local_block_shape

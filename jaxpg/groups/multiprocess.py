@@ -25,7 +25,7 @@ import jax
 from jaxpg.errors import DistError, DistNetworkError, DistTimeoutError
 from jaxpg.supervision import collective_call, compile_clock, fr_requests, liveness, watchdog
 from jaxpg.supervision.collective_call import (  # noqa: F401 (the call API, re-exported)
-    _group_store,
+    group_store,
     run_collective,
     submit,
     timeout_text,
@@ -162,7 +162,7 @@ def on_groups_created(state: Any, groups: Sequence[Any]) -> None:
     from jaxpg.stores import PrefixStore
 
     for g in groups:
-        _group_store(g)
+        group_store(g)
     first = groups[0]
     _store_barrier(state, PrefixStore(first.group_name, state.store), "created",
                    list(range(state.process_count)), first.timeout,
@@ -174,7 +174,7 @@ def monitored_barrier(group: Any, timeout: datetime.timedelta, wait_all_ranks: b
     state = group._world
     group._monitored = getattr(group, "_monitored", 0) + 1
     procs = _processes_of(state, group.members)
-    missing = _arrive_and_wait(_group_store(group), f"monitored/{group._monitored}",
+    missing = _arrive_and_wait(group_store(group), f"monitored/{group._monitored}",
                                state.process_index, procs, timeout)
     if missing:
         ranks = _ranks_of_processes(state, missing, group.members)

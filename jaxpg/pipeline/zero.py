@@ -30,8 +30,12 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.ddp.shard_layout import ShardLayout
-from jaxpg.ddp.zero import abstract_sharded_opt_state, init_sharded_opt_state, sharded_update
+from jaxpg.data_parallel.shard_layout import ShardLayout
+from jaxpg.data_parallel.zero import (
+    abstract_sharded_opt_state,
+    init_sharded_opt_state,
+    sharded_update,
+)
 from jaxpg.fsdp.collectives import Comm, reduce_leaf
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad

@@ -30,7 +30,7 @@ from jaxpg.supervision.progress import progress as _progress
 from jaxpg.supervision.runner import Job
 from jaxpg.supervision.runner import runner as _runner
 
-__all__ = ["configure", "run_collective", "submit", "wait_job", "timeout_text"]
+__all__ = ["configure", "group_store", "run_collective", "submit", "wait_job", "timeout_text"]
 
 _detail = False  # JAXPG_DEBUG=DETAIL, read at init_process_group
 _heartbeat = 10.0  # JAXPG_HEARTBEAT_TIMEOUT, read at init_process_group
@@ -131,7 +131,7 @@ def _check_alive(group: Any, api: str, seq: int) -> None:
                    f"{api} #{seq} on group {group.group_name!r}")
 
 
-def _group_store(group: Any) -> Any:
+def group_store(group: Any) -> Any:
     """The group's PrefixStore (made on first use for groups made without a barrier)."""
     if group.store is None:
         from jaxpg.stores import PrefixStore
@@ -166,7 +166,7 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None,
             the user's code, pass through unchanged).
     """
     if group.store is None:
-        _group_store(group)
+        group_store(group)
     if _check is not None:
         _check(group, api)
     blocking = group._world.blocking_wait

@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.ddp.shard_layout import ShardLayout, layout_bytes, make_layouts, pad_leaf, unpad_leaf
+from jaxpg.data_parallel.shard_layout import (
+    ShardLayout,
+    layout_bytes,
+    make_layouts,
+    pad_leaf,
+    unpad_leaf,
+)
 
 
 @pytest.mark.parametrize("shape, n, padded", [

@@ -4,7 +4,7 @@ torch's ``ZeroRedundancyOptimizer`` and Paddle's ``DygraphShardingOptimizer`` gi
 rank the optimizer state of a part of the parameters: after the gradient all-reduce each
 rank steps its part and broadcasts the new values. Here the state is a pytree of global
 ``jax.Array`` s, each param-shaped leaf padded on dim 0 to a multiple of the rank count and
-laid out ``P(axis)`` over the group (:mod:`jaxpg.ddp.shard_layout`); the update is written
+laid out ``P(axis)`` over the group (:mod:`jaxpg.data_parallel.shard_layout`); the update is written
 on those global arrays *outside* ``shard_map`` but inside the same ``jit``, so XLA's SPMD
 partitioner gives each rank its shard of every element-wise operation and turns whole-tree
 reductions into all-reduces:
@@ -35,7 +35,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.ddp.shard_layout import ShardLayout, pad_leaf, unpad_leaf
+from jaxpg.data_parallel.shard_layout import ShardLayout, pad_leaf, unpad_leaf
 
 __all__ = [
     "opt_state_shardings", "abstract_sharded_opt_state", "init_sharded_opt_state",
