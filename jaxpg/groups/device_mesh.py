@@ -117,8 +117,8 @@ class DeviceMesh:
         if self.ndim != 1:
             raise ValueError(
                 f"{api}: {arg}= runs over one axis, but got a {self.ndim}-D DeviceMesh with "
-                f"dimensions {self.mesh_dim_names}; pass one of them, e.g. "
-                f"{arg}=mesh[{self.mesh_dim_names[0]!r}]."
+                f"dimensions {self.mesh_dim_names}; pass one of them: "
+                + " or ".join(f"{arg}=mesh[{n!r}]" for n in self.mesh_dim_names) + "."
             )
         return self.get_group()
 

@@ -80,3 +80,37 @@ def resolve_mesh(mesh: Any, *, api: str, arg: str = "mesh") -> Mesh:
     if isinstance(mesh, HybridCommunicateGroup | ParallelDims | DeviceMesh):
         return resolve_device_mesh(mesh, api=api, arg=arg).jax_mesh
     raise devices_error(api, arg, mesh, MESH_FORMS)
+
+
+def data_parallel_axis(mesh: Any, dp_axis: str | None) -> str | None:
+    """The one data-parallel axis of ``mesh`` for APIs that take one (the pipeline's).
+
+    ``dp_axis`` itself when the mesh has it or ``mesh`` is not a ``ParallelDims`` (nor a
+    HybridCommunicateGroup made from one); otherwise the ParallelDims' ``dp_replicate``
+    axis, or its ``dp_shard`` axis when only that one is larger than 1.
+
+    Raises:
+        ValueError: for a ParallelDims with both ``dp_replicate`` and ``dp_shard`` above 1.
+    """
+    dims = mesh if isinstance(mesh, ParallelDims) else getattr(mesh, "parallel_dims", None)
+    if not isinstance(dims, ParallelDims) or dp_axis in dims.device_mesh.mesh_dim_names:
+        return dp_axis
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        raise ValueError(
+            f"mesh={dims!r} has two data-parallel axes ({dims.axis('dp_replicate')!r} and "
+            f"{dims.axis('dp_shard')!r}); name the one to run over with dp_axis=.")
+    return dims.axis("dp_shard" if dims.dp_shard > 1 else "dp_replicate")
+
+
+def one_of(api: str, **given: Any) -> Any:
+    """The one of several spellings of the same argument that was passed (torch's
+    ``device_mesh=`` beside ``group=``), or None.
+
+    Raises:
+        ValueError: if more than one was passed.
+    """
+    passed = {k: v for k, v in given.items() if v is not None}
+    if len(passed) > 1:
+        raise ValueError(f"{api}: pass one of {', '.join(f'{k}=' for k in given)}, not "
+                         f"{' and '.join(f'{k}=' for k in passed)}: they name the same devices.")
+    return next(iter(passed.values()), None)
