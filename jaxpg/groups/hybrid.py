@@ -89,6 +89,8 @@ class HybridCommunicateGroup:
             raise ValueError(f"HybridCommunicateGroup: mesh dimensions {sorted(unknown)} are "
                              f"not {', '.join(_PADDLE_DIMS)}.")
         self.device_mesh: DeviceMesh = mesh
+        if {"dp", "sep"} <= set(mesh.mesh_dim_names) and "dp_sep" not in mesh._flat:
+            mesh["dp", "sep"]._flatten("dp_sep")  # Paddle's fused data x sep group
         _world.current().hybrid_group = self  # the default of Paddle's mp layers
 
     @property
@@ -167,6 +169,14 @@ class HybridCommunicateGroup:
     def get_sep_parallel_group(self) -> ProcessGroup:
         """The acting rank's sep (context-parallel) group (one rank with sep_degree 1)."""
         return self._group("sep")
+
+    def get_dp_sep_parallel_group(self) -> ProcessGroup:
+        """The acting rank's fused data x sep group (Paddle's ``dp_sep`` group: gradients
+        of a sequence-parallel model are averaged over it)."""
+        return self._flat_group("dp_sep", "dp x sep")
+
+    def get_dp_sep_parallel_world_size(self) -> int:
+        return self._flat_group("dp_sep", "dp x sep").size()
 
     def _flat_group(self, name: str, what: str) -> ProcessGroup:
         if name not in self.device_mesh._flat:

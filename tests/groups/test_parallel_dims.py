@@ -96,6 +96,7 @@ def test_hybrid_communicate_group_is_paddles_face_of_parallel_dims():
         assert hcg.get_expert_parallel_group().ranks == (4, 6)
         assert hcg.get_expert_parallel_rank() == 1
         assert hcg.get_moe_sharding_parallel_group().ranks == (2, 6)
+        assert hcg.get_dp_sep_parallel_group().ranks == (4, 6)  # dp=1: the sep group
     assert hcg.get_expert_parallel_world_size() == 2
     assert hcg.get_moe_sharding_parallel_world_size() == 2
     assert jaxpg.HybridCommunicateGroup(mesh=dims).device_mesh is dims.device_mesh
