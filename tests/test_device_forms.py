@@ -171,3 +171,29 @@ def test_sync_batchnorm(dims):
 
     axes = {name: sync_batchnorm_axis(form) for name, form in axis_forms(dims, "dp").items()}
     assert set(axes.values()) == {dims.get_group("dp").axis_name}, axes
+
+
+class _Mlp(nnx.Module):
+    def __init__(self):
+        self.up = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.down = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def test_parallelize_on_tp_then_wrap_on_dp_of_one_parallel_dims(dims):
+    from jaxpg.ddp import DistributedDataParallel
+    from jaxpg.fsdp import FullyShardedDataParallel
+    from jaxpg.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    ref = _Mlp()
+    grads = nnx.grad(_mse)(ref, _batch())
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(ref, nnx.Param), grads)
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    for name, cls, kwargs in [("DDP group=dims['dp']", DistributedDataParallel,
+                               dict(group=dims["dp"])),
+                              ("FSDP group=dims", FullyShardedDataParallel, dict(group=dims))]:
+        wrapper = cls(parallelize_module(_Mlp(), dims["tp"], plan), optax.sgd(0.1), **kwargs)
+        wrapper.train_step(_mse, _batch())
+        _assert_params(nnx.state(wrapper.module, nnx.Param), want, name)
