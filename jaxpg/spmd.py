@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.groups import world as _world
 from jaxpg.groups.callbacks import set_traced_rank
+from jaxpg.groups.resolve import resolve_group, resolve_mesh
 from jaxpg.supervision.recorded_step import recorded_step
 
 __all__ = ["spmd", "SpmdContext", "current_context"]
@@ -126,11 +127,12 @@ def spmd(
 
     Two forms:
 
-    * ``spmd(fn, group=g)`` (the world for None): every argument and result is a pytree
-      whose leaves are stacked along a leading axis of size ``g.size()`` in group-rank order;
-      ``fn`` sees one rank's slice (without the leading axis).
+    * ``spmd(fn, group=g)`` (a ProcessGroup or a 1-D DeviceMesh; the world for None): every
+      argument and result is a pytree whose leaves are stacked along a leading axis of size
+      ``g.size()`` in group-rank order; ``fn`` sees one rank's slice (without the leading axis).
     * ``spmd(fn, mesh=m, in_specs=..., out_specs=...)``: a thin wrapper over ``jax.shard_map``
-      on a ``DeviceMesh`` or ``jax.sharding.Mesh``; groups that are mesh axes (``m["dp"]``)
+      on a ``DeviceMesh``, ``ParallelDims``, ``HybridCommunicateGroup`` or
+      ``jax.sharding.Mesh``; groups that are mesh axes (``m["dp"]``)
       lower to collectives on that axis name.
 
     Inside ``fn``, ``jaxpg.get_rank()`` is the traced global rank. The result composes with
@@ -153,7 +155,7 @@ def spmd(
     if mesh is not None:
         if group is not None:
             raise ValueError("spmd: pass group= or mesh=, not both.")
-        jax_mesh = getattr(mesh, "jax_mesh", mesh)
+        jax_mesh = resolve_mesh(mesh, api="spmd")
         if in_specs is None or out_specs is None:
             raise ValueError("spmd(mesh=...) needs in_specs and out_specs, as jax.shard_map.")
 
@@ -165,11 +167,11 @@ def spmd(
             body, mesh=jax_mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
         ), jax_mesh, fn)
 
-    pg = _world._resolve_group(group, "spmd")
+    pg = resolve_group(group, api="spmd")
     if len(pg.family) > 1:
         jax_mesh = pg.family_mesh
     else:
-        jax_mesh = pg.mesh
+        jax_mesh = pg.jax_mesh
     axis = pg.axis_name
 
     def per_rank(*args: Any) -> Any:

@@ -70,7 +70,9 @@ class DistributedDataParallel:
     Args:
         module: an ``nnx.Module``, or a parameter pytree (Linen's ``variables['params']``).
         optimizer: an ``optax.GradientTransformation``.
-        group: the process group to average over (the world for None).
+        group: the group to average over: a ProcessGroup, a 1-D DeviceMesh (``mesh["dp"]``,
+            ``ParallelDims(...)["dp"]``) or None for the world.
+        device_mesh: torch's spelling of ``group`` (a 1-D DeviceMesh); pass one of them.
         bucket_cap_mb: gradient bucket cap in MiB (torch's default 25).
         first_bucket_mb: size of the first bucket in MiB (torch's default 1).
         comm_hook: ``None`` (average), a hook name (``'allreduce'``, ``'fp16_compress'``,
@@ -109,10 +111,12 @@ class DistributedDataParallel:
         reduction: str = "buckets",
         donate: bool = True,
         shard_optimizer_state: bool = False,
+        device_mesh: Any = None,
     ) -> None:
-        from jaxpg.groups import world
+        from jaxpg.groups.resolve import one_of, resolve_group
 
-        self.group = world._resolve_group(group, "DistributedDataParallel")
+        api = "DistributedDataParallel"
+        self.group = resolve_group(one_of(api, group=group, device_mesh=device_mesh), api=api)
         if not self.group.local_members():
             raise ValueError(
                 f"DistributedDataParallel: this process holds no rank of {self.group!r}; "

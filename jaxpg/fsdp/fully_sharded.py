@@ -60,8 +60,11 @@ class FullyShardedDataParallel:
         module: an ``nnx.Module``, or a parameter pytree (Linen's ``variables['params']``).
         optimizer: an ``optax.GradientTransformation``.
         group: ``None`` (the world), a ``ProcessGroup``, a 1-D ``DeviceMesh``, a 2-D
-            ``DeviceMesh`` (HSDP: replicate over dim 0, shard over dim 1) or a
-            ``HybridCommunicateGroup`` (replicate over ``dp``, shard over ``sharding``).
+            ``DeviceMesh`` (HSDP: replicate over dim 0, shard over dim 1), a
+            ``HybridCommunicateGroup`` (replicate over ``dp``, shard over ``sharding``) or
+            a ``ParallelDims`` (replicate over ``dp_replicate``, shard over ``dp_shard``).
+        device_mesh: torch's spelling of ``group`` (FSDP's ``device_mesh=``, fully_shard's
+            ``mesh=``); pass one of them.
         stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
             (Paddle's ``'os'``, ``'os_g'``, ``'p_g_os'``).
         reshard_after_forward: stage 3: drop each unit's gathered parameters after its
@@ -82,7 +85,11 @@ class FullyShardedDataParallel:
     def __init__(self, module: Any, optimizer: optax.GradientTransformation, *,
                  group: Any = None, stage: int = 3, reshard_after_forward: bool = True,
                  mp_policy: MixedPrecisionPolicy | None = None, units: Any = None,
-                 broadcast_params: bool = True, donate: bool = True) -> None:
+                 broadcast_params: bool = True, donate: bool = True,
+                 device_mesh: Any = None) -> None:
+        from jaxpg.groups.resolve import one_of
+
+        group = one_of(_API, group=group, device_mesh=device_mesh)
         if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ValueError(f"{_API}: {stage=} must be 1 (optimizer state), 2 (+ gradients) "
                              "or 3 (+ parameters).")

@@ -68,9 +68,7 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
     """
     if not _elsewhere(group, (params, rest)):
         return group, None
-    from jaxpg.groups.process_group import ProcessGroup
-
-    if group.replicate_axes or not (given is None or isinstance(given, ProcessGroup)):
+    if group.replicate_axes:  # HSDP: a 2-D DeviceMesh, a HybridCommunicateGroup
         raise ValueError(
             f"{api}: group={given!r} with a tensor-parallel model (its arrays are laid out "
             "on a larger mesh): HSDP and hybrid groups do not compose with tensor "

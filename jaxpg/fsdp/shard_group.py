@@ -3,7 +3,10 @@
 ``group`` may be:
 
 * ``None`` (the world) or a ``ProcessGroup``: every rank holds a shard (FSDP);
-* a 1-D ``DeviceMesh``: the same, over its dimension;
+* a 1-D ``DeviceMesh`` (``mesh["dp"]``): the same, over its dimension's group;
+* a ``ParallelDims``: replicated over ``dp_replicate`` and sharded over ``dp_shard``; with
+  ``tp > 1`` (and ``dp_replicate == 1``) sharded over ``dp_shard`` on top of the
+  tensor-parallel split;
 * a 2-D ``DeviceMesh``: HSDP, as torch's ``fully_shard(mesh=...)`` with a 2-D mesh: the
   first dimension replicates, the second shards (torch's ``("replicate", "shard")``);
 * a ``HybridCommunicateGroup``: Paddle's hybrid group, replicated over ``dp`` and sharded
@@ -216,33 +219,53 @@ def resolve_shard_group(group: Any, api: str) -> ShardGroup:
     from jaxpg.groups import world as _world
     from jaxpg.groups.device_mesh import DeviceMesh
     from jaxpg.groups.hybrid import HybridCommunicateGroup
+    from jaxpg.groups.parallel_dims import ParallelDims
     from jaxpg.groups.process_group import ProcessGroup
+    from jaxpg.groups.resolve import devices_error, resolve_group
 
     if not _world.is_initialized():
         _world.init_process_group()
     state = _world.current()
+    if isinstance(group, ParallelDims):
+        bad = {d: getattr(group, d) for d in ("pp", "cp") if getattr(group, d) != 1}
+        if bad or (group.tp > 1 and group.dp_replicate > 1):
+            bad.update({"tp": group.tp, "dp_replicate": group.dp_replicate} if not bad else {})
+            raise ValueError(
+                f"{api}: group={group!r} has {bad}; FullyShardedDataParallel shards over "
+                "dp_shard and replicates over dp_replicate, or shards over dp_shard on top of "
+                "a tp split. For a pipeline use jaxpg.fsdp.pipeline (ZeRO-1/2 inside each "
+                "stage).")
+        if group.tp > 1:  # parallelize first, then shard over dp_shard (model_parallel.py)
+            group = group.get_group(group.axis("dp_shard"))
+        else:
+            mesh = group.jax_mesh
+            _check_members(mesh, f"group={group!r}", api)
+            return ShardGroup(mesh, (group.axis("dp_shard"),), (group.axis("dp_replicate"),),
+                              state, state.world_group)
+    if isinstance(group, DeviceMesh) and group.ndim == 1:
+        group = group.get_group()  # mesh["dp"]: its process group, as every group= takes
     if group is None or isinstance(group, ProcessGroup) \
             or group is _world.GroupMember.NON_GROUP_MEMBER:  # refused, named, by the world
-        pg = _world._resolve_group(group, api)
+        pg = resolve_group(group, api=api)
         if not pg.local_members():
             raise ValueError(
                 f"{api}: this process holds no rank of {pg!r} (group ranks {list(pg.ranks)}); "
                 "only members of the group may wrap a model for it."
             )
-        return ShardGroup(pg.mesh, (pg.axis_name,), (), state, pg)
+        return ShardGroup(pg.jax_mesh, (pg.axis_name,), (), state, pg)
     if isinstance(group, HybridCommunicateGroup):
-        bad = {d: group._degree(d) for d in ("pp", "mp") if group._degree(d) != 1}
+        bad = {d: group._degree(d) for d in ("pp", "sep", "mp") if group._degree(d) != 1}
         if bad:
             raise ValueError(
                 f"{api}: group={group!r} has {bad}; FullyShardedDataParallel shards over its "
                 "'sharding' dimension and replicates over 'dp' only. For a pipeline use "
                 "jaxpg.pipeline.zero (ZeRO-1/2 over dp inside each stage)."
             )
-        mesh = group.mesh.jax_mesh
+        mesh = group.device_mesh.jax_mesh
         _check_members(mesh, f"group={group!r}", api)
         return ShardGroup(mesh, ("sharding",), ("dp",), state, state.world_group)
     if isinstance(group, DeviceMesh):
-        if group.ndim not in (1, 2):
+        if group.ndim != 2:
             raise ValueError(
                 f"{api}: group={group!r} has {group.ndim} dimensions; pass a 1-D mesh (FSDP) "
                 "or a 2-D mesh (HSDP: replicate over the first dimension, shard over the "
@@ -258,7 +281,8 @@ def resolve_shard_group(group: Any, api: str) -> ShardGroup:
                 "names (mesh[('replicate', 'shard')]) so every rank runs the same step."
             )
         return ShardGroup(mesh, (names[-1],), tuple(names[:-1]), state, state.world_group)
-    raise TypeError(
-        f"{api}: group must be None, a ProcessGroup, a 1-D or 2-D DeviceMesh or a "
-        f"HybridCommunicateGroup; got {type(group).__name__}."
-    )
+    raise devices_error(api, "group", group, _FSDP_FORMS)
+
+
+_FSDP_FORMS = ("a ProcessGroup, a 1-D DeviceMesh (FSDP), a 2-D DeviceMesh (HSDP), a "
+               "HybridCommunicateGroup, a ParallelDims or None (the world)")

@@ -1,8 +1,10 @@
-"""World and groups: init_process_group, new_group, DeviceMesh, HybridCommunicateGroup."""
+"""World and groups: init_process_group, new_group, ParallelDims, DeviceMesh,
+HybridCommunicateGroup."""
 
 from jaxpg.groups.backend import Backend
 from jaxpg.groups.device_mesh import DeviceMesh, init_device_mesh
 from jaxpg.groups.hybrid import HybridCommunicateGroup, get_hybrid_communicate_group
+from jaxpg.groups.parallel_dims import ParallelDims
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.subgroups import (
     get_global_rank,
@@ -33,4 +35,5 @@ __all__ = [
     "new_subgroups", "new_subgroups_by_enumeration", "as_rank", "default_pg_timeout",
     "destroy_process_group", "get_backend", "get_rank", "get_world_size", "init_process_group",
     "is_initialized", "dump_flight_recorder", "RecordedStep", "recorded_step",
+    "ParallelDims",
 ]

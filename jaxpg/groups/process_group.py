@@ -101,9 +101,15 @@ class ProcessGroup:
         return [self._world.devices[r] for r in self.ranks]
 
     @cached_property
-    def mesh(self) -> Mesh:
-        """A one-axis Mesh over the group's devices, axis ``axis_name``."""
+    def jax_mesh(self) -> Mesh:
+        """A one-axis ``jax.sharding.Mesh`` over the group's devices, axis ``axis_name``."""
         return Mesh(np.array(self.devices, dtype=object), (self.axis_name,))
+
+    @property
+    def mesh(self) -> Mesh:
+        """The same as :attr:`jax_mesh` (kept: the data-parallel internals read it; prefer
+        ``jax_mesh``, the name every mesh-holding type shares)."""
+        return self.jax_mesh
 
     @cached_property
     def family_mesh(self) -> Mesh:

@@ -224,7 +224,23 @@ def is_initialized() -> bool:
     return _state is not None
 
 
-def _resolve_group(group: ProcessGroup | None, api: str) -> ProcessGroup:
+GROUP_FORMS = "a ProcessGroup, a 1-D DeviceMesh (mesh['dp']) or None (the world)"
+"""What an argument naming one axis (``group=``) accepts."""
+
+
+def devices_error(api: str, arg: str, value: Any, forms: str) -> TypeError:
+    """The one error for an argument naming devices that is none of ``forms``."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return TypeError(f"{api}: {arg}= takes {forms}; got {type(value).__name__} {shown}.")
+
+
+def _resolve_group(group: Any, api: str, arg: str = "group") -> ProcessGroup:
+    """The ``ProcessGroup`` that ``group`` names: itself, a 1-D DeviceMesh's group (any
+    value whose type has ``_as_process_group(api, arg)``), or the world for None.
+
+    Public as ``jaxpg.groups.resolve.resolve_group``.
+    """
     state = current()
     if group is None:
         return state.world_group
@@ -233,8 +249,11 @@ def _resolve_group(group: ProcessGroup | None, api: str) -> ProcessGroup:
             f"{api}: this process is not a member of the group "
             "(GroupMember.NON_GROUP_MEMBER); only members may call it."
         )
+    as_group = getattr(type(group), "_as_process_group", None)  # DeviceMesh, above this module
+    if as_group is not None:
+        group = as_group(group, api, arg)
     if not isinstance(group, ProcessGroup):
-        raise TypeError(f"{api}: group must be a jaxpg ProcessGroup or None; got {group!r}.")
+        raise devices_error(api, arg, group, GROUP_FORMS)
     if group._world is not state:
         raise ValueError(
             f"{api}: group {group.group_name!r} belongs to a destroyed world; create it again "

@@ -87,6 +87,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups.resolve import data_parallel_axis, resolve_mesh
 from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import split_microbatches
@@ -368,7 +369,7 @@ def pipeline_value_and_grad(
     inputs: Any,
     targets: Any,
     *,
-    mesh: Mesh,
+    mesh: Any,
     schedule: Any = "1f1b",
     num_microbatches: int | None = None,
     first_fn: Callable[[Any, Any], Any] | None = None,
@@ -391,9 +392,10 @@ def pipeline_value_and_grad(
         inputs: a pytree of arrays with the (global) batch as dimension 0.
         targets: a pytree of arrays with the same batch dimension.
         mesh: a mesh with axis ``pp_axis`` and optionally ``dp_axis``: a
-            ``jax.sharding.Mesh``, a ``jaxpg.init_device_mesh(...)`` DeviceMesh, or a
-            ``jaxpg.HybridCommunicateGroup`` (its ``dp``/``pp`` dimensions; a model-parallel
-            ``mp`` dimension is left to the model).
+            ``jax.sharding.Mesh``, a ``jaxpg.init_device_mesh(...)`` DeviceMesh, a
+            ``jaxpg.ParallelDims`` (its ``pp`` axis, and ``dp_replicate`` or ``dp_shard`` as
+            ``dp_axis``) or a ``jaxpg.HybridCommunicateGroup`` (its ``dp``/``pp``
+            dimensions; a model-parallel ``mp`` dimension is left to the model).
         schedule: a schedule name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
             ``"zb_h1"``) or a ``Timetable``.
         num_microbatches: ``m``; required with a schedule name.
@@ -435,12 +437,8 @@ def pipeline_value_and_grad(
             of the pipeline size, a batch not divisible by ``dp * m``, stage shapes that
             do not chain, or a timetable that does not fit.
     """
-    mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)  # hcg / DeviceMesh
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            "mesh must be a jax.sharding.Mesh, a jaxpg DeviceMesh or a "
-            f"HybridCommunicateGroup; got {type(mesh).__name__}."
-        )
+    dp_axis = data_parallel_axis(mesh, dp_axis)
+    mesh = resolve_mesh(mesh, api="pipeline_value_and_grad")
     if pp_axis not in mesh.axis_names:
         raise ValueError(
             f"mesh has axes {mesh.axis_names} but no pipeline axis {pp_axis!r}; build it "

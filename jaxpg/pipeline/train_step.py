@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups.resolve import data_parallel_axis, resolve_mesh
 from jaxpg.pipeline.executor import (
     EXECUTORS,
     StagedParams,
@@ -35,7 +36,7 @@ from jaxpg.supervision.recorded_step import recorded_step
 __all__ = ["make_train_step", "place_pipeline_params", "init_train_state"]
 
 
-def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: str = "pp",
+def place_pipeline_params(params: StagedParams | Any, mesh: Any, *, pp_axis: str = "pp",
                           param_specs: Any = None) -> Any:
     """Puts stage-stacked parameters on ``mesh``: stages ``P(pp_axis)``, the rest replicated.
 
@@ -48,7 +49,7 @@ def place_pipeline_params(params: StagedParams | Any, mesh: Mesh, *, pp_axis: st
     spec says: a stage array ``P(pp_axis, *spec)``, the others by their spec. ``mesh``
     may also be a DeviceMesh or a HybridCommunicateGroup.
     """
-    mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)  # hcg / DeviceMesh
+    mesh = resolve_mesh(mesh, api="place_pipeline_params")
     staged = params if isinstance(params, StagedParams) else StagedParams(params)
     if param_specs is None:
         stage_sharding = NamedSharding(mesh, P(pp_axis))
@@ -83,7 +84,7 @@ def _put(a: Any, sharding: NamedSharding) -> jax.Array:
 def init_train_state(
     params: StagedParams | Any,
     optimizer: optax.GradientTransformation,
-    mesh: Mesh,
+    mesh: Any,
     *,
     pp_axis: str = "pp",
     param_specs: Any = None,
@@ -98,7 +99,7 @@ def init_train_state(
         ``(placed_params, opt_state)``.
     """
     placed = place_pipeline_params(params, mesh, pp_axis=pp_axis, param_specs=param_specs)
-    mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)
+    mesh = resolve_mesh(mesh, api="init_train_state")
     replicated = NamedSharding(mesh, P())
 
     def place(leaf):
@@ -115,7 +116,7 @@ def make_train_step(
     loss_fn: Callable[[Any, Any, Any], Any],
     optimizer: optax.GradientTransformation,
     *,
-    mesh: Mesh,
+    mesh: Any,
     schedule: Any = "1f1b",
     num_microbatches: int | None = None,
     first_fn: Callable[[Any, Any], Any] | None = None,
@@ -169,6 +170,7 @@ def make_train_step(
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is not one of {EXECUTORS}.")
     donated = (0, 1) if donate else ()
+    dp_axis = data_parallel_axis(mesh, dp_axis)
 
     def grads_of(params, inputs, targets, executor):
         return pipeline_value_and_grad(
@@ -205,4 +207,4 @@ def make_train_step(
 
 
 def _jax_mesh(mesh: Any) -> Any:
-    return getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)  # hcg / DeviceMesh
+    return resolve_mesh(mesh, api="pipeline.make_train_step")

@@ -38,6 +38,7 @@ from jaxpg.data_parallel.zero import (
 )
 from jaxpg.fsdp.collectives import Comm, reduce_leaf
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
+from jaxpg.groups.resolve import resolve_mesh
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
 from jaxpg.pipeline.train_step import place_pipeline_params
 
@@ -46,8 +47,8 @@ __all__ = ["pipeline_layouts", "init_zero_train_state", "make_zero_train_step",
 
 
 def _mesh(mesh: Any, pp_axis: str, dp_axis: str) -> Mesh:
-    mesh = getattr(getattr(mesh, "mesh", mesh), "jax_mesh", mesh)
-    if not isinstance(mesh, Mesh) or pp_axis not in mesh.axis_names \
+    mesh = resolve_mesh(mesh, api="jaxpg.fsdp.pipeline")
+    if pp_axis not in mesh.axis_names \
             or dp_axis not in mesh.axis_names:
         raise ValueError(
             f"ZeRO inside a pipeline needs a mesh with a pipeline axis {pp_axis!r} and a "

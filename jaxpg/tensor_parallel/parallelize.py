@@ -113,8 +113,9 @@ def parallelize_module(module: nnx.Module, device_mesh: Any = None,
     Args:
         module: the ``nnx.Module`` to parallelize.
         device_mesh: the tensor-parallel group: a 1-D DeviceMesh (``mesh["tp"]``), a
-            ProcessGroup of a mesh dimension, a HybridCommunicateGroup (its model-parallel
-            group), or None for the latest HybridCommunicateGroup's.
+            ProcessGroup of a mesh dimension, a ParallelDims (its ``tp`` axis), a
+            HybridCommunicateGroup (its model-parallel group), or None for the latest
+            HybridCommunicateGroup's.
         parallelize_plan: a style for ``module`` itself, or ``{path: style}`` for its
             submodules (paths may use ``fnmatch`` wildcards per part).
         src_data_rank: the tp rank whose copy of each weight every rank takes its shard of
@@ -136,7 +137,7 @@ def parallelize_module(module: nnx.Module, device_mesh: Any = None,
     api = "parallelize_module"
     if not isinstance(module, nnx.Module):
         raise TypeError(f"{api}: module must be an nnx.Module; got {type(module).__name__}.")
-    tp = resolve_tp_mesh(device_mesh, api)
+    tp = resolve_tp_mesh(device_mesh, api, "device_mesh")
     entries = _resolve_plan(module, parallelize_plan)
     for path, sub, style in entries:
         if parallel_style_of(sub) is not None:

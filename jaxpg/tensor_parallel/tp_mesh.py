@@ -22,9 +22,15 @@ from jax.sharding import Mesh
 from jaxpg.groups import world as _world
 from jaxpg.groups.device_mesh import DeviceMesh
 from jaxpg.groups.hybrid import HybridCommunicateGroup, get_hybrid_communicate_group
+from jaxpg.groups.parallel_dims import ParallelDims
 from jaxpg.groups.process_group import NON_GROUP_MEMBER, ProcessGroup
+from jaxpg.groups.resolve import devices_error, resolve_group
 
 __all__ = ["TPMesh", "resolve_tp_mesh", "in_spmd"]
+
+_TP_FORMS = ("a ProcessGroup, a 1-D DeviceMesh (mesh['tp']), a ParallelDims (its tp axis), a "
+             "HybridCommunicateGroup (its mp group) or None (the latest "
+             "HybridCommunicateGroup's mp group)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +81,18 @@ def _family_mesh(group: ProcessGroup, api: str) -> tuple[Mesh, str]:
     return Mesh(devices, (f"{group.axis_name}_others", group.axis_name)), group.axis_name
 
 
-def resolve_tp_mesh(group: Any, api: str) -> TPMesh:
+def resolve_tp_mesh(group: Any, api: str, arg: str = "mp_group") -> TPMesh:
     """Returns the :class:`TPMesh` of ``group``.
 
     Args:
-        group: a ``ProcessGroup`` (a DeviceMesh dimension's group, ``new_group``'s, or one of
-            ``new_subgroups``), a 1-D ``DeviceMesh`` (``mesh["tp"]``), a
-            ``HybridCommunicateGroup`` (its model-parallel group), a ``TPMesh``, or None for
-            the model-parallel group of the latest HybridCommunicateGroup (Paddle's default).
+        group: what ``jaxpg.groups.resolve.resolve_group`` takes (a ``ProcessGroup``: a
+            DeviceMesh dimension's group, ``new_group``'s, or one of ``new_subgroups``; a
+            1-D ``DeviceMesh``, ``mesh["tp"]``), or a ``ParallelDims`` (its ``tp`` axis), a
+            ``HybridCommunicateGroup`` (its model-parallel group), a ``TPMesh``, or None
+            for the model-parallel group of the latest HybridCommunicateGroup (Paddle's
+            default).
         api: the caller's name, for errors.
+        arg: the argument's name, for errors (``device_mesh`` for ``parallelize_module``).
 
     Raises:
         ValueError: for a multi-dimensional DeviceMesh, a group that is not one dimension of a
@@ -97,28 +106,20 @@ def resolve_tp_mesh(group: Any, api: str) -> TPMesh:
             group = get_hybrid_communicate_group()
         if isinstance(group, HybridCommunicateGroup):
             group = group.get_model_parallel_group()
-        if isinstance(group, DeviceMesh):
-            if group.ndim != 1:
-                raise ValueError(
-                    f"{api}: device_mesh has {group.ndim} dimensions {group.mesh_dim_names}; "
-                    "tensor parallelism runs over one dimension of a mesh: pass "
-                    f"mesh[{group.mesh_dim_names[-1]!r}] (torch's tp_mesh = mesh['tp'])."
-                )
-            group = group.get_group()
+        if isinstance(group, ParallelDims):
+            group = group.get_group(group.axis("tp"))
         if group is NON_GROUP_MEMBER:
             raise ValueError(
                 f"{api}: this process is not a member of the group "
                 "(GroupMember.NON_GROUP_MEMBER); build the layer on ranks of its group only."
             )
-        if not isinstance(group, ProcessGroup):
-            raise TypeError(
-                f"{api}: the tensor-parallel group must be a jaxpg ProcessGroup, a 1-D DeviceMesh, "
-                f"a HybridCommunicateGroup or None; got {type(group).__name__}."
-            )
+        if not isinstance(group, ProcessGroup | DeviceMesh):
+            raise devices_error(api, arg, group, _TP_FORMS)
+        group = resolve_group(group, api=api, arg=arg)
         if group.mesh_dim is not None:
             mesh, axis = group.mesh_dim
         elif len(group.family) == 1:
-            mesh, axis = group.mesh, group.axis_name
+            mesh, axis = group.jax_mesh, group.axis_name
         else:
             mesh, axis = _family_mesh(group, api)
         tp = TPMesh(mesh, axis)

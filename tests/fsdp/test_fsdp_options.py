@@ -77,7 +77,7 @@ def test_units_must_own_parameters(world):
      "reshard_after_forward=False contradicts stage=2"),
     ({"reshard_after_forward": 2}, TypeError, "reshard_after_forward=2 must be a bool"),
     ({"mp_policy": "bf16"}, TypeError, "mp_policy must be a MixedPrecisionPolicy"),
-    ({"group": "world"}, TypeError, "group must be None, a ProcessGroup"),
+    ({"group": "world"}, TypeError, "group= takes a ProcessGroup, a 1-D DeviceMesh"),
 ])
 def test_contradicting_or_bad_options(world, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -93,8 +93,9 @@ def test_bad_groups_and_optimizers(world):
     mesh = jaxpg.init_device_mesh((2, 2, 2), ("a", "b", "c"))
     with pytest.raises(ValueError, match="has 3 dimensions"):
         FullyShardedDataParallel(Net(0), OPT, group=mesh)
-    with pytest.raises(ValueError, match="covers 2 of the world's 8 ranks"):
-        FullyShardedDataParallel(Net(0), OPT, group=mesh["a"])
+    # a 1-D sub-mesh is its dimension's group, as for every group= (docs/mesh.md)
+    assert FullyShardedDataParallel(Net(0), OPT, group=mesh["a"]).group.process_group \
+        is mesh.get_group("a")
     with pytest.raises(ValueError, match="sharding_degree=0 must be an int >= 1"):
         jaxpg.HybridCommunicateGroup(dp_degree=8, sharding_degree=0)
 

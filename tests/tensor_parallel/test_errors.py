@@ -75,13 +75,13 @@ def test_a_dimension_the_tp_size_does_not_divide(tp4):
 
 
 def test_a_group_that_is_not_one_dimension_of_a_mesh(tp4):
-    with pytest.raises(ValueError, match=r"device_mesh has 2 dimensions \('dp', 'tp'\).*"
-                                         r"mesh\['tp'\]"):
+    with pytest.raises(ValueError, match=r"2-D DeviceMesh with dimensions \('dp', 'tp'\).*"
+                                         r"device_mesh=mesh\['tp'\]"):
         parallelize_module(Mlp(), tp4, {"up": ColwiseParallel()})
     uneven, _ = jaxpg.new_subgroups_by_enumeration([[0, 1, 2], [3, 4, 5, 6, 7]])
     with pytest.raises(ValueError, match="family of uneven subgroups.*not one dimension"):
         ColumnParallelLinear(8, 8, mp_group=uneven, rngs=nnx.Rngs(0))
-    with pytest.raises(TypeError, match="must be a jaxpg ProcessGroup"):
+    with pytest.raises(TypeError, match="ColumnParallelLinear: mp_group= takes a ProcessGroup"):
         resolve_tp_mesh("tp", "ColumnParallelLinear")
 
 
