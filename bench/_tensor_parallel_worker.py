@@ -21,10 +21,12 @@ import json
 import math
 import os
 import statistics
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -174,6 +176,28 @@ def param_bytes_torch(model: torch.nn.Module) -> int:
     return total
 
 
+def ddp_step(name: str, args, n: int, x: np.ndarray, x_sharding) -> Any:
+    """The composed step: ``parallelize_module`` and ``DistributedDataParallel`` over the
+    one-rank ``dp`` dimension of a ``(1, n)`` ``("dp", "tp")`` mesh, the same weights, loss
+    and SGD update as :func:`jax_step` (but no input gradient: DDP's step has none)."""
+    from jaxpg.ddp import DistributedDataParallel
+
+    model = Mlp(args.dim, nnx.Rngs(0)) if name == "mlp" else Block(args.dim, args.heads,
+                                                                    nnx.Rngs(0))
+    jplan, _ = plans(False)
+    if name == "mlp":
+        jplan = {k: v for k, v in jplan.items() if k in ("up", "down")}
+    mesh = jaxpg.init_device_mesh((1, n), ("dp", "tp"))
+    tp.parallelize_module(model, mesh["tp"], jplan, src_data_rank=None)
+    ddp = DistributedDataParallel(model, optax.sgd(LR), group=mesh.get_group("dp"))
+    total = float(np.prod(x.shape))
+
+    def loss_fn(m, batch):
+        return jnp.sum(m(batch) ** 2) / total
+
+    return lambda: jax.block_until_ready(ddp.train_step(loss_fn, x)["loss"])
+
+
 def run_model(name: str, args, rank: int, n: int) -> dict:
     sp = name == "block_sp"
     d = args.dim
@@ -243,6 +267,8 @@ def run_model(name: str, args, rank: int, n: int) -> dict:
                                      in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
         fns["torch_allreduce_activation"] = lambda: dist.all_reduce(act)
         fns["jaxpg_allreduce_activation"] = lambda: jax.block_until_ready(psum(jact))
+    if args.compose and not sp:  # the same model through DDP on a (dp=1, tp=n) mesh
+        fns["jaxpg_ddp"] = ddp_step(name, args, n, x, jx.sharding)
     for f in fns.values():
         for _ in range(args.warmup):
             dist.barrier()
@@ -275,6 +301,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--variants", action="store_true",
                    help="also time jaxpg's step without the CPU copy-insertion option")
+    p.add_argument("--compose", action="store_true",
+                   help="also time the model through DistributedDataParallel on (dp=1, tp)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rank, n = join_both_worlds(args.torch_port, int(os.environ.get("OMP_NUM_THREADS", "1")))

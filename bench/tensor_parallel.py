@@ -54,7 +54,8 @@ def run(n: int, args, tmp: str) -> dict:
            str(ROOT / "bench" / "_tensor_parallel_worker.py"), "--torch-port",
            str(free_port()), "--rounds", str(args.rounds), "--models", args.models,
            "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(args.batch),
-           "--out", out] + (["--variants"] if args.variants else [])
+           "--out", out] + (["--variants"] if args.variants else []) + (
+               ["--compose"] if args.compose else [])
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not os.path.exists(out):
@@ -92,6 +93,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--variants", action="store_true",
                    help="also time jaxpg's step with XLA's default copy insertion")
+    p.add_argument("--compose", action="store_true",
+                   help="also time the model through DistributedDataParallel on (dp=1, tp)")
     p.add_argument("--out", default=str(RESULTS / "tensor_parallel.json"))
     args = p.parse_args()
     load_before = os.getloadavg()

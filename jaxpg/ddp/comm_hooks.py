@@ -64,6 +64,8 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> tuple[jax.Array, Any]:
         The averaged buffer and ``state``.
     """
     world_size = axis_size(bucket.axis_name)
+    if world_size == 1:  # XLA:CPU would still run (and copy through) a one-rank all-reduce
+        return bucket.buffer, state
     buffer = bucket.buffer / jnp.asarray(world_size, bucket.buffer.dtype)
     return jax.lax.psum(buffer, bucket.axis_name), state
 

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.data_parallel.shard_layout import make_layouts
+from jaxpg.data_parallel.step_cache import StepCache
 from jaxpg.data_parallel.zero import init_sharded_opt_state
 from jaxpg.ddp import param_sync
 from jaxpg.ddp.bucket_plan import BucketPlan, make_bucket_plan
@@ -172,7 +173,7 @@ class DistributedDataParallel:
         self._join: Join | None = None
         self._last_batch: Any = None
         self._last_loss: tuple[Callable[..., Any], bool] | None = None
-        self._compiled: dict[tuple[Any, StepMode], Callable[..., Any]] = {}
+        self._compiled = StepCache("DistributedDataParallel.train_step")
 
     def _init_zero_opt_state(self) -> tuple[Any, ZeroSharding]:
         """ZeRO-1's optimizer state: split on dim 0 over the data-parallel axes, on top of
@@ -325,9 +326,7 @@ class DistributedDataParallel:
 
     # ------------------------------------------------------------------ the step
     def _step_fn(self, loss_fn: Callable[..., Any], mode: StepMode) -> Callable[..., Any]:
-        key = (loss_fn, mode)
-        fn = self._compiled.get(key)
-        if fn is None:
+        def build() -> Callable[..., Any]:
             fn = build_train_step(
                 loss_fn, graphdef=self._graphdef, optimizer=self.optimizer,
                 plan=self.bucket_plan, comm_hook=self._comm_hook, pg=self.group, mode=mode,
@@ -337,9 +336,9 @@ class DistributedDataParallel:
             )  # fmt: skip
             # a launch is a recorded collective call on the group: numbered, in the flight
             # recorder, and a hang inside names the ranks that never started it
-            fn = recorded_step(fn, self.group, name="DistributedDataParallel.train_step")
-            self._compiled[key] = fn
-        return fn
+            return recorded_step(fn, self.group, name="DistributedDataParallel.train_step")
+
+        return self._compiled.get(loss_fn, mode, build)
 
     def _active_flags(self, active: Any) -> Any:
         n_local = len(self.group.local_members())
@@ -364,8 +363,9 @@ class DistributedDataParallel:
         Args:
             loss_fn: ``loss_fn(model, batch)`` (NNX) or ``loss_fn(params, batch)``
                 (parameter pytree) returning the mean loss over the rank's samples, or
-                ``(loss, aux)`` with ``has_aux``. Pass the same function object each step:
-                the compiled step is cached per function.
+                ``(loss, aux)`` with ``has_aux``. The compiled step is cached per function
+                code and closure contents (:func:`~jaxpg.data_parallel.step_cache.function_key`), so
+                a fresh lambda of the same code each step reuses it.
             batch: a pytree of arrays, sample dimension first, divisible by this
                 process's rank count; ``None`` inside :meth:`join` when this process is
                 out of data (a shadow step on zeros).

@@ -174,6 +174,8 @@ def _average_unflattened(parts: list[Any], axis_name: AxisName) -> list[Any]:
     per gradient; XLA's all-reduce combiner regroups them.
     """
     world_size = axis_size(axis_name)
+    if world_size == 1:  # a one-rank data-parallel axis (tensor parallelism alone): no op
+        return list(parts)
     return jax.lax.psum([p / jnp.asarray(world_size, p.dtype) for p in parts], axis_name)
 
 
@@ -183,5 +185,6 @@ def fused_pmean(grads: Any, axis_name: AxisName) -> Any:
     The unbucketed reference for benchmarks: XLA's all-reduce combiner decides
     how the per-leaf collectives are grouped.
     """
-    axis_tuple(axis_name)
+    if axis_size(axis_name) == 1:
+        return grads
     return jax.tree_util.tree_map(lambda g: jax.lax.pmean(g, axis_name), grads)

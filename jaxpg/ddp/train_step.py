@@ -47,6 +47,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.data_parallel.zero import sharded_update
+from jaxpg.ddp._axis import axis_size
 from jaxpg.ddp.bucket_plan import BucketPlan
 from jaxpg.ddp.comm_hooks import CommHook
 from jaxpg.ddp.reducer import fused_pmean, reduce_gradients
@@ -108,6 +109,8 @@ def _local_loss(loss_fn, graphdef, params, rest, batch, has_aux):
 
 
 def _from_rank0(tree: Any, axis: str) -> Any:
+    if axis_size(axis) == 1:
+        return tree
     first = jax.lax.axis_index(axis) == 0
 
     def pick(x):

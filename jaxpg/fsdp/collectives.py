@@ -67,12 +67,27 @@ def divide_factors(n: int, dtype: Any) -> tuple[float | None, float | None]:
     return float(pre), n / pre
 
 
+def _size(axes: tuple[Hashable, ...]) -> int:
+    """The number of ranks along ``axes`` (inside ``shard_map``)."""
+    return int(np.prod([jax.lax.axis_size(a) for a in axes], dtype=np.int64))
+
+
+def _padded(g: jax.Array, layout: ShardLayout) -> jax.Array:
+    """The unsharded gradient padded to the shards' rows (a no-op unless the layout pads)."""
+    if layout.sharded and layout.padding:
+        width = [(0, 0)] * g.ndim
+        width[layout.dim] = (0, layout.padded_block_dim0 - layout.block_dim0)
+        g = jnp.pad(g, width)
+    return g
+
+
 def gather_leaf(shard: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
     """The unsharded parameter (its tensor-parallel block) from this rank's shard."""
     x = shard.astype(comm.policy.compute_dtype_for(layout.dtype))
     if not layout.sharded:
         return x
-    x = jax.lax.all_gather(x, comm.shard_axes, axis=layout.dim, tiled=True)
+    if _size(comm.shard_axes) > 1:  # XLA:CPU would copy through a one-rank all-gather
+        x = jax.lax.all_gather(x, comm.shard_axes, axis=layout.dim, tiled=True)
     if layout.padding:
         x = jax.lax.slice_in_dim(x, 0, layout.block_dim0, axis=layout.dim)
     return x
@@ -82,19 +97,19 @@ def reduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
     """This rank's shard of the gradient averaged over every rank (stage 2 and 3)."""
     rd = comm.policy.reduce_dtype_for(layout.dtype)
     g = grad.astype(rd)
+    if comm.size == 1:  # one rank: XLA:CPU would still run (and copy through) collectives
+        return _padded(g, layout).astype(layout.dtype)
     pre, post = divide_factors(comm.size, rd)
     if pre is not None:
         g = g / jnp.asarray(pre, rd)
     if not layout.sharded:
         g = jax.lax.psum(g, comm.all_axes)
     else:
-        if layout.padding:
-            width = [(0, 0)] * g.ndim
-            width[layout.dim] = (0, layout.padded_block_dim0 - layout.block_dim0)
-            g = jnp.pad(g, width)
-        g = jax.lax.psum_scatter(g, comm.shard_axes, scatter_dimension=layout.dim,
-                                 tiled=True)
-        if comm.replicate_axes:
+        g = _padded(g, layout)
+        if _size(comm.shard_axes) > 1:
+            g = jax.lax.psum_scatter(g, comm.shard_axes, scatter_dimension=layout.dim,
+                                     tiled=True)
+        if comm.replicate_axes and _size(comm.replicate_axes) > 1:
             g = jax.lax.psum(g, comm.replicate_axes)
     if post is not None:
         g = g / jnp.asarray(post, rd)
@@ -105,6 +120,8 @@ def allreduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Arra
     """The whole gradient averaged over every rank (stage 1: all-reduce, not scatter)."""
     rd = comm.policy.reduce_dtype_for(layout.dtype)
     g = grad.astype(rd)
+    if comm.size == 1:  # one rank: XLA:CPU would still run (and copy through) the all-reduce
+        return g.astype(layout.dtype)
     pre, post = divide_factors(comm.size, rd)
     if pre is not None:
         g = g / jnp.asarray(pre, rd)

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from jaxpg.data_parallel.shard_layout import ShardLayout, layout_bytes, make_layouts
+from jaxpg.data_parallel.step_cache import StepCache
 from jaxpg.data_parallel.zero import abstract_sharded_opt_state, init_sharded_opt_state
 from jaxpg.ddp import param_sync
 from jaxpg.fsdp import placement
@@ -161,7 +162,7 @@ class FullyShardedDataParallel:
         self.step = 0
         self._acc: Any = None
         self._no_sync = False
-        self._compiled: dict[tuple[Any, StepMode], Callable[..., Any]] = {}
+        self._compiled = StepCache(f"{_API}.train_step")
 
     def _abstract_state(self, params: Any, rest: Any) -> tuple[Any, Any, Any, Any]:
         mesh, axes = self.group.mesh, self.group.shard_axes
@@ -241,14 +242,13 @@ class FullyShardedDataParallel:
             self._no_sync = previous
 
     def _step_fn(self, loss_fn: Callable[..., Any], mode: StepMode) -> Callable[..., Any]:
-        fn = self._compiled.get((loss_fn, mode))
-        if fn is None:
+        def build() -> Callable[..., Any]:
             fn = build_train_step(loss_fn, self._plan, mode, donate=self.donate)
             # a launch is a recorded collective call on the group of the mesh's ranks:
             # numbered, in the flight recorder, and a hang inside names the ranks at fault
-            fn = recorded_step(fn, self.group.process_group, name=f"{_API}.train_step")
-            self._compiled[(loss_fn, mode)] = fn
-        return fn
+            return recorded_step(fn, self.group.process_group, name=f"{_API}.train_step")
+
+        return self._compiled.get(loss_fn, mode, build)
 
     def train_step(self, loss_fn: Callable[..., Any], batch: Any, *,
                    has_aux: bool = False) -> dict[str, Any]:
@@ -257,7 +257,8 @@ class FullyShardedDataParallel:
         Args:
             loss_fn: ``loss_fn(model, batch)`` (NNX) or ``loss_fn(params, batch)``
                 (parameter pytree) returning the mean loss over the rank's samples, or
-                ``(loss, aux)`` with ``has_aux``. Pass the same function object each step.
+                ``(loss, aux)`` with ``has_aux``. The compiled step is cached per function
+                code and closure contents, so a fresh lambda of the same code reuses it.
             batch: a pytree of arrays, sample dimension first, divisible by this
                 process's rank count.
             has_aux: ``loss_fn`` returns ``(loss, aux)``.

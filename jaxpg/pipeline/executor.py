@@ -87,6 +87,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.step_cache import code_keyed
 from jaxpg.groups.resolve import data_parallel_axis, resolve_mesh
 from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
@@ -457,8 +458,10 @@ def pipeline_value_and_grad(
     dp = dp_axis if dp_axis in mesh.axis_names else None
     if not isinstance(remat, bool):
         raise TypeError(f"remat={remat!r} must be True or False.")
+    # functions keyed by code and closure: a fresh lambda each call reuses the compiled step
     cfg = _Config(
-        stage_fn, loss_fn, first_fn, mesh, timetable, pp_axis, dp, grad_reducer, remat,
+        code_keyed(stage_fn), code_keyed(loss_fn), code_keyed(first_fn), mesh, timetable,
+        pp_axis, dp, code_keyed(grad_reducer), remat,
         check_stage_order(stage_order),
         check_param_specs(param_specs, staged, mesh, pp_axis, dp),
     )
