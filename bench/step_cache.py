@@ -3,7 +3,8 @@
 torch users write ``ddp.train_step(lambda m, b: loss(m(b[0]), b[1]), batch)`` in a loop.
 The compiled steps are cached by the function's code and closure
 (``jaxpg.data_parallel.step_cache``), so both forms should run at the same speed. One
-process, 2 simulated CPU devices, a 2-layer MLP; the two forms alternate round by round and each round's median step time is kept.
+process, 2 simulated CPU devices, a 2-layer MLP; the two forms alternate round by round
+and each round's median step time is kept.
 
     python bench/step_cache.py            # writes bench/results/step_cache.json
 """
