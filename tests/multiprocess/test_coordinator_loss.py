@@ -18,17 +18,21 @@ from jaxpg.coordinator_process import linger_seconds
 from jaxpg.rendezvous import free_port
 
 WORKER = Path(__file__).parent / "workers" / "coordinator_loss.py"
-LINGER_S = 4
+LINGER_S = 15  # more than the heartbeat timeout: the survivors learn of the loss first
 CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called",
               "exception not rethrown")
 
 
 def _start(world: int, case: str) -> list[subprocess.Popen]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAXPG_HEARTBEAT_TIMEOUT="3",
+    # docs/launcher.md: a heartbeat timeout under 10 s declares live ranks dead on a loaded
+    # machine. The group timeout (40 s) stays well above it, so a lost rank is found by the
+    # heartbeat (DistNetworkError), never by the group timeout.
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAXPG_HEARTBEAT_TIMEOUT="10",
                JAXPG_COORDINATOR_LINGER=str(LINGER_S))
     port = free_port()
-    return [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), case],
+    return [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), case,
+                              "40"],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
             for r in range(world)]
@@ -51,7 +55,7 @@ def test_lost_rank0_is_a_named_python_error_in_every_survivor(case, world):
     procs = _start(world, case)
     try:
         outs = []
-        for p in procs[1:]:  # the survivors end by themselves: group timeout 20 s, not hit
+        for p in procs[1:]:  # the survivors end by themselves: group timeout 40 s, not hit
             out, _ = p.communicate(timeout=120)
             outs.append((p.returncode, out))
     finally:
