@@ -8,6 +8,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.tensor_parallel import local_shape
 
+pytestmark = pytest.mark.cpu_only  # 8 devices
+
 
 @pytest.mark.parametrize("spec", [P(), P(None, "tp"), P("dp", "tp"), P(("dp", "tp"), None),
                                   P(None, ("tp", "dp")), P("tp")])
