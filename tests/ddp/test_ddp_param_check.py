@@ -14,8 +14,8 @@ def test_equal_signatures_pass():
     sig = param_signature({"l1": {"kernel": model.l1.kernel[...], "bias": model.l1.bias[...]}})
     assert sig == (("['l1']['bias']", tuple(model.l1.bias.shape), "float32"),
                    ("['l1']['kernel']", tuple(model.l1.kernel.shape), "float32"))
-    full = param_signature(MLP(0))
-    assert len(full) == len(jax.tree_util.tree_leaves(MLP(0))) > 2
+    full = param_signature(model)
+    assert len(full) == len(jax.tree_util.tree_leaves(model)) > 2
     assert verify_param_shapes([full] * 4) is None  # equal everywhere: no error
     assert verify_param_shapes([full, full], ranks=[3, 6]) is None
 

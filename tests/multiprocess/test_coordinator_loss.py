@@ -90,7 +90,7 @@ def test_store_get_waiting_on_a_lost_rank_names_it():
     naming it within the heartbeat timeout, not a bare timeout after the store's 300 s."""
     procs = _start(3, "storeget")
     try:
-        outs = [p.communicate(timeout=90)[0] for p in procs]
+        outs = [p.communicate(timeout=150)[0] for p in procs]  # 3 starts: ~90 s at load 35
     finally:
         for p in procs:
             if p.poll() is None:
@@ -109,7 +109,7 @@ def test_sys_exit_status_survives_a_stuck_collective():
     XLA, so jaxpg ends the process itself at exit) exits with the status it gave sys.exit."""
     procs = _start(2, "exit3")
     try:
-        out, _ = procs[0].communicate(timeout=90)
+        out, _ = procs[0].communicate(timeout=150)
     finally:
         procs[1].send_signal(signal.SIGCONT)
         for p in procs:
