@@ -86,8 +86,9 @@ def test_lost_rank0_is_a_named_python_error_in_every_survivor(case, world):
 
 @pytest.mark.slow
 def test_store_get_waiting_on_a_lost_rank_names_it():
-    """A ``TCPStore.get`` whose key only the lost rank would set raises ``DistNetworkError``
-    naming it within the heartbeat timeout, not a bare timeout after the store's 300 s."""
+    """A ``TCPStore.get`` (and ``wait``, ``multi_get``) whose key only the lost rank would set
+    raises ``DistNetworkError`` naming it within the heartbeat timeout, not a bare timeout
+    after the store's 300 s."""
     procs = _start(3, "storeget")
     try:
         outs = [p.communicate(timeout=150)[0] for p in procs]  # 3 starts: ~90 s at load 35
@@ -98,6 +99,9 @@ def test_store_get_waiting_on_a_lost_rank_names_it():
     assert procs[1].returncode == -signal.SIGKILL
     for p, out in ((procs[0], outs[0]), (procs[2], outs[2])):
         assert p.returncode == 1, out[-3000:]
+        for call in ("wait", "multi_get"):  # each names the lost rank too
+            assert re.search(rf"CAUGHT {call} DistNetworkError: TCPStore.get\('set by rank 1'\)"
+                             r": lost ranks \[1\]", out), out[-3000:]
         assert re.search(r"DistNetworkError: TCPStore.get\('set by rank 1'\): lost ranks \[1\]",
                          out), out[-3000:]
         assert not any(a in out for a in CPP_ABORTS), out[-3000:]
