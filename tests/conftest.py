@@ -1,11 +1,18 @@
-"""Test setup: 8 simulated CPU devices, set before JAX is imported."""
+"""Test setup: 8 simulated CPU devices, set before JAX is imported.
+
+Under ``JAXPG_TEST_PLATFORM=gpu`` (tools/gpu_check.sh) JAX keeps its default platform (the
+GPU), and the tests that need the 8 simulated CPU devices or CPU worker processes are marked
+``cpu_only`` (deselected there with ``-m "not cpu_only"``).
+"""
 
 import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+GPU_RUN = os.environ.get("JAXPG_TEST_PLATFORM", "") == "gpu"
+if not GPU_RUN:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -24,3 +31,37 @@ def world():
     yield jaxpg.GroupMember.WORLD
     if jaxpg.is_initialized():
         jaxpg.destroy_process_group()
+
+
+def _forbid_skip(report) -> None:
+    """Under ``JAXPG_FORBID_SKIPS=1`` (CI's 3.11 leg) a skip is reported as a failure."""
+    if (report.skipped and not hasattr(report, "wasxfail")
+            and os.environ.get("JAXPG_FORBID_SKIPS", "") == "1"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"JAXPG_FORBID_SKIPS=1, but this skipped: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _forbid_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _forbid_skip(outcome.get_result())
+
+
+# Fixtures that give a test the 8-rank world of simulated CPU devices.
+_EIGHT_DEVICE_FIXTURES = {"world", "fresh_world", "mesh"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks ``cpu_only`` the tests that need 8 simulated CPU devices or CPU worker processes
+    (tests/multiprocess/, the fixtures above, ``@pytest.mark.slow``)."""
+    for item in items:
+        needs = set(getattr(item, "fixturenames", ())) & _EIGHT_DEVICE_FIXTURES
+        if needs or "multiprocess" in item.path.parts or item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.cpu_only)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _require import import_or_skip
 
 import jaxpg
 
@@ -85,7 +86,7 @@ def test_a_python_list_names_the_op_and_the_conversion(call, op):
 
 
 def test_a_torch_tensor_names_the_op_and_the_numpy_conversion():
-    torch = pytest.importorskip("torch", reason="torch is the reference here; not installed")
+    torch = import_or_skip("torch", "torch is the reference here")
     t = torch.ones(8, 2)
     with pytest.raises(TypeError) as info:
         jaxpg.all_reduce(t)

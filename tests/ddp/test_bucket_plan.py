@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _require import import_or_skip
 
 from jaxpg.ddp import make_bucket_plan
 
@@ -90,6 +91,24 @@ MANY_SMALL = [((37,), "float32")] * 20 + [((11, 3), "bfloat16")] * 7
 )
 def test_matches_torch_reference(spec, cap_mb, first_mb):
     _check_against_reference(spec, cap_mb, first_mb)
+
+
+TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+@pytest.mark.parametrize("spec, cap_mb, first_mb", [(MIXED, 1, 0.25), (BIG, 1, 1),
+                                                    (MANY_SMALL, 0.001, 0.0005)])
+def test_matches_torchs_own_bucket_assignment(spec, cap_mb, first_mb):
+    """torch's C++ compute_bucket_assignment_by_size itself (not a transcription), reversed
+    as DistributedDataParallel reverses it."""
+    torch = import_or_skip("torch", "torch's DDP bucket assignment is the reference")
+    from torch.distributed import _compute_bucket_assignment_by_size
+
+    tensors = [torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[d])) for shape, d in spec]
+    limits = [int(first_mb * MIB), int(cap_mb * MIB)]
+    buckets, _ = _compute_bucket_assignment_by_size(tensors, limits)
+    plan = make_bucket_plan(_params(spec), bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)
+    assert [list(b.leaf_indices) for b in plan.buckets] == list(reversed(buckets))
 
 
 def test_first_bucket_and_reversal_by_hand():

@@ -1,5 +1,6 @@
 """Parameter shapes must agree across ranks; the error names the parameter and the ranks."""
 
+import jax
 import optax
 import pytest
 from _ddp_models import MLP, group
@@ -10,8 +11,14 @@ from jaxpg.internal import param_signature
 
 
 def test_equal_signatures_pass():
-    sig = param_signature(MLP(0))
-    verify_param_shapes([sig] * 4)
+    model = MLP(0)
+    sig = param_signature({"l1": {"kernel": model.l1.kernel[...], "bias": model.l1.bias[...]}})
+    assert sig == (("['l1']['bias']", tuple(model.l1.bias.shape), "float32"),
+                   ("['l1']['kernel']", tuple(model.l1.kernel.shape), "float32"))
+    full = param_signature(model)
+    assert len(full) == len(jax.tree_util.tree_leaves(model)) > 2
+    assert verify_param_shapes([full] * 4) is None  # equal everywhere: no error
+    assert verify_param_shapes([full, full], ranks=[3, 6]) is None
 
 
 def test_first_differing_parameter_and_ranks_are_named():

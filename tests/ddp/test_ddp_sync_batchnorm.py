@@ -41,3 +41,29 @@ def test_unsynchronised_batchnorm_keeps_rank0_statistics(world):
 def test_convert_rejects_non_nnx():
     with pytest.raises(TypeError, match="nnx.Module"):
         convert_sync_batchnorm({"w": 1})
+
+
+def test_sync_batchnorm_axis_is_the_groups_axis_and_averages_over_it(world):
+    import jax
+    from flax import linen as nn
+
+    import jaxpg
+    from jaxpg.ddp import sync_batchnorm_axis
+
+    pg = group(4)
+    assert sync_batchnorm_axis(pg) == pg.axis_name
+    assert sync_batchnorm_axis() == jaxpg.GroupMember.WORLD.axis_name
+    assert sync_batchnorm_axis(pg) != sync_batchnorm_axis()
+    # A Linen BatchNorm over that axis normalises with the statistics of all 4 ranks' rows.
+    bn = nn.BatchNorm(use_running_average=False, axis_name=sync_batchnorm_axis(pg),
+                      use_bias=False, use_scale=False, epsilon=1e-5)
+    x = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)  # 4 ranks x 3 rows
+    variables = bn.init(jax.random.key(0), x[0])
+
+    def per_rank(rows):
+        return bn.apply(variables, rows, mutable=["batch_stats"])[0]
+
+    got = np.asarray(jax.jit(jaxpg.spmd(per_rank, group=pg))(x))
+    whole = x.reshape(12, 2)
+    want = (whole - whole.mean(0)) / np.sqrt(whole.var(0) + 1e-5)
+    np.testing.assert_allclose(got.reshape(12, 2), want, rtol=1e-4, atol=1e-5)

@@ -90,9 +90,18 @@ def test_each_hook_through_ddp(world, hook, config, tol):
 
 
 def test_noop_hook_runs_without_communication(world):
+    # No gradient exchange: rank 0 steps on the gradient of its own 4 rows only, so its
+    # parameters equal one-device training on those rows, not on the whole batch.
     ddp = DistributedDataParallel(MLP(0), optax.sgd(0.1), group=group(2), comm_hook="noop")
-    metrics = ddp.train_step(loss_fn, make_batches(1, 8)[0])
+    batch = make_batches(1, 8)[0]
+    metrics = ddp.train_step(loss_fn, batch)
     assert np.isfinite(float(metrics["loss"]))
+    own, whole = Reference(MLP(0), optax.sgd(0.1)), Reference(MLP(0), optax.sgd(0.1))
+    own.step({k: v[:4] for k, v in batch.items()})
+    whole.step(batch)
+    assert_trees_close(ddp.params, own.params)
+    with pytest.raises(AssertionError):  # the two references differ: the check can fail
+        assert_trees_close(ddp.params, whole.params)
 
 
 def test_register_comm_hook_threads_per_rank_state(world):

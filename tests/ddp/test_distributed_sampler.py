@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+from _require import import_or_skip
 
 from jaxpg.ddp import DistributedSampler
 
@@ -32,6 +33,27 @@ def torch_indices(n, num_replicas, rank, drop_last, permutation=None):
 
 
 CASES = [(n, r) for n in (0, 1, 3, 7, 8, 10, 16, 17, 100) for r in (1, 2, 3, 4, 8)]
+
+
+def test_no_shuffle_equals_torchs_own_sampler():
+    """torch.utils.data.distributed.DistributedSampler itself, not the transcription above."""
+    import_or_skip("torch", "torch's DistributedSampler is the reference")
+    from torch.utils.data.distributed import DistributedSampler as TorchSampler
+
+    for n, num_replicas in CASES:
+        for drop_last in (False, True):
+            for rank in range(num_replicas):
+                theirs = TorchSampler(range(n), num_replicas=num_replicas, rank=rank,
+                                      shuffle=False, drop_last=drop_last)
+                ours = DistributedSampler(n, num_replicas=num_replicas, rank=rank,
+                                          shuffle=False, drop_last=drop_last)
+                assert list(ours) == list(theirs), (n, num_replicas, rank, drop_last)
+                assert len(ours) == len(theirs)
+                if n:  # with shuffling: the same sizes and padding, another permutation
+                    shuffled = TorchSampler(range(n), num_replicas=num_replicas, rank=rank,
+                                            shuffle=True, seed=3, drop_last=drop_last)
+                    assert len(DistributedSampler(n, num_replicas=num_replicas, rank=rank,
+                                                  seed=3, drop_last=drop_last)) == len(shuffled)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

@@ -10,6 +10,7 @@ from pathlib import Path
 import optax
 import pytest
 from _fsdp_models import Block, Net, Reference, assert_trees_close, group, loss_fn, make_batches
+from _require import import_or_skip
 
 from jaxpg.fsdp import FullyShardedDataParallel
 from jaxpg.fsdp.checkpoint import restore_checkpoint, save_checkpoint
@@ -68,6 +69,6 @@ def _free_port():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_parameters_equal_torch_fsdp2_after_6_adam_steps():
-    pytest.importorskip("torch", reason="torch (CPU) is the reference FSDP2 implementation")
+    import_or_skip("torch", "torch (CPU) is the reference FSDP2 implementation")
     found, out = launch(TORCH_WORKER, str(_free_port()), timeout=280)
     assert found == {0: {"equal_to_torch_fsdp2"}, 1: {"equal_to_torch_fsdp2"}}, out[-4000:]

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from _fsdp_models import Block, Net, group, make_batches
+from _require import import_or_skip
 from flax import nnx
 
 import jaxpg
@@ -141,7 +142,7 @@ def test_mixed_precision_policy():
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 12, 64])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gradient_divide_factors_are_torchs(n, dtype):
-    torch = pytest.importorskip("torch", reason="torch is the reference for FSDP2's factors")
+    torch = import_or_skip("torch", "torch is the reference for FSDP2's factors")
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
         _get_gradient_divide_factors,
     )

@@ -4,6 +4,7 @@ import datetime
 
 import jax
 import pytest
+from _require import import_or_skip
 
 import jaxpg
 from jaxpg import GroupMember
@@ -83,6 +84,18 @@ def test_new_group_ranks_and_translation():
 def test_new_group_timeout_and_default():
     g = jaxpg.new_group(timeout=datetime.timedelta(seconds=5))
     assert g.ranks == tuple(range(8)) and g.timeout.total_seconds() == 5
+    assert jaxpg.new_group([0, 1]).timeout == datetime.timedelta(minutes=30)  # the world's
+    with pytest.raises(TypeError, match="new_group: timeout must be a datetime.timedelta; got 5"):
+        jaxpg.new_group(timeout=5)
+    jaxpg.destroy_process_group()
+    jaxpg.init_process_group(timeout=datetime.timedelta(seconds=7))
+    assert jaxpg.new_group([0, 1]).timeout == datetime.timedelta(seconds=7)  # inherited
+
+
+def test_default_timeout_is_torchs():
+    torch = import_or_skip("torch", "torch's default_pg_timeout is the reference")
+    assert jaxpg.default_pg_timeout == torch.distributed.default_pg_timeout
+    assert jaxpg.GroupMember.WORLD.timeout == torch.distributed.default_pg_timeout
 
 
 @pytest.mark.parametrize("ranks,match", [

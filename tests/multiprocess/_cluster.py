@@ -17,18 +17,17 @@ import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
-import pytest
+import _require
 
 ROOT = Path(__file__).resolve().parents[2]
 MPIWRAPPER = "MPIwrapper-2.11.1"
 
 
-def unavailable(reason: str) -> None:
+def unavailable(reason: str) -> NoReturn:
     """Skips the test with ``reason``, or fails it where the cluster tests must run (CI)."""
-    if os.environ.get("JAXPG_REQUIRE_CLUSTER_TESTS", "") == "1":
-        pytest.fail(f"JAXPG_REQUIRE_CLUSTER_TESTS=1, but {reason}", pytrace=False)
-    pytest.skip(reason)
+    _require.unavailable(reason, _require.CLUSTER)
 
 
 def missing_programs(*names: str) -> list[str]:

@@ -23,8 +23,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(mode: str, n: int, timeout: float, **extra: str) -> list[tuple[int, str]]:
-    """Starts ``n`` workers (torch's env:// variables) and returns (exit code, output) each."""
+def _run(mode: str, n: int, timeout: float, handshake: Path,
+         **extra: str) -> list[tuple[int, str]]:
+    """Starts ``n`` workers (torch's env:// variables) and returns (exit code, output) each;
+    ``handshake`` is a directory where rank 1 learns when rank 0 has ended."""
     port = _free_port()
     procs = []
     for r in range(n):
@@ -34,7 +36,7 @@ def _run(mode: str, n: int, timeout: float, **extra: str) -> list[tuple[int, str
         env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
                    XLA_FLAGS="--xla_force_host_platform_device_count=1", RANK=str(r),
                    WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), **extra)
+                   MASTER_PORT=str(port), TEST_HANDSHAKE_DIR=str(handshake), **extra)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), mode], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
@@ -42,8 +44,8 @@ def _run(mode: str, n: int, timeout: float, **extra: str) -> list[tuple[int, str
 
 
 @pytest.mark.timeout(150)
-def test_async_op_returns_before_its_input_is_computed_and_wait_names_missing_ranks():
-    results = _run("async", 2, 120)
+def test_async_op_returns_before_its_input_is_computed_and_wait_names_missing_ranks(tmp_path):
+    results = _run("async", 2, 120, tmp_path)
     assert results[0][0] == 0, results[0][1][-3000:]  # rank 1 may die with the coordinator
     for rank, (_, text) in enumerate(results):
         assert f"[rank {rank}] ASYNC returned, input ready: False" in text, text[-3000:]
@@ -61,8 +63,8 @@ def test_async_op_returns_before_its_input_is_computed_and_wait_names_missing_ra
 
 
 @pytest.mark.timeout(150)
-def test_watchdog_ends_the_process_with_the_named_error_under_stream_semantics():
-    results = _run("watchdog", 2, 120, _JAXPG_STREAM_SEMANTICS="1")
+def test_watchdog_ends_the_process_with_the_named_error_under_stream_semantics(tmp_path):
+    results = _run("watchdog", 2, 120, tmp_path, _JAXPG_STREAM_SEMANTICS="1")
     for rank, (_, text) in enumerate(results):
         assert f"[rank {rank}] STREAM values ok: True" in text, text[-3000:]
         assert f"[rank {rank}] STREAM async ok: True" in text, text[-3000:]
@@ -81,8 +83,8 @@ def _cases(text: str) -> dict[str, tuple[str, str]]:
 
 
 @pytest.mark.timeout(150)
-def test_detail_catches_shape_and_op_mismatch_on_every_rank():
-    results = _run("desync", 3, 120, JAXPG_DEBUG="DETAIL", TEST_TIMEOUT_S="20")
+def test_detail_catches_shape_and_op_mismatch_on_every_rank(tmp_path):
+    results = _run("desync", 3, 120, tmp_path, JAXPG_DEBUG="DETAIL", TEST_TIMEOUT_S="20")
     for rank, (code, text) in enumerate(results):
         assert code == 0, text[-3000:]
         cases = _cases(text)
@@ -100,8 +102,8 @@ def test_detail_catches_shape_and_op_mismatch_on_every_rank():
 
 
 @pytest.mark.timeout(150)
-def test_without_detail_a_timeout_says_what_each_rank_runs():
-    results = _run("desync_plain", 3, 120)
+def test_without_detail_a_timeout_says_what_each_rank_runs(tmp_path):
+    results = _run("desync_plain", 3, 120, tmp_path)
     for code, text in results:
         assert code == 0, text[-3000:]
         cls, msg = _cases(text)["op"]

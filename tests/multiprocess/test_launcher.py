@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxpg.rendezvous import free_port
 from jaxpg.run import main, worker_env
 from jaxpg.run.output import Console, Prefixer
 
@@ -176,14 +177,15 @@ def test_two_workers_get_env_and_prefixed_output():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_four_workers_with_two_devices_each_and_a_module():
+    port = str(free_port())  # a fixed port could be taken by the other CI leg
     result = launch(
-        "--nproc_per_node=4", "--devices-per-proc", "2", "--master-port", "29555",
+        "--nproc_per_node=4", "--devices-per-proc", "2", "--master-port", port,
         str(WORKERS / "echo_env.py"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     envs = envs_by_rank(result.stdout)
     assert sorted(envs) == [0, 1, 2, 3]
-    assert {e["MASTER_PORT"] for e in envs.values()} == {"29555"}
+    assert {e["MASTER_PORT"] for e in envs.values()} == {port}
     assert {e["XLA_FLAGS"] for e in envs.values()} == {"--xla_force_host_platform_device_count=2"}
     result = launch("--nproc-per-node", "4", "-m", "platform")
     assert result.returncode == 0, result.stderr

@@ -123,7 +123,7 @@ def _check_training(w, got):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case, env, error", [
     ("kill", {}, r"DistNetworkError: pipeline 1f1b \(process executor\).*lost ranks \[1\]"),
-    ("stop", {"JAXPG_HEARTBEAT_TIMEOUT": "3"},
+    ("stop", {"JAXPG_HEARTBEAT_TIMEOUT": "10"},  # docs/launcher.md: >= 10 s under load
      r"DistNetworkError: pipeline 1f1b \(process executor\).*lost ranks \[1\]"),
     ("timeout", {"JAXPG_HEARTBEAT_TIMEOUT": "60"},
      r"DistTimeoutError: pipeline 1f1b \(process executor\): rank 0 waited 3\.0 s for .* "

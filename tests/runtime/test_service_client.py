@@ -66,12 +66,15 @@ def test_jaxpg_runs_lobby_lists_who_arrived(tmp_path, monkeypatch):
 
 def test_a_long_wait_is_announced_on_stderr(monkeypatch, capfd):
     monkeypatch.setattr(service_client, "REMIND_AFTER_S", 0.05)
-    monkeypatch.setattr(service_client, "REMIND_EVERY_S", 10.0)
+    monkeypatch.setattr(service_client, "REMIND_EVERY_S", 600.0)
     reminder = service_client._Reminder(
         service_client._waiting_text("h:1", 0, 2, 1800.0, lambda: [0]))
-    time.sleep(0.5)
+    err, deadline = "", time.monotonic() + 60
+    while "still waiting" not in err and time.monotonic() < deadline:  # until it is written
+        time.sleep(0.01)
+        err += capfd.readouterr().err
     reminder.stop()
-    err = capfd.readouterr().err
+    err += capfd.readouterr().err
     assert err.count("[jaxpg] init_process_group (rank 0 of 2): still waiting after") == 1
     assert "not arrived yet: ranks [1]" in err and "(1800 s)" in err
 

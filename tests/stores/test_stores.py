@@ -41,7 +41,7 @@ def test_get_timeout_names_key_and_timeout(store):
     start = time.monotonic()
     with pytest.raises(DistStoreError, match=r"missing-key.*0\.1 s|0\.1 s.*missing-key"):
         store.get("missing-key")
-    assert time.monotonic() - start < 3
+    assert 0.09 <= time.monotonic() - start < 3  # it waited out the timeout it was given
 
 
 def test_get_waits_for_a_later_set(store):

@@ -25,7 +25,11 @@ def test_gpt_hybrid_matches_one_device_training(tmp_path):
     m = re.search(r"RESULT after 20 steps: loss ([\d.]+), one device ([\d.]+), \|difference\| "
                   r"(\S+) <= 0\.0001: OK", proc.stdout)
     assert m, proc.stdout[-3000:]
-    assert float(m.group(1)) < 5.0  # it learned: the loss starts near ln(112) = 4.7 + noise
+    first = re.search(r"step   0  loss ([\d.]+)  one device ([\d.]+)", proc.stdout)
+    assert first, proc.stdout[-3000:]
+    # it learned: 5.29 at step 0, 2.79 at step 20 on 2026-11-26 (jax 0.10.2)
+    assert float(m.group(1)) < float(first.group(1)) - 1.0, (first.group(0), m.group(0))
+    assert abs(float(first.group(1)) - float(first.group(2))) <= 1e-4
     assert abs(float(m.group(1)) - float(m.group(2))) <= 1e-4
     assert "HybridCommunicateGroup(dp=2, pp=2, mp=2)" in proc.stdout
     assert plot.stat().st_size > 0

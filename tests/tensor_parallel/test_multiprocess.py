@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _require import import_or_skip
 
 WORKER = Path(__file__).parent / "workers" / "tp_worker.py"
 CHECKS = {"init_slices_tp4", "paddle_mlp_spmd_tp4", "paddle_host_local_output",
@@ -51,8 +52,7 @@ def test_layers_block_loss_and_ddp_with_one_rank_per_process(launch):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_parameters_equal_torch_parallelize_module_after_6_sgd_steps(launch):
-    pytest.importorskip("torch", reason="torch is not installed: no torch reference to "
-                                        "compare with (pip install torch==2.13.0)")
+    import_or_skip("torch", "no torch reference to compare with (pip install torch==2.13.0)")
     proc, found = launch
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert all(TORCH_CHECK in found.get(r, set()) for r in range(4)), proc.stdout[-4000:]

@@ -40,7 +40,9 @@ def check(name: str, cond: bool) -> None:
 
 
 def close(a, b) -> bool:
-    return np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6)
+    """Equal shapes and values (``np.allclose`` alone broadcasts: a wrong shape could pass)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return a.shape == b.shape and np.allclose(a, b, rtol=1e-6)
 
 
 def run_all() -> None:

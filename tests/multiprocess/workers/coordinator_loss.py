@@ -9,7 +9,8 @@ Every rank runs one all_reduce (the world works), then CASE:
 * ``stop``: rank 0 SIGSTOPs itself before the second all_reduce;
 * ``raise``: rank 1 raises before the second all_reduce (a Python error, exit code 1);
 * ``storeget``: rank 1 dies (SIGKILL); the others wait in ``TCPStore.get`` for a key only
-  rank 1 would set (store timeout 300 s), instead of in the second all_reduce;
+  rank 1 would set (store timeout 300 s): ``wait`` and ``multi_get`` (caught), then ``get``,
+  instead of the second all_reduce;
 * ``exit3``: rank 1 SIGSTOPs itself; rank 0 catches the second all_reduce's error (its
   collective thread stays stuck in XLA) and calls ``sys.exit(3)``;
 * ``none``: no fault.
@@ -58,6 +59,12 @@ if case == "storeget":
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     store = jaxpg.TCPStore(timeout=300, namespace="user")
+    for name, call in (("wait", lambda: store.wait(["set by rank 1"])),
+                       ("multi_get", lambda: store.multi_get(["set by rank 1"]))):
+        try:
+            call()
+        except jaxpg.DistNetworkError as err:
+            print(f"CAUGHT {name} DistNetworkError: {err}", flush=True)
     store.get("set by rank 1")
 y = jaxpg.all_reduce(jnp.ones(4) * (rank + 1))
 print(f"DONE {float(y[0])}", flush=True)

@@ -13,12 +13,17 @@ Modes (argv[1]):
   DistDesyncError on every rank, naming the odd rank, before anything runs.
 * ``desync_plain``: without DETAIL, an op mismatch times out and the error says what each
   rank is running.
+
+In ``async`` and ``watchdog``, rank 1 leaves only once rank 0 has ended (a handshake through
+rank 0's pid in ``TEST_HANDSHAKE_DIR``): with a fixed sleep instead, a slow rank 0 on a loaded
+machine would see rank 1's exit rather than its absence.
 """
 
 import datetime
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +36,38 @@ timeout = datetime.timedelta(seconds=float(os.environ.get("TEST_TIMEOUT_S", "3")
 # The world starts with a generous timeout (on a loaded machine the processes may take
 # longer than the short one to start); its collectives then get the short one.
 jaxpg.init_process_group(timeout=max(timeout, datetime.timedelta(seconds=120)))
-jaxpg.GroupMember.WORLD.timeout = timeout
+if mode != "async":
+    jaxpg.GroupMember.WORLD.timeout = timeout
 rank, n = jaxpg.get_rank(), jaxpg.get_world_size()
 
 
 def say(text: str) -> None:
     print(f"[rank {rank}] {text}", flush=True)
+
+
+HANDSHAKE = Path(os.environ.get("TEST_HANDSHAKE_DIR", "."))
+if rank == 0:
+    (HANDSHAKE / "rank0.pid.tmp").write_text(str(os.getpid()))
+    (HANDSHAKE / "rank0.pid.tmp").rename(HANDSHAKE / "rank0.pid")
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie has too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+def leave_after_rank_0() -> None:
+    """Exits once rank 0's process has ended (or after 100 s): rank 1's exit must not be
+    what rank 0 sees."""
+    deadline, pid_file = time.monotonic() + 100, HANDSHAKE / "rank0.pid"
+    while time.monotonic() < deadline:
+        if pid_file.exists() and ended(int(pid_file.read_text())):
+            break
+        time.sleep(0.05)
+    os._exit(0)
 
 
 @jax.jit
@@ -61,8 +92,10 @@ if mode == "async":
     w = jaxpg.broadcast(np.arange(3.0) + rank, src=1, async_op=True)
     say(f"ASYNC broadcast ok: {np.allclose(np.asarray(w.result()), np.arange(3.0) + 1)}")
     if rank == 1:
-        time.sleep(15)
-        os._exit(0)
+        leave_after_rank_0()
+    # The short timeout only now: the ~1 s of queued matmuls above may take several seconds
+    # on a loaded machine, which is not what this test is about.
+    jaxpg.GroupMember.WORLD.timeout = timeout
     work = jaxpg.all_reduce(np.ones(4, np.float32), async_op=True)
     say("ASYNC timeout returned")
     for limit in (1.0, None):
@@ -84,8 +117,7 @@ if mode == "watchdog":
     want = np.concatenate([np.arange(4) + r for r in range(n)])
     say(f"STREAM async ok: {np.allclose(np.asarray(work.result()), want)}")
     if rank == 1:
-        time.sleep(20)
-        os._exit(0)
+        leave_after_rank_0()
     jaxpg.all_reduce(x)
     say("STREAM returned")
     time.sleep(20)
@@ -112,14 +144,14 @@ if mode in ("desync", "desync_plain"):
         say(f"AFTER ok: {np.allclose(np.asarray(out), n)}")
     # rank 0 hosts the coordination service: leave only once every rank has reported
     store = jaxpg.GroupMember.WORLD.store
+    store.set(f"pid{rank}", str(os.getpid()))
     store.add("reported", 1)
     deadline = time.monotonic() + 30
     while int(store.get("reported")) < n and time.monotonic() < deadline:
         time.sleep(0.05)
     if rank != 0:
-        store.add("leaving", 1)
         os._exit(0)
-    while int(store.add("leaving", 0)) < n - 1 and time.monotonic() < deadline:
+    others = [int(store.get(f"pid{r}")) for r in range(1, n)]
+    while not all(ended(pid) for pid in others) and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(1.0)
     os._exit(0)

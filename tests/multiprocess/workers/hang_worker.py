@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpg
+from jaxpg.groups.fr_dump import read_dump
 
 scenario = sys.argv[1]
 jaxpg.init_process_group(timeout=datetime.timedelta(seconds=120))
@@ -43,6 +44,15 @@ survivors = n - (1 if scenario in ("stop", "kill") else 0)
 
 def say(text: str) -> None:
     print(f"[rank {rank}] {text}", flush=True)
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie has too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] in "ZX"
+    except FileNotFoundError:
+        return True
 
 
 def uneven() -> None:
@@ -119,18 +129,31 @@ try:
 except jaxpg.DistError as err:
     say(f"ERROR {type(err).__name__}: {err}")
 
-# Leave only once every survivor has reported (and so has dumped, and answered the others'
-# dump requests); rank 0 hosts the coordination service, so it leaves last.
+# Leave only once every survivor has reported and every live rank's dump is complete (a
+# peer's dump request is answered from the recorder's thread); rank 0 hosts the coordination
+# service, so it leaves last, once the others' processes have ended.
 store = jaxpg.GroupMember.WORLD.store
+store.set(f"pid{rank}", str(os.getpid()))
 store.add("reported", 1)
 deadline = time.monotonic() + 60
 while int(store.add("reported", 0)) < survivors and time.monotonic() < deadline:
     time.sleep(0.05)
-time.sleep(1.5)  # a peer's dump request is answered within a poll period
-if rank != 0:
-    store.add("leaving", 1)
-    os._exit(0)
-while int(store.add("leaving", 0)) < survivors - 1 and time.monotonic() < deadline:
+live = [r for r in range(n) if not (scenario in ("stop", "kill") and r == 1)]
+
+
+def dumped(r: int) -> bool:
+    path = os.path.join(os.environ["JAXPG_FR_DUMP_DIR"], f"jaxpg_fr_rank_{r}")
+    try:
+        return not read_dump(path).partial
+    except (OSError, ValueError):
+        return False
+
+
+while not all(dumped(r) for r in live) and time.monotonic() < deadline:
     time.sleep(0.05)
-time.sleep(1.0)
+if rank != 0:
+    os._exit(0)
+others = [int(store.get(f"pid{r}")) for r in live if r != 0]
+while not all(ended(pid) for pid in others) and time.monotonic() < deadline:
+    time.sleep(0.05)
 os._exit(0)

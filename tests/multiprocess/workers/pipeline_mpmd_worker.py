@@ -10,7 +10,7 @@ the coordination service), one CPU device each. CASE:
   gloo) without remat; with WORLD = 4 two ``make_train_step`` steps on a dp = 2 x pp = 2
   mesh with DDP's bucketed reducer. Rank 0 writes every loss and gathered gradient to OUT (npz).
 * ``kill``: after a good step, rank 1 dies (SIGKILL) before the next;
-* ``stop``: after a good step, rank 1 SIGSTOPs itself (heartbeat timeout 3 s);
+* ``stop``: after a good step, rank 1 SIGSTOPs itself (heartbeat timeout 10 s);
 * ``timeout``: as ``stop``, with a 3 s group timeout and a 60 s heartbeat timeout;
 * ``meta``: rank 1 runs microbatches of another size than rank 0's.
 
