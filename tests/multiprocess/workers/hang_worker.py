@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpg
-from jaxpg.groups.fr_dump import read_dump
+from jaxpg.supervision.fr_dump import read_dump
 
 scenario = sys.argv[1]
 jaxpg.init_process_group(timeout=datetime.timedelta(seconds=120))
