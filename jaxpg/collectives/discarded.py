@@ -76,7 +76,7 @@ def warns_if_discarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = fn(*args, **kwargs)
-        if result is None or type(result).__name__ in ("Work", "_DeferredWork"):
+        if result is None or type(result).__name__ in ("Work", "_DeferredWork", "P2PWork"):
             return result
         caller = sys._getframe(1)
         if _discarded_at(caller.f_code, caller.f_lasti) and not _traced(result):

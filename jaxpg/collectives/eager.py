@@ -36,6 +36,9 @@ _flat: dict[tuple, tuple[Callable[..., Any], tuple, int, list[NamedSharding]]] =
 # this process's first device): fixed for a group's lifetime, and computed once so a small
 # eager call costs little.
 _plans: dict[int, tuple[int, bool, NamedSharding, Any]] = {}
+# Set by ``p2p`` while this process has point-to-point work outstanding: called with the
+# api before each collective across processes, it completes this process's earlier sends.
+before_collective: list[Callable[[str], None]] = []
 
 
 @on_reset
@@ -202,6 +205,8 @@ def _call(group: Any, api: str, kernel: Callable[..., Any], args: Any,
     or a function that builds it (run where the kernel is dispatched)."""
     if not group._world.multiprocess:
         return kernel(*(args() if callable(args) else args))
+    if before_collective:
+        before_collective[0](api)
     from jaxpg.groups import multiprocess
 
     if callable(args):
