@@ -407,6 +407,8 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     api = "batch_isend_irecv"
     if not p2p_op_list:
         raise ValueError(f"{api}: p2p_op_list is empty.")
+    # jaxpg.isend is isend wrapped for non-members (collectives/__init__): compare the inner
+    p2p_op_list = [p._replace(op=getattr(p.op, "__wrapped__", p.op)) for p in p2p_op_list]
     groups = {id(p.group) for p in p2p_op_list}
     if len(groups) > 1:
         raise ValueError(f"{api}: every P2POp must use the same group, as in torch.")

@@ -112,6 +112,8 @@ class DistributedDataParallel:
     ) -> None:
         from jaxpg.groups import world
 
+        if getattr(group, "ndim", None) == 1 and hasattr(group, "get_group"):
+            group = group.get_group()  # mesh["dp"], as FullyShardedDataParallel takes it
         self.group = world._resolve_group(group, "DistributedDataParallel")
         if not self.group.local_members():
             raise ValueError(

@@ -230,7 +230,12 @@ def _resolve_group(group: ProcessGroup | None, api: str) -> ProcessGroup:
             "(GroupMember.NON_GROUP_MEMBER); only members may call it."
         )
     if not isinstance(group, ProcessGroup):
-        raise TypeError(f"{api}: group must be a jaxpg ProcessGroup or None; got {group!r}.")
+        hint = ""
+        if hasattr(group, "get_group") and hasattr(group, "mesh_dim_names"):
+            hint = (" A DeviceMesh is not a group: pass mesh.get_group() for a 1-D mesh, or "
+                    "mesh.get_group('dp') (the group along one dimension).")
+        raise TypeError(f"{api}: group must be a jaxpg ProcessGroup or None; got "
+                        f"{group!r}.{hint}")
     if group._world is not state:
         raise ValueError(
             f"{api}: group {group.group_name!r} belongs to a destroyed world; create it again "
