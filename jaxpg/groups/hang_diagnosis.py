@@ -199,8 +199,11 @@ def diagnose(group: Any, api: str, seq: int, seconds: float,
     texts = {ranks_of_processes(state, [p], group.members)[0]: c["text"]
              for p, c in at_seq.items() if c.get("text")}
     mismatch = describe_mismatch(texts) if len(texts) > 1 and not steps else None
-    if mismatch:  # eager calls: their shapes and arguments tell more than their names
-        text += f" They run different calls at #{seq}: {mismatch}{_DETAIL_HINT}"
+    if mismatch:  # eager calls: their shapes and arguments are the cause; say it first
+        text = (f"{frame} #{seq} on group {name!r} {how}: the ranks called it with different "
+                f"shapes or arguments (the cause; what followed is its consequence): "
+                f"{mismatch}.{_DETAIL_HINT} Then: " + text[len(f"{frame} #{seq} on group "
+                                                         f"{name!r} {how}: "):])
     if steps and any(c["op"] != frame for c in at_seq.values()):
         text += _UNEVEN_HINT
     fr_dump.note_diagnosis({

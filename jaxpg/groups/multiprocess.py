@@ -175,8 +175,20 @@ def check_in(group: Any, api: str, timeout: datetime.timedelta | None = None) ->
             f"{api} #{n} on group {group.group_name!r}: ranks {ranks} did not call {api} "
             f"within {timeout.total_seconds():.1f} s. Every rank of the group must call it, "
             "in the same order (a call made on some ranks only, such as `if rank == 0:`, "
-            "waits for the others forever)."
+            f"waits for the others forever).{_last_call_mismatch(group, timeout)}"
         )
+
+
+def _last_call_mismatch(group: Any, timeout: datetime.timedelta) -> str:
+    """After a failed check-in: the ranks' last collectives on the group, when the flight
+    records show them called with different shapes or arguments (else "")."""
+    last = recorder.last.get(group.group_name)
+    if last is None or last.seq != group.seq:
+        return ""
+    from jaxpg.groups import hang_diagnosis
+
+    text = hang_diagnosis.diagnose(group, last.op, last.seq, timeout.total_seconds()).text
+    return f" Before it: {text}" if "different shapes or arguments" in text else ""
 
 
 def on_groups_created(state: Any, groups: Sequence[Any], members_only: bool = False) -> None:
