@@ -10,6 +10,7 @@ from jaxpg.collectives.gathers import (
     gather,
     scatter,
 )
+from jaxpg.collectives.non_member import skips_non_members
 from jaxpg.collectives.objects import (
     PerRank,
     all_gather_object,
@@ -34,3 +35,9 @@ __all__ = [
     "P2POp", "batch_isend_irecv", "irecv", "isend", "permute", "recv", "send", "all_reduce",
     "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "Work",
 ]
+
+# torch 2.13: a process outside the group warns and returns without communicating
+for _name in __all__:
+    if callable(globals()[_name]) and not isinstance(globals()[_name], type):
+        globals()[_name] = skips_non_members(globals()[_name])
+del _name

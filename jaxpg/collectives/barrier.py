@@ -18,7 +18,9 @@ __all__ = ["barrier", "monitored_barrier"]
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
     """Blocks until every rank of the group has reached it.
 
-    In multi-process runs every rank first checks in through the coordination service, so a
+    In multi-process runs every rank first checks in through the coordination service for
+    this group's barrier number ``n``, so a barrier only ever completes against the other
+    ranks' barrier ``n`` (never another collective, such as a library's own sync), and a
     rank that never arrives gives a DistTimeoutError naming it after the group's timeout.
     """
     del device_ids
@@ -28,8 +30,14 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
         raise ValueError(f"{api}: SPMD code runs in lockstep and needs no barrier; call it "
                          "from host code.")
     n_local = local_count(pg, api)
+    before = None
+    if pg._world.multiprocess:
+        from jaxpg.groups import multiprocess
+
+        def before() -> None:  # meets only barrier() #n of this group
+            multiprocess.check_in(pg, api)
     token = np.zeros((n_local, 1) if n_local > 1 else (1,), np.int32)
-    out = run_eager(pg, api, None, lambda lay, x: lay.gather(x).sum(0), {"x": token})
+    out = run_eager(pg, api, None, lambda lay, x: lay.gather(x).sum(0), {"x": token}, before)
     work = Work(out, api)
     if async_op:
         return work

@@ -37,6 +37,8 @@ from jaxpg.errors import DiscardedResultWarning
 
 __all__ = ["warns_if_discarded"]
 
+# wrappers between the user's line and this one (``non_member.skips_non_members``)
+PASS_THROUGH: set[CodeType] = set()
 _after: dict[tuple[CodeType, int], bool] = {}  # (code, f_lasti) -> the next op is POP_TOP
 _HINTS = {
     "recv": "tensor = jaxpg.recv(tensor, src)",
@@ -76,9 +78,11 @@ def warns_if_discarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = fn(*args, **kwargs)
-        if result is None or type(result).__name__ in ("Work", "_DeferredWork"):
+        if result is None or type(result).__name__ in ("Work", "_DeferredWork", "P2PWork"):
             return result
         caller = sys._getframe(1)
+        while caller.f_code in PASS_THROUGH:
+            caller = caller.f_back
         if _discarded_at(caller.f_code, caller.f_lasti) and not _traced(result):
             warnings.warn(
                 f"the result of jaxpg.{api} is discarded: jaxpg returns the result instead of "

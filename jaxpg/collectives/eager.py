@@ -36,6 +36,9 @@ _flat: dict[tuple, tuple[Callable[..., Any], tuple, int, list[NamedSharding]]] =
 # this process's first device): fixed for a group's lifetime, and computed once so a small
 # eager call costs little.
 _plans: dict[int, tuple[int, bool, NamedSharding, Any]] = {}
+# Set by ``p2p`` while this process has point-to-point work outstanding: called with the
+# api before each collective across processes, it completes this process's earlier sends.
+before_collective: list[Callable[[str], None]] = []
 
 
 @on_reset
@@ -157,7 +160,8 @@ def _compile_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any
 
 
 def _run_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
-              inputs: dict[str, Any], sharding: NamedSharding, dev: Any) -> Any:
+              inputs: dict[str, Any], sharding: NamedSharding, dev: Any,
+              before: Callable[[], None] | None = None) -> Any:
     """One rank of the group here: the kernel takes and returns per-rank arrays.
 
     This rank's array is block ``i`` of a ``[k * m, ...]`` global array built around its
@@ -187,7 +191,7 @@ def _run_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
     if k > 1:
         blocks = [_global_from_block((k * b.shape[0], *b.shape[1:]) if b.shape else (), sh, b)
                   for b, sh in zip(blocks, in_shardings)]
-    out = _call(group, api, kernel, blocks, fingerprint)
+    out = _call(group, api, kernel, blocks, fingerprint, before)
     if k == 1:
         return out
     if isinstance(out, jax.Array):
@@ -196,13 +200,22 @@ def _run_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any],
 
 
 def _call(group: Any, api: str, kernel: Callable[..., Any], args: Any,
-          fingerprint: Any = None) -> Any:
+          fingerprint: Any = None, before: Callable[[], None] | None = None) -> Any:
     """Runs the kernel; across processes, as the group's next collective (progress marks,
     fingerprints, the backend's blocking or stream-ordered semantics). ``args`` is a list,
     or a function that builds it (run where the kernel is dispatched)."""
     if not group._world.multiprocess:
         return kernel(*(args() if callable(args) else args))
+    if before_collective:
+        before_collective[0](api)
     from jaxpg.groups import multiprocess
+
+    if before is not None:  # runs where the kernel is dispatched, inside the call's timeout
+        inner = kernel
+
+        def kernel(*a: Any) -> Any:
+            before()
+            return inner(*a)
 
     if callable(args):
         return multiprocess.run_collective(group, api, lambda: kernel(*args()), fingerprint)
@@ -215,6 +228,7 @@ def run_eager(
     static_key: Any,
     body: Callable[..., Any],
     inputs: dict[str, Any],
+    before: Callable[[], None] | None = None,
 ) -> Any:
     """Runs ``body(layout, **per_rank_inputs)`` on every rank of ``group``'s family.
 
@@ -224,13 +238,15 @@ def run_eager(
         static_key: hashable static arguments that change the kernel (op, src, ...).
         body: traced per rank; returns a pytree of per-rank arrays.
         inputs: this process's data by argument name (plain or stacked, see module doc).
+        before: across processes, run just before the kernel, as part of the call (inside
+            its timeout and flight record): ``barrier``'s check-in.
 
     Returns:
         The pytree ``body`` returns, with this process's ranks' parts (plain or stacked).
     """
     n_local, all_local, sharding, device = _plan(group, api)
     if n_local == 1:
-        out = _run_flat(group, api, static_key, body, inputs, sharding, device)
+        out = _run_flat(group, api, static_key, body, inputs, sharding, device, before)
         if out is not NotImplemented:
             return out
     state = group._world
@@ -257,7 +273,7 @@ def run_eager(
                        tuple((n, shape, str(dtype)) for n, (shape, dtype) in zip(names, sig)))
         out = _call(group, api, kernel,
                     lambda: [_to_global(a, group, sharding, all_local) for a in stacked],
-                    fingerprint)
+                    fingerprint, before)
     else:
         out = kernel(*[_to_global(a, group, sharding, all_local) for a in stacked])
     if isinstance(out, jax.Array):

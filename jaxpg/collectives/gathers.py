@@ -186,9 +186,10 @@ def scatter(tensor: Any = None, scatter_list: list[Any] | None = None, src: int 
             group: Any = None, async_op: bool = False, group_src: int | None = None) -> Any:
     """Rank ``i`` gets ``scatter_list[i]`` from ``src``; returns this rank's part.
 
-    ``scatter_list`` is given on ``src`` only. ``tensor`` is torch's output buffer: here it
-    only gives the shape and dtype on ranks that do not hold ``src`` (its values are unused),
-    and the part is **returned** (``tensor = jaxpg.scatter(tensor, scatter_list, src=0)``).
+    ``scatter_list`` is given on ``src`` only (None or ``[]`` elsewhere). ``tensor`` is
+    torch's output buffer: here it only gives the shape and dtype on ranks that do not hold
+    ``src`` (its values are unused), and the part is **returned**
+    (``tensor = jaxpg.scatter(tensor, scatter_list, src=0)``).
     """
     api = "scatter"
     pg, ctx = resolve(group, api)
@@ -209,7 +210,9 @@ def scatter(tensor: Any = None, scatter_list: list[Any] | None = None, src: int 
         return completed(lay.keep_for_nonmembers(mine, rows[0]), async_op, api)
     holds_src = pg.ranks[s] in pg._world.local_ranks
     n_local = local_count(pg, api)
-    if holds_src and scatter_list is None:
+    if not holds_src and scatter_list is not None and len(scatter_list) == 0:
+        scatter_list = None  # torch tests truthiness: [] off the source means "none"
+    if holds_src and not scatter_list:
         raise ValueError(f"{api}: this process holds src={pg.ranks[s]}, so it must pass "
                          f"scatter_list with {k} arrays.")
     if not holds_src and scatter_list is not None:

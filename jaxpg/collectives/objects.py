@@ -145,16 +145,17 @@ def scatter_object_list(scatter_object_input_list: Sequence[Any] | None = None,
                         group_src: int | None = None, allow_pickle: bool = False) -> Any:
     """Rank ``i`` gets ``scatter_object_input_list[i]`` from ``src``; returns it.
 
-    A process holding several ranks gets a list, one object per local rank.
+    A process holding several ranks gets a list, one object per local rank. Off ``src`` the
+    input list is ignored (None or any list, as in torch).
     """
     api = "scatter_object_list"
     pg, _ = resolve(group, api)
     s = group_rank_of(pg, src, group_src, api, "src")
     holds_src = pg.ranks[s] in pg._world.local_ranks
-    if holds_src != (scatter_object_input_list is not None):
+    if holds_src and scatter_object_input_list is None:
         raise ValueError(
-            f"{api}: scatter_object_input_list must be given on src={pg.ranks[s]} and only "
-            f"there; this process holds ranks {pg.local_members()}."
+            f"{api}: scatter_object_input_list must be given on src={pg.ranks[s]}; this "
+            f"process holds ranks {pg.local_members()}."
         )
     if holds_src and len(scatter_object_input_list) != pg.size():
         raise ValueError(f"{api}: scatter_object_input_list has "

@@ -23,12 +23,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxpg.collectives import p2p_matching
 from jaxpg.collectives._dispatch import check_input, check_inputs, resolve
 from jaxpg.collectives.discarded import warns_if_discarded
-from jaxpg.collectives.eager import run_eager
-from jaxpg.collectives.p2p_meta import TensorMeta, decode_meta, encode_meta
+from jaxpg.collectives.eager import before_collective, run_eager
+from jaxpg.collectives.p2p_meta import DTYPE_CODES
 from jaxpg.collectives.work import Work
 from jaxpg.errors import DistTimeoutError
 
@@ -101,60 +101,102 @@ def _check_backend(state: Any, src: int, dst: int, api: str) -> None:
             raise error
 
 
-def _remote_send(state: Any, tensor: Any, src: int, dst: int, meta: bool) -> None:
-    _check_backend(state, src, dst, "send")
-    several = isinstance(tensor, (list, tuple))
-    arrays = [jnp.asarray(t) for t in tensor] if several else [jnp.asarray(tensor)]
-    if meta:
-        header = encode_meta([TensorMeta(tuple(a.shape), str(a.dtype)) for a in arrays],
-                             several=several)
-        _wire(state, src, dst, np.array([header.size], np.int32), "send.meta_len")
-        _wire(state, src, dst, header, "send.meta")
+def _engine(state: Any) -> p2p_matching.Engine:
+    eng = p2p_matching.engine(state, lambda a, b, x: _wire(state, a, b, x, "send"))
+    if not before_collective:
+        before_collective.append(_flush_before_collective)
+    return eng
+
+
+def _flush_before_collective(api: str) -> None:
+    """Before an eager collective: this process's earlier sends complete first."""
+    eng = p2p_matching.current()
+    if api == "send" or eng is None or eng.lock._is_owned():
+        return
+    if eng.busy():
+        eng.flush(eng.state.timeout.total_seconds())
+
+
+class P2PWork(Work):
+    """The Work of ``isend``/``irecv`` across processes: ``wait`` moves the transfers.
+
+    For a receive, ``result()`` is the array and ``source_rank()`` (torch's
+    ``_source_rank()``) the global rank it came from (useful with ``src=None``).
+    """
+
+    def __init__(self, eng: Any, handle: Any, api: str, seconds: float,
+                 what: Callable[[], str]):
+        super().__init__(None, api)
+        self._eng, self._handle, self._seconds, self._what = eng, handle, seconds, what
+
+    def is_completed(self) -> bool:
+        return self._handle.done or self._handle.error is not None
+
+    def wait(self, timeout: Any = None) -> bool:
+        h = self._handle
+        if not h.done and h.error is None:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+            seconds = self._seconds if seconds is None else seconds
+            self._eng.wait(lambda: h.done or h.error is not None, seconds,
+                           lambda: self._what(seconds))
+        if h.error is not None:
+            raise h.error
+        self._result = getattr(h, "result", None)
+        return True
+
+    def source_rank(self) -> int:
+        """The global rank a receive's data came from (after ``wait``)."""
+        self.wait()
+        if not hasattr(self._handle, "matched"):
+            raise ValueError(f"{self._api}: source_rank() is only defined for a receive.")
+        return self._handle.matched[0]
+
+    _source_rank = source_rank
+
+
+def _remote_isend(pg: Any, tensor: Any, me: int, dst: int, tag: int) -> P2PWork:
+    state = pg._world
+    _check_backend(state, me, dst, "send")
+    arrays, several = p2p_matching.host_arrays(tensor)
     for a in arrays:
-        _wire(state, src, dst, a, "send")
+        if str(a.dtype) not in DTYPE_CODES:
+            raise ValueError(f"send: dtype {str(a.dtype)!r} cannot be sent; supported: "
+                             f"{sorted(DTYPE_CODES)}.")
+    eng = _engine(state)
+    handle = eng.post_send(me, dst, pg.group_name, tag, arrays, several)
+    return P2PWork(eng, handle, "isend", pg.timeout.total_seconds(), lambda s: (
+        f"isend: rank {dst} did not receive the send of rank {me} (group {pg.group_name!r}, "
+        f"tag {tag}) within {s:.1f} s: no matching recv/irecv was posted there; ranks that "
+        f"did not arrive: [{dst}]."))
 
 
-def _remote_recv(state: Any, template: Any, src: int, dst: int, meta: bool) -> Any:
-    _check_backend(state, src, dst, "recv")
-    given = None
-    if template is not None:
-        items = template if isinstance(template, (list, tuple)) else [template]
-        given = [TensorMeta(tuple(np.shape(t)), str(jnp.result_type(t))) for t in items]
-    if meta:
-        n = int(np.asarray(_wire(state, src, dst, np.zeros(1, np.int32), "send.meta_len"))[0])
-        words = np.asarray(_wire(state, src, dst, np.zeros(n, np.int32), "send.meta"))
-        metas, several = decode_meta(words.tolist())
-        if given is not None and [(m.shape, m.dtype) for m in given] != [
-                (m.shape, m.dtype) for m in metas]:
+def _remote_irecv(pg: Any, tensor: Any, src: int | None, me: int, tag: int) -> P2PWork:
+    state = pg._world
+    if src is None:
+        local = [r for r in pg.ranks if r in state.local_ranks and r != me]
+        if local:
             raise ValueError(
-                f"recv: tensor describes {[(m.shape, m.dtype) for m in given]}, but rank {src} "
-                f"sent {[(m.shape, m.dtype) for m in metas]}."
-            )
-    elif given is None:
-        raise ValueError("recv: pass tensor (shape and dtype) when the sender uses meta=False.")
+                f"recv: src=None (any source) is not supported when this process holds "
+                f"other ranks of group {pg.group_name!r} ({local}); pass src.")
+        sources = tuple(r for r in pg.ranks if r != me)
     else:
-        metas, several = given, isinstance(template, (list, tuple))
-    out = [_wire(state, src, dst, jnp.zeros(m.shape, m.dtype), "send") for m in metas]
-    return out if several else out[0]
+        _check_backend(state, src, me, "recv")
+        sources = (src,)
+    given = None if tensor is None else p2p_matching.signature(tensor)
+    eng = _engine(state)
+    handle = eng.post_recv(p2p_matching.RecvHandle(me, src, sources, pg.group_name, tag,
+                                                   given))
+    who = f"rank {src}" if src is not None else f"any of ranks {list(sources)}"
+    return P2PWork(eng, handle, "irecv", pg.timeout.total_seconds(), lambda s: (
+        f"recv: nothing arrived from {who} at rank {me} (group {pg.group_name!r}, tag "
+        f"{tag}) within {s:.1f} s; ranks that did not arrive: "
+        f"{[src] if src is not None else list(sources)}."))
 
 
 # ------------------------------------------------------------------------------- public
-def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
-         group_dst: int | None = None, *, src: int | None = None, meta: bool = True) -> Any:
-    """Sends ``tensor`` to ``dst``. Blocks until the receiver has it when it is remote.
-
-    Args:
-        tensor: the array, or a list of arrays (the header then describes each).
-        dst: global rank of the receiver (or ``group_dst``, its group rank).
-        group: the group (the world for None).
-        tag: matches sends with receives.
-        src: SPMD code only: the sending rank (every rank runs the same program).
-        meta: send the metadata header first, so ``recv`` needs no shape (remote only).
-
-    Returns:
-        None (in SPMD code, ``tensor``: the send itself happens at the matching ``recv``).
-    """
-    api = "send"
+def _send(tensor: Any, dst: int | None, group: Any, tag: int, group_dst: int | None,
+          src: int | None, api: str) -> Any:
+    """Posts a send; returns its Work (host code) or ``tensor`` (SPMD code)."""
     pg, ctx = resolve(group, api)
     check_inputs(tensor, api)
     dst_rank = _peer(pg, dst, group_dst, api, "dst")
@@ -171,50 +213,98 @@ def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
     me = _acting_rank(pg, api) if src is None else int(src)
     if me == dst_rank:
         raise ValueError(f"{api}: dst={dst_rank} is this rank; a rank cannot send to itself.")
-    arr = [jnp.asarray(t) for t in tensor] if isinstance(tensor, (list, tuple)) else \
-        jnp.asarray(tensor)
     state = pg._world
     if dst_rank in state.local_ranks:
+        arr = [jnp.asarray(t) for t in tensor] if isinstance(tensor, (list, tuple)) else \
+            jnp.asarray(tensor)
         with _mail_cv:
-            _mailbox[(pg.id, me, dst_rank, tag)].append(arr)
+            _mailbox[(pg.id, me, dst_rank, tag)].append((me, arr))
             _mail_cv.notify_all()
+        return Work(None, api)
+    return _remote_isend(pg, tensor, me, dst_rank, tag)
+
+
+def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
+         group_dst: int | None = None, *, src: int | None = None, meta: bool = True) -> Any:
+    """Sends ``tensor`` to ``dst``. Blocks until the receiver has it when it is remote.
+
+    Across processes a send is matched to a receive as torch matches it: by group, source
+    and ``tag``, in order within a tag (``jaxpg.collectives.p2p_matching``).
+
+    Args:
+        tensor: the array, or a list of arrays (the receiver gets the list).
+        dst: global rank of the receiver (or ``group_dst``, its group rank).
+        group: the group (the world for None).
+        tag: matches sends with receives.
+        src: SPMD code only: the sending rank (every rank runs the same program).
+        meta: kept for Paddle's ``send_meta``; shapes and dtypes always travel in the
+            send's record, so ``recv`` never needs a shape.
+
+    Returns:
+        None (in SPMD code, ``tensor``: the send itself happens at the matching ``recv``).
+    """
+    del meta
+    out = _send(tensor, dst, group, tag, group_dst, src, "send")
+    if isinstance(out, Work):
+        out.wait()
         return None
-    _remote_send(state, arr, me, dst_rank, meta)
-    return None
+    return out
 
 
-def _take_mail(pg: Any, src: int, me: int, tag: int, timeout: float) -> jax.Array:
+def _take_mail(pg: Any, sources: Sequence[int], me: int, tag: int,
+               timeout: float) -> tuple[int, Any]:
     deadline = time.monotonic() + timeout
     with _mail_cv:
-        box = _mailbox[(pg.id, src, me, tag)]
-        while not box:
+        while True:
+            boxes = [_mailbox[(pg.id, s, me, tag)] for s in sources]
+            full = [b for b in boxes if b]
+            if full:
+                return full[0].popleft()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DistTimeoutError(
-                    f"recv: nothing arrived from rank {src} at rank {me} (group "
+                    f"recv: nothing arrived from rank {list(sources)} at rank {me} (group "
                     f"{pg.group_name!r}, tag {tag}) within {timeout:.1f} s; ranks that did not "
-                    f"arrive: [{src}]."
+                    f"arrive: {list(sources)}."
                 )
             _mail_cv.wait(left)
-        return box.popleft()
 
 
-@warns_if_discarded
-def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
-         group_src: int | None = None, *, dst: int | None = None, meta: bool = True,
-         timeout: float | None = None) -> Any:
-    """Receives an array from ``src`` and **returns it; ``tensor`` is not changed** (torch
-    fills ``tensor`` in place: ``dist.recv(t, src)`` is ``t = jaxpg.recv(t, src)`` here).
+class _DeferredWork(Work):
+    """A receive between ranks of this process: it takes the mail at ``wait``."""
 
-    ``tensor`` gives the shape and dtype; it may be None when the sender sends the metadata
-    header (the default). In SPMD code pass ``dst=`` too; non-receivers get ``tensor`` back.
-    """
-    api = "recv"
+    def __init__(self, fn: Callable[[float | None], tuple[int, Any]], api: str):
+        super().__init__(None, api)
+        self._fn = fn
+        self._done = False
+        self._src: int | None = None
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+            self._src, self._result = self._fn(seconds)
+            self._done = True
+        return super().wait()
+
+    def source_rank(self) -> int:
+        """The global rank the data came from (after ``wait``)."""
+        self.wait()
+        return self._src
+
+    _source_rank = source_rank
+
+
+def _recv(tensor: Any, src: int | None, group: Any, tag: int, group_src: int | None,
+          dst: int | None, timeout: float | None, api: str) -> Any:
+    """Posts a receive; returns its Work (host code) or the array (SPMD code)."""
     pg, ctx = resolve(group, api)
     if tensor is not None:
         check_inputs(tensor, api)
-    src_rank = _peer(pg, src, group_src, api, "src")
     if ctx is not None:
+        src_rank = _peer(pg, src, group_src, api, "src")
         if dst is None or tensor is None:
             raise ValueError(f"{api}: in SPMD code pass dst= and tensor (shapes are static).")
         pending = ctx.__dict__.get("mailbox", {}).get((pg.id, src_rank, dst, tag))
@@ -225,55 +315,74 @@ def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int
                                                          pg.group_rank(dst))])
         here = ctx.traced_group_rank(pg) == pg.group_rank(dst)
         return jnp.where(here, moved, jnp.asarray(tensor))
+    src_rank = None if src is None and group_src is None else \
+        _peer(pg, src, group_src, api, "src")
     me = _acting_rank(pg, api) if dst is None else int(dst)
     if me == src_rank:
         raise ValueError(f"{api}: src={src_rank} is this rank; a rank cannot receive from itself.")
     state = pg._world
-    wait_s = timeout if timeout is not None else pg.timeout.total_seconds()
-    if src_rank in state.local_ranks:
-        arr = _take_mail(pg, src_rank, me, tag, wait_s)
-        if tensor is not None:
-            sig = lambda t: [(tuple(np.shape(a)), str(jnp.result_type(a)))
-                             for a in (t if isinstance(t, (list, tuple)) else [t])]
-            if sig(tensor) != sig(arr):
-                raise ValueError(f"{api}: tensor describes {sig(tensor)}, but rank {src_rank} "
-                                 f"sent {sig(arr)}.")
-        return jax.device_put(arr, state.devices[me])
-    return _remote_recv(state, tensor, src_rank, me, meta)
+    sources = [src_rank] if src_rank is not None else [r for r in pg.ranks if r != me]
+    if all(r in state.local_ranks for r in sources):
+        def take(seconds: float | None) -> tuple[int, Any]:
+            wait_s = seconds if seconds is not None else (
+                timeout if timeout is not None else pg.timeout.total_seconds())
+            got, arr = _take_mail(pg, sources, me, tag, wait_s)
+            if tensor is not None:
+                sig = p2p_matching.signature
+                if sig(tensor) != sig(arr):
+                    raise ValueError(f"{api}: tensor describes {sig(tensor)}, but rank {got} "
+                                     f"sent {sig(arr)}.")
+            return got, jax.device_put(arr, state.devices[me])
+        return _DeferredWork(take, "irecv")
+    work = _remote_irecv(pg, tensor, src_rank, me, tag)
+    if timeout is not None:
+        work._seconds = timeout
+    return work
 
 
-class _DeferredWork(Work):
-    """A Work whose result is computed at ``wait`` (a receive that may not have arrived)."""
+@warns_if_discarded
+def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
+         group_src: int | None = None, *, dst: int | None = None, meta: bool = True,
+         timeout: float | None = None, return_src: bool = False) -> Any:
+    """Receives an array from ``src`` and **returns it; ``tensor`` is not changed** (torch
+    fills ``tensor`` in place: ``dist.recv(t, src)`` is ``t = jaxpg.recv(t, src)`` here).
 
-    def __init__(self, fn: Callable[[float | None], Any], api: str):
-        super().__init__(None, api)
-        self._fn = fn
-        self._done = False
-
-    def is_completed(self) -> bool:
-        return self._done
-
-    def wait(self, timeout: Any = None) -> bool:
-        if not self._done:
-            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-            self._result = self._fn(seconds)
-            self._done = True
-        return super().wait()
+    ``tensor`` gives the shape and dtype to check; it may be None (a send's record carries
+    them). With neither ``src`` nor ``group_src`` it receives from any rank of the group, as
+    torch does; torch returns the sender's rank, jaxpg returns the array, and
+    ``return_src=True`` gives ``(array, sender's global rank)``. In SPMD code pass ``dst=``
+    too; non-receivers get ``tensor`` back.
+    """
+    del meta
+    out = _recv(tensor, src, group, tag, group_src, dst, timeout, "recv")
+    if not isinstance(out, Work):
+        return out
+    out.wait()
+    return (out._result, out.source_rank()) if return_src else out._result
 
 
 def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
           group_dst: int | None = None, **kw: Any) -> Work:
-    """Sends asynchronously; returns a Work."""
-    return Work(send(tensor, dst, group, tag, group_dst, **kw), "isend")
+    """Sends asynchronously; returns a Work at once, before the receive is posted."""
+    kw.pop("meta", None)
+    out = _send(tensor, dst, group, tag, group_dst, kw.pop("src", None), "isend")
+    if kw:
+        raise TypeError(f"isend: unexpected keyword(s) {sorted(kw)}.")
+    return out if isinstance(out, Work) else Work(out, "isend")
 
 
 def irecv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
           group_src: int | None = None, **kw: Any) -> Work:
     """Receives asynchronously; ``wait()`` then **``result()`` gives the array**: unlike
-    torch, ``tensor`` is not filled (``t = jaxpg.irecv(t, src).result()``)."""
-    return _DeferredWork(
-        lambda t: recv(tensor, src, group, tag, group_src, **({"timeout": t} if t else {}),
-                       **kw), "irecv")
+    torch, ``tensor`` is not filled (``t = jaxpg.irecv(t, src).result()``). The receive is
+    posted now; with ``src=None`` the Work's ``source_rank()`` (torch's ``_source_rank()``)
+    names the sender."""
+    kw.pop("meta", None)
+    out = _recv(tensor, src, group, tag, group_src, kw.pop("dst", None), kw.pop("timeout", None),
+                "irecv")
+    if kw:
+        raise TypeError(f"irecv: unexpected keyword(s) {sorted(kw)}.")
+    return out if isinstance(out, Work) else Work(out, "irecv")
 
 
 class P2POp(NamedTuple):
@@ -291,12 +400,15 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     """Runs a list of isend/irecv as one exchange and returns their Works.
 
     Outgoing tensors are checked for NaN/Inf first when ``JAXPG_PP_CHECK_NANINF=1`` (Paddle's
-    ``FLAGS_pp_check_naninf``). Transfers run in a canonical order (by rank pair), so two
-    processes that list their halves in any order cannot deadlock.
+    ``FLAGS_pp_check_naninf``). Every operation is posted at once; the transfers run while
+    the Works are waited on, in an order all processes agree on, so the lists may be in
+    any order.
     """
     api = "batch_isend_irecv"
     if not p2p_op_list:
         raise ValueError(f"{api}: p2p_op_list is empty.")
+    # jaxpg.isend is isend wrapped for non-members (collectives/__init__): compare the inner
+    p2p_op_list = [p._replace(op=getattr(p.op, "__wrapped__", p.op)) for p in p2p_op_list]
     groups = {id(p.group) for p in p2p_op_list}
     if len(groups) > 1:
         raise ValueError(f"{api}: every P2POp must use the same group, as in torch.")
@@ -309,23 +421,13 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
         if p.op is isend:
             _check_naninf(p.tensor, me, api)
 
-    def order(item: tuple[int, P2POp]) -> tuple:
-        _, p = item
-        peer = _peer(pg, p.peer, p.group_peer, api, "peer")
-        a, b = (me, peer) if p.op is isend else (peer, me)
-        return (min(a, b), max(a, b), a, item[0])
-
-    works: dict[int, Work] = {}
-    for i, p in sorted(enumerate(p2p_op_list), key=order):
+    works = []
+    for p in p2p_op_list:
         if p.op is isend:
-            works[i] = isend(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+            works.append(isend(p.tensor, p.peer, p.group, p.tag, p.group_peer))
         else:
-            w = irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer)
-            peer = _peer(pg, p.peer, p.group_peer, api, "peer")
-            if peer not in pg._world.local_ranks:
-                w.wait()  # remote transfers run now, in the canonical order
-            works[i] = w
-    return [works[i] for i in range(len(p2p_op_list))]
+            works.append(irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer))
+    return works
 
 
 @warns_if_discarded

@@ -125,11 +125,38 @@ def reduce_scatter(input_list: list[Any], op: ReduceOp = ReduceOp.SUM, group: An
         )
     for i, x in enumerate(input_list):
         check_input(x, api, f"input_list[{i}]")
+    shapes = [np.shape(x) for x in input_list]
+    if len(set(shapes)) > 1:
+        return completed(_reduce_scatter_uneven(pg, list(input_list), op, api), async_op, api)
     check_same_shapes(list(input_list), api, "input_list")
     axis = 1 if _stacked(pg) else 0
     joined = jnp.stack([jnp.asarray(x) for x in input_list], axis=axis)
     out = reduce_scatter_tensor(joined, op, pg, False)
     return completed(jnp.squeeze(out, axis), async_op, api)
+
+
+def _reduce_scatter_uneven(pg: Any, input_list: list[Any], op: ReduceOp, api: str) -> Any:
+    """torch's reduce_scatter with chunks of different shapes: each chunk is flattened and
+    padded to the largest, the padded stack is reduce-scattered, and this rank keeps its
+    chunk's part (host code with one rank of the group here)."""
+    from jaxpg.spmd import current_context
+
+    dtypes = {str(jnp.result_type(x)) for x in input_list}
+    if len(dtypes) > 1:
+        raise ValueError(f"{api}: every array in input_list must have the same dtype; got "
+                         f"{sorted(dtypes)}.")
+    if current_context() is not None or _stacked(pg):
+        raise ValueError(
+            f"{api}: input_list chunks of different shapes ({[np.shape(x) for x in input_list]}"
+            ") need host code with one rank of the group in this process (the output shape "
+            "depends on the rank); pad the chunks to one shape here.")
+    me = pg.group_rank(pg._world.acting_rank())
+    flat = [jnp.ravel(jnp.asarray(x)) for x in input_list]
+    width = max(int(f.size) for f in flat)
+    padded = jnp.stack([jnp.pad(f, (0, width - f.size)) for f in flat])
+    out = jnp.squeeze(reduce_scatter_tensor(padded, op, pg, False), 0)
+    mine = np.shape(input_list[me])
+    return jnp.reshape(out[: int(np.prod(mine, dtype=int))], mine)
 
 
 def _is_array_like(x: Any) -> bool:

@@ -50,10 +50,27 @@ def _manager(directory: str | os.PathLike) -> Any:
     return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options)
 
 
+def every_process_calls(api: str) -> None:
+    """In a multi-process world, checks in for this process's next ``api`` call and waits
+    for every process's (``jaxpg.groups.multiprocess.check_in``)."""
+    from jaxpg.groups import world
+
+    state = world.current()
+    if state.multiprocess:
+        from jaxpg.groups import multiprocess
+
+        multiprocess.check_in(state.world_group, api)
+
+
 def save_checkpoint(
     directory: str | os.PathLike, ddp: Any, *, data_state: dict[str, Any] | None = None
 ) -> int:
     """Saves ``ddp``'s training state at its current step; returns the step.
+
+    **Every process must call it** (not only rank 0, as torch's ``if rank == 0:
+    torch.save(...)`` habit has it): the processes write their parts together. A call made
+    on some processes only raises ``DistTimeoutError`` on those, naming the ranks that did
+    not call it, after the world's timeout.
 
     Args:
         directory: the checkpoint root; the checkpoint goes to ``directory/<step>``.
@@ -64,6 +81,7 @@ def save_checkpoint(
 
     from jaxpg.supervision import liveness
 
+    every_process_calls("save_checkpoint")
     arrays, paths = _flat(ddp)
     meta = {"step": ddp.step, "data_state": data_state or {}, "paths": paths}
     heartbeat = float(os.environ.get("JAXPG_HEARTBEAT_TIMEOUT", "10"))

@@ -148,8 +148,10 @@ def replicate_from_rank0(tree: Any, pg: Any, *, broadcast: bool = True) -> Any:
         return rekey(jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), raw))
     stacked = NamedSharding(pg.mesh, P(pg.axis_name))
-    local = jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(stacked, np.asarray(x)[None]), raw)
+    here = set(pg._world.local_ranks)
+    n_local = sum(r in here for r in pg.ranks)  # one row per rank of the group held here
+    local = jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+        stacked, np.repeat(np.asarray(x)[None], n_local, axis=0)), raw)
     return rekey(_rank0_kernel(pg)(local))
 
 

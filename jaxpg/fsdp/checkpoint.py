@@ -31,7 +31,7 @@ import jax
 
 from jaxpg.data_parallel.checkpoint_format import numbered_arrays, restore_leaves
 from jaxpg.data_parallel.prng_keys import is_key
-from jaxpg.ddp.checkpoint import latest_step
+from jaxpg.ddp.checkpoint import every_process_calls, latest_step
 from jaxpg.fsdp.model_parallel import has_block_padding
 from jaxpg.fsdp.placement import check_fits
 from jaxpg.fsdp.state_shapes import state_paths, true_shapes
@@ -73,7 +73,9 @@ def _write(directory: str | os.PathLike, step: int, arrays: dict[str, Any],
 
 def save_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
                     data_state: dict[str, Any] | None = None, full: bool = False) -> int:
-    """Saves ``fsdp``'s training state at its current step (every process calls it).
+    """Saves ``fsdp``'s training state at its current step. **Every process must call it**;
+    a call made on some processes only raises ``DistTimeoutError`` there, naming the ranks
+    that did not call it, after the world's timeout.
 
     Args:
         directory: the checkpoint root; the checkpoint goes to ``directory/<step>``.
@@ -84,6 +86,7 @@ def save_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
     Returns:
         The step saved.
     """
+    every_process_calls("save_checkpoint")
     state = fsdp.full_state_dict() if full else fsdp.state_dict()
     tree = _tree(state)
     shapes = true_shapes(fsdp)

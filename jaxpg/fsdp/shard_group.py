@@ -162,9 +162,9 @@ class ShardGroup:
 
         raw, rekey = unkey(tree)
         stacked = self.sharding(self.batch_spec)
-        local = jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(stacked, np.asarray(x)[None]),
-            raw)
+        n_local = self.local_batch_positions()  # one row per batch position held here
+        local = jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+            stacked, np.repeat(np.asarray(x)[None], n_local, axis=0)), raw)
         return rekey(self._rank0_kernel()(local))
 
     def _rank0_kernel(self) -> Any:

@@ -157,15 +157,52 @@ def _store_barrier(state: Any, store: Any, name: str, procs: list[int],
         )
 
 
-def on_groups_created(state: Any, groups: Sequence[Any]) -> None:
-    """Gives each new group its PrefixStore and runs the creation barrier over the world."""
+def check_in(group: Any, api: str, timeout: datetime.timedelta | None = None) -> None:
+    """Every process of ``group`` checks in for its next ``api`` call (``barrier``,
+    ``save_checkpoint``) and waits for the others' check-in of the same call, so that the
+    call only ever meets the same call: raises ``DistTimeoutError`` on every process that
+    called it, naming the ranks that did not, after the group's timeout."""
+    state = group._world
+    counts = group.__dict__.setdefault("_check_ins", {})
+    counts[api] = n = counts.get(api, 0) + 1
+    timeout = timeout or group.timeout
+    procs = _processes_of(state, group.members)
+    missing = _arrive_and_wait(group_store(group), f"calls/{api}/{n}", state.process_index,
+                               procs, timeout)
+    if missing:
+        ranks = _ranks_of_processes(state, missing, group.members)
+        raise DistTimeoutError(
+            f"{api} #{n} on group {group.group_name!r}: ranks {ranks} did not call {api} "
+            f"within {timeout.total_seconds():.1f} s. Every rank of the group must call it, "
+            "in the same order (a call made on some ranks only, such as `if rank == 0:`, "
+            f"waits for the others forever).{_last_call_mismatch(group, timeout)}"
+        )
+
+
+def _last_call_mismatch(group: Any, timeout: datetime.timedelta) -> str:
+    """After a failed check-in: the ranks' last collectives on the group, when the flight
+    records show them called with different shapes or arguments (else "")."""
+    last = recorder.last.get(group.group_name)
+    if last is None or last.seq != group.seq:
+        return ""
+    from jaxpg.supervision import hang_diagnosis
+
+    text = hang_diagnosis.diagnose(group, last.op, last.seq, timeout.total_seconds()).text
+    return f" Before it: {text}" if "different shapes or arguments" in text else ""
+
+
+def on_groups_created(state: Any, groups: Sequence[Any], members_only: bool = False) -> None:
+    """Gives each new group its PrefixStore and runs the creation barrier over the world
+    (over the group's own processes with ``members_only``)."""
     from jaxpg.stores import PrefixStore
 
     for g in groups:
         group_store(g)
     first = groups[0]
+    procs = _processes_of(state, first.members) if members_only else \
+        list(range(state.process_count))
     _store_barrier(state, PrefixStore(first.group_name, state.store), "created",
-                   list(range(state.process_count)), first.timeout,
+                   procs, first.timeout,
                    f"new_group {first.group_name!r}")
 
 

@@ -48,6 +48,7 @@ class ProcessGroup:
         self.id = next(_group_ids)
         self.ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
         self.group_name = name or world.next_group_name()
+        self.group_desc: str = self.group_name  # torch's description (new_group's group_desc)
         self.timeout = timeout or world.timeout
         self.family: tuple[tuple[int, ...], ...] = family or (self.ranks,)
         self.axis_name = f"_jaxpg_{self.group_name}"

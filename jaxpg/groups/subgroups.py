@@ -21,7 +21,8 @@ __all__ = [
 ]
 
 
-def _check_ranks(ranks: Iterable[int], world_size: int, api: str, arg: str) -> tuple[int, ...]:
+def _check_ranks(ranks: Iterable[int], world_size: int, api: str, arg: str,
+                 sort: bool = True) -> tuple[int, ...]:
     ranks = list(ranks)
     for r in ranks:
         if not isinstance(r, int) or isinstance(r, bool):
@@ -38,7 +39,7 @@ def _check_ranks(ranks: Iterable[int], world_size: int, api: str, arg: str) -> t
         raise ValueError(
             f"{api}: {arg} has {len(ranks)} ranks but the world has only {world_size}."
         )
-    return tuple(sorted(ranks))
+    return tuple(sorted(ranks)) if sort else tuple(ranks)
 
 
 def _register(state: _world.WorldState, groups: Sequence[ProcessGroup]) -> None:
@@ -65,18 +66,33 @@ def new_group(
     pg_options: object = None,
     use_local_synchronization: bool = False,
     group_desc: str | None = None,
+    device_id: object = None,
+    sort_ranks: bool = True,
 ) -> ProcessGroup | object:
-    """Creates a group of any subset of the world's ranks (sorted, as torch sorts them).
+    """Creates a group of any subset of the world's ranks, with torch 2.13's arguments.
 
     Every process must call it with the same arguments, as in torch. A process that holds
     none of ``ranks`` gets ``GroupMember.NON_GROUP_MEMBER``.
+
+    Args:
+        ranks: global ranks (the world for None).
+        timeout: the group's timeout (the world's for None).
+        backend: must be the world's backend, or None.
+        pg_options: accepted and unused (XLA's collectives have no such options).
+        use_local_synchronization: only the group's members need to call (the creation
+            barrier runs over their processes, not the world's), as in torch; members must
+            create their local-synchronization groups in one order.
+        group_desc: a description, kept as ``group.group_desc`` (not the group's name).
+        device_id: accepted for torch's signature: jaxpg's groups always run on the ranks'
+            own devices, made ready when the world starts.
+        sort_ranks: False keeps ``ranks``' order, so that ``ranks[i]`` is group rank ``i``.
 
     Example:
         >>> g = jaxpg.new_group([0, 3, 5])
         >>> jaxpg.get_process_group_ranks(g)
         [0, 3, 5]
     """
-    del pg_options, use_local_synchronization
+    del pg_options, device_id
     state = _world.current()
     n = len(state.devices)
     if backend is not None and str(backend).lower() != str(state.backend):
@@ -86,11 +102,26 @@ def new_group(
         )
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"new_group: timeout must be a datetime.timedelta; got {timeout!r}.")
-    checked = tuple(range(n)) if ranks is None else _check_ranks(ranks, n, "new_group", "ranks")
+    checked = tuple(range(n)) if ranks is None else _check_ranks(ranks, n, "new_group", "ranks",
+                                                                  sort=sort_ranks)
     if not checked:
         raise ValueError("new_group: ranks=[] is empty; a group needs at least one rank.")
-    group = ProcessGroup(state, checked, timeout=timeout, name=group_desc)
-    _register(state, [group])
+    name = None
+    if use_local_synchronization:
+        made = state.__dict__.setdefault("_local_sync_groups", {})
+        made[checked] = made.get(checked, 0) + 1
+        name = f"local{made[checked]}_" + "_".join(map(str, checked))
+    group = ProcessGroup(state, checked, timeout=timeout, name=name)
+    group.group_desc = group_desc if group_desc is not None else group.group_name
+    member = any(r in group.ranks for r in state.local_ranks)
+    if use_local_synchronization:
+        state.groups[group.group_name] = group
+        if member and state.multiprocess:
+            from jaxpg.groups import multiprocess
+
+            multiprocess.on_groups_created(state, [group], members_only=True)
+    else:
+        _register(state, [group])
     return _member_or_sentinel(state, group)
 
 

@@ -136,6 +136,8 @@ class _Recorder:
         self.ring: list[CallRecord] | None = None
         self._slots = itertools.count()
         self.last: dict[str, CallRecord] = {}  # group name -> its last call
+        # group name -> (seq, fingerprint) of the call before its last, for a diagnosis
+        self.prev: dict[str, tuple[int, Any]] = {}
         self.groups: dict[str, tuple[int, ...]] = {}  # group name -> its ranks
 
     @property
@@ -160,6 +162,9 @@ class _Recorder:
             held = record.group
             if held is not None and self.last.get(held) is record:
                 self.last[held] = record.copy()  # that group's last call lives on
+        before = self.last.get(name)
+        if before is not None:
+            self.prev[name] = (before.seq, before.fingerprint)
         record.reset(name, seq, op, kind, fingerprint, caller)
         if name not in self.groups:
             self.groups[name] = tuple(group.ranks)
@@ -176,6 +181,7 @@ class _Recorder:
     def forget(self) -> None:
         """Drops every record (``destroy_process_group``)."""
         self.last.clear()
+        self.prev.clear()
         self.groups.clear()
         if self.ring is not None:
             self.configure(self.size)

@@ -178,6 +178,9 @@ def local_state() -> dict[str, Any]:
             "text": fingerprint_text(name, rec.seq, rec.fingerprint),
             "location": rec.location(), "called": rec.called(),
         }
+        prev = recorder.prev.get(name)
+        if prev is not None:
+            calls[name]["prev"] = {"seq": prev[0], "text": fingerprint_text(name, *prev)}
     state = _s.state
     return {"process": getattr(state, "process_index", 0),
             "ranks": list(getattr(state, "local_ranks", [])), "time": now, "calls": calls}

@@ -37,6 +37,35 @@ _UNEVEN_HINT = (" Uneven data? A rank that runs out of batches stops calling the
                 "the others: see `with ddp.join():` in docs/debugging.md.")
 
 
+def _earlier_mismatch(group: Any, calls: dict[int, dict | None], procs: list[int],
+                      state: Any) -> str | None:
+    """A call of the group at one sequence number that this process and a peer ran with
+    different fingerprints (this process's last two calls against each peer's), or None."""
+    name = group.group_name
+    mine: dict[int, str] = {}
+    last = recorder.last.get(name)
+    prev = recorder.prev.get(name)
+    if prev is not None:
+        mine[prev[0]] = fingerprint_text(name, *prev)
+    if last is not None:
+        mine[last.seq] = fingerprint_text(name, last.seq, last.fingerprint)
+    me = state.process_index
+    my_rank = ranks_of_processes(state, [me], group.members)[0]
+    for p in procs:
+        call = calls.get(p)
+        if p == me or not call:
+            continue
+        theirs = [(call.get("seq"), call.get("text")), *(
+            [(call["prev"]["seq"], call["prev"]["text"])] if call.get("prev") else [])]
+        for seq, text in theirs:
+            if seq in mine and text and text != mine[seq]:
+                rank = ranks_of_processes(state, [p], group.members)[0]
+                found = describe_mismatch({my_rank: mine[seq], rank: text})
+                if found:
+                    return f"at #{seq}: {found}"
+    return None
+
+
 def processes_of(state: Any, ranks: Sequence[int]) -> list[int]:
     """The processes that hold ``ranks``, sorted."""
     return sorted({state.devices[r].process_index for r in ranks})
@@ -199,8 +228,13 @@ def diagnose(group: Any, api: str, seq: int, seconds: float,
     texts = {ranks_of_processes(state, [p], group.members)[0]: c["text"]
              for p, c in at_seq.items() if c.get("text")}
     mismatch = describe_mismatch(texts) if len(texts) > 1 and not steps else None
-    if mismatch:  # eager calls: their shapes and arguments tell more than their names
-        text += f" They run different calls at #{seq}: {mismatch}{_DETAIL_HINT}"
+    if not mismatch and not steps:  # an earlier call of the group differed: the cause
+        mismatch = _earlier_mismatch(group, calls, procs, state)
+    if mismatch:  # eager calls: their shapes and arguments are the cause; say it first
+        head = f"{frame} #{seq} on group {name!r} {how}: "
+        text = (f"{head}the ranks called a collective with different shapes or arguments (the "
+                f"cause; what follows is its consequence): {mismatch.rstrip('.')}."
+                f"{_DETAIL_HINT} Then: " + text[len(head):])
     if steps and any(c["op"] != frame for c in at_seq.values()):
         text += _UNEVEN_HINT
     fr_dump.note_diagnosis({
