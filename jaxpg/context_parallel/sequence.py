@@ -99,7 +99,7 @@ def shard_sequence(x: Any, group: Any = None, *, seq_dim: int = 1,
     """
     api = "shard_sequence"
     cp, ranks, stacked = _local_layout(group, api)
-    x = jnp.asarray(x)
+    x = np.asarray(x)  # layout work on the host: no device kernel per slice
     dim = _check_dim(seq_dim, x.ndim, api)
     seq = x.shape[dim]
     parts = 2 * cp.size if load_balance else cp.size
@@ -108,22 +108,22 @@ def shard_sequence(x: Any, group: Any = None, *, seq_dim: int = 1,
             f"{api}: the sequence length {seq} (dim {dim} of shape {tuple(x.shape)}) is not "
             f"divisible by {'2 * cp' if load_balance else 'cp'} = {parts}; pad it to a "
             f"multiple of {parts}" + (" or pass load_balance=False." if load_balance else "."))
-    chunks = jnp.split(x, parts, axis=dim)
+    chunks = np.split(x, parts, axis=dim)
     order = chunk_order(cp.size, load_balance)
     per = len(order) // cp.size
     seq_local = seq // cp.size
 
     def shard(r: int):
-        return jnp.concatenate([chunks[c] for c in order[r * per:(r + 1) * per]], axis=dim)
+        return np.concatenate([chunks[c] for c in order[r * per:(r + 1) * per]], axis=dim)
 
     def pos(r: int):
-        return jnp.asarray(local_positions(r, cp.size, seq_local, load_balance), jnp.int32)
+        return local_positions(r, cp.size, seq_local, load_balance).astype(np.int32)
 
     layout = SequenceLayout(cp.size, bool(load_balance), seq, dim, ranks, stacked)
     if not stacked:
-        return SequenceShards(shard(ranks[0]), pos(ranks[0]), layout)
-    return SequenceShards(jnp.stack([shard(r) for r in ranks]),
-                          jnp.stack([pos(r) for r in ranks]), layout)
+        return SequenceShards(jnp.asarray(shard(ranks[0])), jnp.asarray(pos(ranks[0])), layout)
+    return SequenceShards(jnp.asarray(np.stack([shard(r) for r in ranks])),
+                          jnp.asarray(np.stack([pos(r) for r in ranks])), layout)
 
 
 def unshard_sequence(y: Any, group: Any = None, *, seq_dim: int = 1,
@@ -160,14 +160,14 @@ def unshard_sequence(y: Any, group: Any = None, *, seq_dim: int = 1,
                              f"has {cp.size} ranks; pass the same group as to shard_sequence.")
         load_balance = layout.load_balance
     load_balance = bool(load_balance)
-    y = jnp.asarray(y)
     if not stacked:
         from jaxpg.collectives.gathers import all_gather_into_tensor
 
-        y = all_gather_into_tensor(y[None], group=cp.group)
+        y = all_gather_into_tensor(jnp.asarray(y)[None], group=cp.group)
     elif len(ranks) != cp.size:
         raise ValueError(f"{api}: this process holds {len(ranks)} of the group's {cp.size} "
                          "ranks; across processes run one rank per process.")
+    y = np.asarray(y)
     if y.shape[0] != cp.size:
         raise ValueError(f"{api}: expected {cp.size} stacked shards (one per rank); got "
                          f"leading axis {y.shape[0]} of shape {tuple(y.shape)}.")
@@ -177,6 +177,6 @@ def unshard_sequence(y: Any, group: Any = None, *, seq_dim: int = 1,
     if y.shape[dim] % per:
         raise ValueError(f"{api}: load_balance=True needs an even seq_local; got "
                          f"{y.shape[dim]}.")
-    pieces = [p for r in range(cp.size) for p in jnp.split(y[r], per, axis=dim - 1)]
+    pieces = [p for r in range(cp.size) for p in np.split(y[r], per, axis=dim - 1)]
     natural = [pieces[order.index(c)] for c in range(len(order))]
-    return jnp.concatenate(natural, axis=dim - 1)
+    return jnp.asarray(np.concatenate(natural, axis=dim - 1))
