@@ -28,6 +28,7 @@ from jaxpg.context_parallel.cp_axis import CPAxis, resolve_cp_axis
 from jaxpg.context_parallel.gathered import all_gather_attention, all_to_all_attention
 from jaxpg.context_parallel.ring import ring_attention
 from jaxpg.groups import world as _world
+from jaxpg.spmd import current_context
 
 __all__ = ["attention", "METHODS"]
 
@@ -115,6 +116,12 @@ def attention(q: Any, k: Any, v: Any, *, group: Any = None, causal: bool = False
         d = jnp.shape(q)[-1]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         return _spmd_attention(q, k, v, axis, cp.size, scale, causal, method, load_balance)
+    if current_context() is not None:
+        raise ValueError(
+            f"{API}: called inside SPMD code that does not bind the context-parallel axis "
+            f"{cp.axis!r} (size {cp.size}); run it under jaxpg.spmd(fn, group=cp_group) for a "
+            "1-D group, or spmd(mesh=mesh, ...) / jax.shard_map over the mesh holding the "
+            "cp axis.")
     return _host_attention(q, k, v, cp, causal, method, scale, load_balance)
 
 
