@@ -4,6 +4,7 @@ layer (see docs/context_parallel.md)."""
 
 from jaxpg.context_parallel.attention import METHODS, attention
 from jaxpg.context_parallel.cp_axis import CPAxis, resolve_cp_axis
+from jaxpg.context_parallel.layer import ContextParallelAttention
 from jaxpg.context_parallel.sequence import (
     SequenceLayout,
     SequenceShards,
@@ -13,5 +14,5 @@ from jaxpg.context_parallel.sequence import (
 
 __all__ = [
     "attention", "METHODS", "CPAxis", "resolve_cp_axis", "SequenceLayout", "SequenceShards",
-    "shard_sequence", "unshard_sequence",
+    "shard_sequence", "unshard_sequence", "ContextParallelAttention",
 ]

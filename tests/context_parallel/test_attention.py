@@ -5,9 +5,9 @@ import itertools
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 import pytest
 from _reference import full_attention
+from jax.sharding import PartitionSpec as P
 
 import jaxpg
 from jaxpg import context_parallel as cp_
@@ -37,7 +37,7 @@ def test_every_method_equals_full_attention_inside_spmd(n, form):
 
     def per_rank(*arrays):
         out = []
-        for i, (method, causal, lb) in enumerate(CASES):
+        for method, causal, lb in CASES:
             qs, ks, vs, ws = arrays[4 * lb: 4 * lb + 4]
             o, vjp = jax.vjp(lambda a, b, c, m=method, ca=causal, lb=lb: cp_.attention(
                 a, b, c, group=group, causal=ca, method=m, load_balance=lb), qs, ks, vs)
