@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from jaxpg.groups import world as _world
 from jaxpg.groups.device_mesh import DeviceMesh
+from jaxpg.groups.hybrid import HybridCommunicateGroup
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
 
@@ -85,6 +86,10 @@ def resolve_cp_axis(group: Any, api: str) -> CPAxis:
         return group
     if group is None:
         group = _world._resolve_group(None, api)
+    if isinstance(group, HybridCommunicateGroup):
+        raise TypeError(
+            f"{api}: a HybridCommunicateGroup has no context-parallel axis; pass the cp group "
+            "itself (init_device_mesh(..., ('dp', 'cp', 'tp'))['cp'] or a ProcessGroup).")
     if isinstance(group, DeviceMesh) and group.ndim == 1:
         group = group.get_group()
     try:
