@@ -19,6 +19,7 @@ API_PACKAGES = {
     "jaxpg.ddp": "DistributedDataParallel: bucket plans, the reducer, communication hooks.",
     "jaxpg.fsdp": "Sharded data parallel: ZeRO stages 1 to 3 and fully_shard.",
     "jaxpg.tensor_parallel": "Tensor and sequence parallelism on the model-parallel axis.",
+    "jaxpg.context_parallel": "Context parallelism: attention over a sequence split across cp.",
     "jaxpg.pipeline": "Pipeline parallelism: schedules as timetables and their executors.",
     "jaxpg.run": "The jaxpg-run launcher.",
     "jaxpg.supervision.fr_trace":

@@ -1,0 +1,137 @@
+"""Context parallelism on simulated CPU devices (one process): memory and step time.
+
+* ``memory``: XLA's compiled memory analysis (per device) of one attention forward +
+  backward (ring, causal, load-balanced) at the given sequence lengths for cp = 1, 2, 4:
+  arguments + outputs + temporaries. Nothing runs; only compiles.
+* ``methods``: step time (forward + backward) of ring vs all_to_all vs all_gather, causal and
+  load-balanced, at cp = 4.
+* ``balance``: causal ring with vs without load balancing at cp = 4.
+
+Timings alternate the variants round by round (``bench/_timing.rotated``) and report the
+median; the machine is shared, so read the ratios, and the load average recorded beside them.
+
+    flock /tmp/jaxpg-bench.lock python bench/context_parallel.py --seqs 4096 16384 65536
+    flock /tmp/jaxpg-bench.lock python bench/context_parallel.py --parts methods balance
+
+Writes ``bench/results/context_parallel.json`` and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jaxpg  # noqa: E402
+from jaxpg import context_parallel as cp_  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "context_parallel.json"
+
+
+def rotated(keys, r):  # as bench/_timing.rotated (which imports torch)
+    k = r % len(keys)
+    return list(keys[k:]) + list(keys[:k])
+
+
+def step_fn(n, method, causal, load_balance):
+    """jit(grad of sum(attention)) over ``n`` stacked ranks, and its input shapes."""
+    group = jaxpg.new_group(list(range(n)))
+
+    def loss(q, k, v):
+        o = cp_.attention(q, k, v, group=group, causal=causal, method=method,
+                          load_balance=load_balance)
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def shapes(n, seq, batch, heads, dim):
+    return jax.ShapeDtypeStruct((n, batch, seq // n, heads, dim), jnp.float32)
+
+
+def memory(seqs, args):
+    rows = []
+    for seq in seqs:
+        for n in (1, 2, 4):
+            s = shapes(n, seq, args.batch, args.heads, args.dim)
+            compiled = step_fn(n, "ring", True, True).lower(s, s, s).compile()
+            m = compiled.memory_analysis()
+            total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            rows.append({"seq": seq, "cp": n, "argument_bytes": m.argument_size_in_bytes,
+                         "output_bytes": m.output_size_in_bytes,
+                         "temp_bytes": m.temp_size_in_bytes, "total_bytes": total})
+            print(f"memory seq={seq} cp={n}: {total / 2**20:.1f} MiB per device", flush=True)
+    return rows
+
+
+def timed(variants, args):
+    inputs = {}
+    for name, (n, method, causal, lb) in variants.items():
+        key = jax.random.PRNGKey(0)
+        s = shapes(n, args.seq, args.batch, args.heads, args.dim).shape
+        q, k, v = (jax.random.normal(jax.random.fold_in(key, i), s) for i in range(3))
+        f = step_fn(n, method, causal, lb)
+        jax.block_until_ready(f(q, k, v))  # compile
+        inputs[name] = (f, (q, k, v))
+    times = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for v in rotated(list(variants), r):
+            f, a = inputs[v]
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*a))
+            times[v].append(time.perf_counter() - t0)
+    return {v: {"median_s": statistics.median(t), "rounds": t} for v, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", nargs="+", default=["memory", "methods", "balance"])
+    parser.add_argument("--seqs", nargs="+", type=int, default=[4096, 16384, 65536])
+    parser.add_argument("--seq", type=int, default=2048, help="sequence for the timings")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    jaxpg.init_process_group()
+    out = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "jax": jax.__version__, "argv": sys.argv[1:], "shape": {
+                "batch": args.batch, "heads": args.heads, "head_dim": args.dim},
+            "loadavg_before": Path("/proc/loadavg").read_text().split()[:3]}
+    if "memory" in args.parts:
+        out["memory"] = {"meta": meta, "rows": memory(args.seqs, args)}
+    if "methods" in args.parts:
+        out["methods"] = {"meta": meta, "seq": args.seq, "cp": 4, "times": timed({
+            m: (4, m, True, True) for m in ("ring", "all_to_all", "all_gather")}, args)}
+    if "balance" in args.parts:
+        out["balance"] = {"meta": meta, "seq": args.seq, "cp": 4, "times": timed({
+            "balanced": (4, "ring", True, True), "contiguous": (4, "ring", True, False)},
+            args)}
+    for part in ("methods", "balance"):
+        if part in out and part in args.parts:
+            out[part]["meta"]["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+            for v, t in out[part]["times"].items():
+                print(f"{part} {v}: {1e3 * t['median_s']:.1f} ms", flush=True)
+    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    jaxpg.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

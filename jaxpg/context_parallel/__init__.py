@@ -1,0 +1,18 @@
+"""Context parallelism: attention over a sequence split across a ``cp`` axis (ring,
+all-to-all (Ulysses) and all-gather), the sequence layout helpers, and an NNX attention
+layer (see docs/context_parallel.md)."""
+
+from jaxpg.context_parallel.attention import METHODS, attention
+from jaxpg.context_parallel.cp_axis import CPAxis, resolve_cp_axis
+from jaxpg.context_parallel.layer import ContextParallelAttention
+from jaxpg.context_parallel.sequence import (
+    SequenceLayout,
+    SequenceShards,
+    shard_sequence,
+    unshard_sequence,
+)
+
+__all__ = [
+    "attention", "METHODS", "CPAxis", "resolve_cp_axis", "SequenceLayout", "SequenceShards",
+    "shard_sequence", "unshard_sequence", "ContextParallelAttention",
+]

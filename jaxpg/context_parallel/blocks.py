@@ -1,0 +1,91 @@
+"""Softmax attention on one block of queries and keys, with its log-sum-exp.
+
+The ring combines blocks with an online (log-sum-exp) softmax: each block gives its output
+normalised within the block and the log-sum-exp of its scores, and :func:`merge` folds it
+into the running pair. :func:`block_backward` is the matching backward of one block given
+the *final* log-sum-exp (FlashAttention's recurrence), so the ring's VJP needs no more than
+the block at hand. Arrays are ``(batch, seq, heads, head_dim)``; log-sum-exps are
+``(batch, heads, seq)``; everything is computed in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["block_forward", "block_backward", "merge", "empty_block", "dense_attention"]
+
+F32 = jnp.float32
+
+
+def _scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32)
+    return s * jnp.asarray(scale, F32)
+
+
+def block_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+                  mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(o, lse)``: the block's softmax output (float32) and log-sum-exp.
+
+    Args:
+        mask: ``(q_len, k_len)`` booleans, True where a query may attend to a key; a row
+            with no True gets output 0 and log-sum-exp ``-inf``.
+    """
+    s = _scores(q, k, scale)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    o = jnp.einsum("bhqk,bkhd->bqhd", p / safe, v.astype(F32))
+    lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)[..., 0]
+    return o, lse
+
+
+def empty_block(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ``(o, lse)`` of a block that every query skips."""
+    b, s, h, d = q.shape
+    return jnp.zeros((b, s, h, d), F32), jnp.full((b, h, s), -jnp.inf, F32)
+
+
+def merge(o: jax.Array, lse: jax.Array, o_blk: jax.Array,
+          lse_blk: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Folds one block's ``(o_blk, lse_blk)`` into the running ``(o, lse)``."""
+    new = jnp.logaddexp(lse, lse_blk)
+    ref = jnp.where(jnp.isfinite(new), new, 0.0)
+    a = jnp.exp(lse - ref).transpose(0, 2, 1)[..., None]
+    b = jnp.exp(lse_blk - ref).transpose(0, 2, 1)[..., None]
+    return o * a + o_blk * b, new
+
+
+def block_backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, delta: jax.Array,
+                   lse: jax.Array, scale: float, mask: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns one block's ``(dq, dk, dv)`` (float32).
+
+    Args:
+        do: the output's cotangent, ``(batch, q_len, heads, head_dim)``.
+        delta: ``sum(do * o, -1)`` of the final output, ``(batch, heads, q_len)``.
+        lse: the final log-sum-exp of the queries, ``(batch, heads, q_len)``.
+    """
+    s = _scores(q, k, scale)
+    p = jnp.exp(s - lse[..., None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    do = do.astype(F32)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do, v.astype(F32))
+    ds = p * (dp - delta[..., None]) * jnp.asarray(scale, F32)
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k.astype(F32))
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32))
+    return dq, dk, dv
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+                    mask: jax.Array | None = None) -> jax.Array:
+    """Plain softmax attention (differentiated by autodiff), in ``q``'s dtype."""
+    o, _ = block_forward(q, k, v, scale, mask)
+    return o.astype(q.dtype)

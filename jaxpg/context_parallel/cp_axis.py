@@ -1,0 +1,102 @@
+"""The context-parallel group as a mesh axis: the one place a ``group=`` argument is resolved.
+
+Every API of this package turns its ``group`` argument into a :class:`CPAxis` through
+:func:`resolve_cp_axis`, which delegates to the tensor-parallel resolver
+(:func:`jaxpg.tensor_parallel.resolve_tp_mesh`: a ProcessGroup, a 1-D DeviceMesh such as
+``mesh["cp"]``, ``new_subgroups``' groups). When the project's shared resolver lands, this
+function is the only one to switch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax import lax
+from jax.sharding import Mesh
+
+from jaxpg.groups import world as _world
+from jaxpg.groups.device_mesh import DeviceMesh
+from jaxpg.groups.hybrid import HybridCommunicateGroup
+from jaxpg.groups.process_group import ProcessGroup
+from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
+
+__all__ = ["CPAxis", "resolve_cp_axis"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CPAxis:
+    """A context-parallel group.
+
+    Attributes:
+        mesh: the ``jax.sharding.Mesh`` of the whole topology the group is an axis of.
+        axis: the name of the group's axis on ``mesh``.
+        group: the ``ProcessGroup`` (None when given as a ``TPMesh``-like pair).
+        size: the context-parallel degree.
+    """
+
+    mesh: Mesh
+    axis: str
+    group: ProcessGroup | None
+    size: int
+
+    def bound_axis(self, api: str) -> str | None:
+        """The axis name the running SPMD code binds for this group, or None in host code.
+
+        SPMD code over the topology's mesh (``jaxpg.spmd(mesh=...)``, ``jax.shard_map``, DDP
+        and FSDP steps) binds :attr:`axis`; ``jaxpg.spmd(fn, group=g)`` binds ``g``'s own
+        axis name.
+
+        Raises:
+            ValueError: if the axis is bound with another size than the group's.
+        """
+        names = [self.axis]
+        if self.group is not None and self.group.axis_name != self.axis:
+            names.append(self.group.axis_name)
+        for name in names:
+            try:
+                size = lax.axis_size(name)
+            except NameError:
+                continue
+            if size != self.size:
+                raise ValueError(
+                    f"{api}: the running SPMD code binds axis {name!r} with size {size}, but "
+                    f"the context-parallel group has {self.size} ranks; run it over the "
+                    "group's mesh (jaxpg.spmd(fn, group=cp_group) or spmd(mesh=mesh, ...))."
+                )
+            return name
+        return None
+
+
+def _reworded(message: str) -> str:
+    return (message.replace("tensor-parallel", "context-parallel")
+            .replace("tensor parallelism", "context parallelism")
+            .replace("mesh['tp']", "mesh['cp']").replace("tp_mesh = ", "cp_mesh = "))
+
+
+def resolve_cp_axis(group: Any, api: str) -> CPAxis:
+    """Returns the :class:`CPAxis` of ``group`` (the world group for None).
+
+    Raises:
+        ValueError: a multi-dimensional DeviceMesh, a group that is not one dimension of a
+            mesh (uneven ``new_subgroups``), or a process that holds none of its ranks.
+        TypeError: anything that is not a group.
+    """
+    if isinstance(group, CPAxis):
+        return group
+    if group is None:
+        group = _world._resolve_group(None, api)
+    if isinstance(group, HybridCommunicateGroup):
+        raise TypeError(
+            f"{api}: a HybridCommunicateGroup has no context-parallel axis; pass the cp group "
+            "itself (init_device_mesh(..., ('dp', 'cp', 'tp'))['cp'] or a ProcessGroup).")
+    if isinstance(group, DeviceMesh) and group.ndim == 1:
+        group = group.get_group()
+    try:
+        tp = resolve_tp_mesh(group, api)
+    except (ValueError, TypeError) as err:
+        raise type(err)(_reworded(str(err))) from None
+    if not isinstance(group, (ProcessGroup, TPMesh)):
+        group = None
+    pg = group if isinstance(group, ProcessGroup) else None
+    return CPAxis(tp.mesh, tp.axis, pg, tp.size)
