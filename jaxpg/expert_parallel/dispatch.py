@@ -35,6 +35,8 @@ def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
 def slot_counts(experts: jax.Array, num_experts: int, group: Any) -> jax.Array:
     """Every rank's count of tokens per (choice slot, expert): ``(ep, top_k, E)`` int32."""
     local = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.int32), axis=0)  # (k, E)
+    if group is None:  # one rank, no SPMD code: nothing to exchange
+        return local[None]
     gathered = all_gather_into_tensor(local, group=group)
     return gathered.reshape((-1, *local.shape))
 
@@ -102,6 +104,11 @@ def _received_rows(received_counts: jax.Array, rows_per_rank: int) -> tuple[jax.
     return jnp.where(valid, row, ep * rows_per_rank).reshape(-1), group_sizes
 
 
+def _all_to_all(x: jax.Array, group: Any) -> jax.Array:
+    """``all_to_all_single`` with even splits; the identity for one rank (``group`` None)."""
+    return x if group is None else all_to_all_single(x, group=group)
+
+
 def expert_ffn(rows: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.Array,
                activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """``activation(rows @ w1[e]) @ w2[e]`` for the rows of each local expert ``e``, grouped
@@ -120,19 +127,19 @@ def exchange(x_rows: jax.Array, row: jax.Array, sent: jax.Array, w1: jax.Array, 
         x_rows: ``(tokens · top_k, d)`` the token of each choice.
         row, sent: from :func:`dispatch_rows`.
         w1, w2: this rank's experts.
-        group: the expert-parallel ProcessGroup.
+        group: the expert-parallel ProcessGroup (None: one rank, no SPMD code).
         ep: its size.
         rows_per_rank: ``S``.
     """
     size = ep * rows_per_rank
     send = jnp.zeros((size, x_rows.shape[1]), x_rows.dtype).at[row].set(x_rows, mode="drop")
-    received_counts = all_to_all_single(sent.reshape(ep, -1), group=group)  # counts first
-    received = all_to_all_single(send, group=group)
+    received_counts = _all_to_all(sent.reshape(ep, -1), group)  # counts first
+    received = _all_to_all(send, group)
     grouped_row, group_sizes = _received_rows(received_counts, rows_per_rank)
     grouped = jnp.zeros_like(received).at[grouped_row].set(received, mode="drop")
     out = expert_ffn(grouped, w1, w2, group_sizes, activation)
     valid = (grouped_row < size)[:, None]
     back = jnp.where(valid, jnp.take(out, jnp.minimum(grouped_row, size - 1), axis=0), 0)
-    returned = all_to_all_single(back, group=group)
+    returned = _all_to_all(back, group)
     kept = (row < size)[:, None]
     return jnp.where(kept, jnp.take(returned, jnp.minimum(row, size - 1), axis=0), 0)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxpg.collectives.eager import run_eager
 from jaxpg.collectives.gathers import exchange_sizes
@@ -26,7 +27,7 @@ from jaxpg.expert_parallel.dispatch import dispatch_rows, exchange, keep_mask, s
 from jaxpg.expert_parallel.ep_group import resolve_ep_group
 from jaxpg.expert_parallel.router import route
 from jaxpg.groups import world as _world
-from jaxpg.spmd import current_context
+from jaxpg.spmd import SpmdContext, current_context
 
 __all__ = ["MoEAux", "moe", "expert_capacity"]
 
@@ -67,7 +68,7 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
     capacity = expert_capacity(capacity_factor, global_tokens, top_k, num_experts)
     routing = route(x, gate_w, top_k, normalize_topk)
     counts = slot_counts(routing.experts, num_experts, group)  # (ep, k, E): counts first
-    rank = _world.get_rank(group)
+    rank = 0 if group is None else _world.get_rank(group)
     keep = keep_mask(routing.experts, counts, rank, capacity)
     rows_per_rank = tokens * min(top_k, local)
     if capacity is not None:
@@ -78,12 +79,26 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
     weights = routing.weights * keep.astype(routing.weights.dtype)
     y = jnp.einsum("tk,tkd->td", weights, out.reshape(tokens, top_k, -1)).astype(x.dtype)
     expert_counts = jnp.sum(counts, axis=(0, 1))
-    prob_sum = all_reduce(jnp.sum(routing.probs, axis=0), group=group)
+    prob_sum = jnp.sum(routing.probs, axis=0)
+    if group is not None:
+        prob_sum = all_reduce(prob_sum, group=group)
     share = expert_counts.astype(jnp.float32) / (global_tokens * top_k)
     loss = num_experts * jnp.sum(share * prob_sum / global_tokens)
     dropped = (jnp.int32(0) if capacity is None
                else jnp.sum(jnp.maximum(expert_counts - capacity, 0)).astype(jnp.int32))
     return y, MoEAux(loss, expert_counts.astype(jnp.int32), dropped)
+
+
+def _binds_axis(ep_group: Any, api: str) -> bool:
+    """Whether traced code binds the group's mesh axis (``shard_map`` without jaxpg.spmd)."""
+    try:
+        size = lax.axis_size(ep_group.axis)
+    except NameError:
+        return False
+    if size != ep_group.size:
+        raise ValueError(f"{api}: the running SPMD code binds axis {ep_group.axis!r} with size "
+                         f"{size}, but the expert-parallel group has {ep_group.size} ranks.")
+    return True
 
 
 def _check_same_on_every_rank(pg: Any, shapes: list[tuple[int, ...]], api: str) -> None:
@@ -145,6 +160,11 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
                    activation=activation, normalize_topk=normalize_topk)
     if current_context() is not None:
         return _moe_per_rank(x, gate_w, w1, w2, **options)
+    if _binds_axis(ep_group, api):  # a plain jax.shard_map over the group's mesh
+        with SpmdContext(ep_group.mesh, _world.current()):
+            return _moe_per_rank(x, gate_w, w1, w2, **options)
+    if ep == 1:  # no communication: plain code on these arrays; jit and grad work
+        return _moe_per_rank(x, gate_w, w1, w2, **{**options, "group": None})
     # Host code: this process's ranks' arguments (stacked when it holds several).
     n_local = len(pg.local_members())
     per_rank = [np.shape(a)[1:] if n_local > 1 else np.shape(a) for a in (x, gate_w, w1, w2)]
