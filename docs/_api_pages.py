@@ -19,6 +19,7 @@ API_PACKAGES = {
     "jaxpg.ddp": "DistributedDataParallel: bucket plans, the reducer, communication hooks.",
     "jaxpg.fsdp": "Sharded data parallel: ZeRO stages 1 to 3 and fully_shard.",
     "jaxpg.tensor_parallel": "Tensor and sequence parallelism on the model-parallel axis.",
+    "jaxpg.expert_parallel": "Expert parallelism: mixture-of-experts layers over an ep axis.",
     "jaxpg.pipeline": "Pipeline parallelism: schedules as timetables and their executors.",
     "jaxpg.run": "The jaxpg-run launcher.",
     "jaxpg.fr_trace": "jaxpg-fr-trace: reads flight-recorder dumps and names the rank at fault.",

@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rendezvous", ("jaxpg.rendezvous",)),
     ("groups", ("jaxpg.groups",)),
     ("collectives", ("jaxpg.collectives", "jaxpg.spmd")),
-    ("tensor_parallel", ("jaxpg.tensor_parallel",)),
+    ("tensor_parallel", ("jaxpg.tensor_parallel", "jaxpg.expert_parallel")),
     ("ddp/fsdp/pipeline", ("jaxpg.ddp", "jaxpg.fsdp", "jaxpg.pipeline")),
     # the flight-recorder analyzer only reads dump files (jaxpg.groups.fr_dump's format)
     ("run", ("jaxpg.run", "jaxpg.fr_trace")),

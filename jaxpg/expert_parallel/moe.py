@@ -168,10 +168,10 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
     # Host code: this process's ranks' arguments (stacked when it holds several).
     n_local = len(pg.local_members())
     per_rank = [np.shape(a)[1:] if n_local > 1 else np.shape(a) for a in (x, gate_w, w1, w2)]
+    if pg._world.multiprocess:  # first, so that every rank takes part before any raises
+        _check_same_on_every_rank(pg, [tuple(s) for s in per_rank], api)
     check_moe_args(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in per_rank), ep, top_k,
                    capacity_factor, api)
-    if pg._world.multiprocess:
-        _check_same_on_every_rank(pg, [tuple(s) for s in per_rank], api)
 
     def body(lay: Any, x: Any, gate_w: Any, w1: Any, w2: Any) -> Any:
         return _moe_per_rank(x, gate_w, w1, w2, **options)

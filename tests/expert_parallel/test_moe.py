@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _reference import reference_moe
+from _reference import reference_loss_and_grads, reference_moe
 
 import jaxpg
 from jaxpg.expert_parallel import moe
@@ -45,11 +45,7 @@ def test_moe_equals_one_device_reference(ep, top_k, capacity_factor, normalize):
     options = dict(top_k=top_k, capacity_factor=capacity_factor, normalize_topk=normalize)
     group = jaxpg.new_group(list(range(ep)))
 
-    def ref_loss(x, gate_w, w1, w2):
-        y, loss, _, _ = reference_moe(x, gate_w, w1, w2, **options)
-        return jnp.sum(y * cot) + loss
-
-    (want, want_grads) = jax.value_and_grad(ref_loss, argnums=(0, 1, 2, 3))(x, gate_w, w1, w2)
+    want, want_grads = reference_loss_and_grads(x, gate_w, w1, w2, cot, **options)
     y_ref, aux_ref, counts_ref, dropped_ref = reference_moe(x, gate_w, w1, w2, **options)
     stacked = (x.reshape(ep, T, D), np.broadcast_to(gate_w, (ep, D, E)),
                w1.reshape(ep, E // ep, D, F), w2.reshape(ep, E // ep, F, D),
