@@ -20,6 +20,7 @@ API_PACKAGES = {
     "jaxpg.fsdp": "Sharded data parallel: ZeRO stages 1 to 3 and fully_shard.",
     "jaxpg.tensor_parallel": "Tensor and sequence parallelism on the model-parallel axis.",
     "jaxpg.context_parallel": "Context parallelism: attention over a sequence split across cp.",
+    "jaxpg.expert_parallel": "Expert parallelism: mixture-of-experts layers over an ep axis.",
     "jaxpg.pipeline": "Pipeline parallelism: schedules as timetables and their executors.",
     "jaxpg.run": "The jaxpg-run launcher.",
     "jaxpg.supervision.fr_trace":

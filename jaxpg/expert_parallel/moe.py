@@ -1,0 +1,180 @@
+"""``moe``: a mixture-of-experts layer's forward over an expert-parallel group.
+
+One rank's view: ``x`` its tokens, ``gate_w`` the router (the same on every rank), ``w1``
+and ``w2`` its experts (rank ``r`` holds experts ``r·E_local … (r+1)·E_local − 1``). Inside
+``jaxpg.spmd`` or ``shard_map`` the collectives lower to ``lax`` ones and the function
+composes with ``jax.jit`` and ``jax.grad``; from host code it runs eagerly on this
+process's ranks (stacked when it holds several), after checking that every rank's shapes
+agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpg.collectives.eager import run_eager
+from jaxpg.collectives.gathers import exchange_sizes
+from jaxpg.collectives.reductions import all_reduce
+from jaxpg.expert_parallel.checks import check_moe_args
+from jaxpg.expert_parallel.dispatch import dispatch_rows, exchange, keep_mask, slot_counts
+from jaxpg.expert_parallel.ep_group import resolve_ep_group
+from jaxpg.expert_parallel.router import route
+from jaxpg.groups import world as _world
+from jaxpg.spmd import SpmdContext, current_context
+
+__all__ = ["MoEAux", "moe", "expert_capacity"]
+
+
+class MoEAux(NamedTuple):
+    """What ``moe`` reports besides its output (the same on every rank of the group).
+
+    Attributes:
+        loss: Switch's load-balancing loss ``E · Σ_e f_e · p_e`` over the group's tokens:
+            ``f_e`` the share of the choices (all ``top_k`` of each token, before drops)
+            that went to expert ``e``, ``p_e`` the mean router probability of ``e``. It is
+            1 for a perfectly balanced router, whatever ``top_k``.
+        counts: ``(E,)`` int32 choices per expert over the group's tokens, before drops.
+        dropped: int32 choices dropped for capacity (0 when dropless).
+    """
+
+    loss: jax.Array
+    counts: jax.Array
+    dropped: jax.Array
+
+
+def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
+                    num_experts: int) -> int | None:
+    """``ceil(capacity_factor · tokens · top_k / E)``: the most choices one expert takes
+    (``tokens`` over the whole group); None when dropless."""
+    if capacity_factor is None:
+        return None
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array, *,
+                  group: Any, ep: int, top_k: int, capacity_factor: float | None,
+                  activation: Callable[[jax.Array], jax.Array],
+                  normalize_topk: bool) -> tuple[jax.Array, MoEAux]:
+    tokens, _, num_experts, local = check_moe_args(x, gate_w, w1, w2, ep, top_k,
+                                                   capacity_factor)
+    global_tokens = tokens * ep
+    capacity = expert_capacity(capacity_factor, global_tokens, top_k, num_experts)
+    routing = route(x, gate_w, top_k, normalize_topk)
+    counts = slot_counts(routing.experts, num_experts, group)  # (ep, k, E): counts first
+    rank = 0 if group is None else _world.get_rank(group)
+    keep = keep_mask(routing.experts, counts, rank, capacity)
+    rows_per_rank = tokens * min(top_k, local)
+    if capacity is not None:
+        rows_per_rank = min(rows_per_rank, local * capacity)
+    row, sent = dispatch_rows(routing.experts, keep, num_experts, ep, rows_per_rank)
+    x_rows = jnp.repeat(x, top_k, axis=0)  # choice t·k + j carries token t
+    out = exchange(x_rows, row, sent, w1, w2, activation, group, ep, rows_per_rank)
+    weights = routing.weights * keep.astype(routing.weights.dtype)
+    y = jnp.einsum("tk,tkd->td", weights, out.reshape(tokens, top_k, -1)).astype(x.dtype)
+    expert_counts = jnp.sum(counts, axis=(0, 1))
+    prob_sum = jnp.sum(routing.probs, axis=0)
+    if group is not None:
+        prob_sum = all_reduce(prob_sum, group=group)
+    share = expert_counts.astype(jnp.float32) / (global_tokens * top_k)
+    loss = num_experts * jnp.sum(share * prob_sum / global_tokens)
+    dropped = (jnp.int32(0) if capacity is None
+               else jnp.sum(jnp.maximum(expert_counts - capacity, 0)).astype(jnp.int32))
+    return y, MoEAux(loss, expert_counts.astype(jnp.int32), dropped)
+
+
+def _binds_axis(ep_group: Any, api: str) -> bool:
+    """Whether traced code binds the group's mesh axis (``shard_map`` without jaxpg.spmd)."""
+    try:
+        size = lax.axis_size(ep_group.axis)
+    except NameError:
+        return False
+    if size != ep_group.size:
+        raise ValueError(f"{api}: the running SPMD code binds axis {ep_group.axis!r} with size "
+                         f"{size}, but the expert-parallel group has {ep_group.size} ranks.")
+    return True
+
+
+def _check_same_on_every_rank(pg: Any, shapes: list[tuple[int, ...]], api: str) -> None:
+    """Host code across processes: every rank's argument shapes must agree."""
+    flat = np.array([[len(s) for s in shapes] + [v for s in shapes for v in s]], np.int32)
+    n_local = len(pg.local_members())
+    every = exchange_sizes(pg, np.repeat(flat, n_local, axis=0), api)
+    if len({tuple(r) for r in every.tolist()}) > 1:
+        names = ("x", "gate_w", "w1", "w2")
+        raise ValueError(f"{api}: the ranks of the expert-parallel group passed different "
+                         f"shapes of (x, gate_w, w1, w2) (rank {_world.get_rank()} has "
+                         f"{dict(zip(names, shapes))}); every rank must hold the same number "
+                         "of tokens and experts of the same shapes.")
+
+
+def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int = 2,
+        capacity_factor: float | None = None,
+        activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+        normalize_topk: bool = True) -> tuple[jax.Array, MoEAux]:
+    """A mixture-of-experts layer with its experts split over ``group`` (expert parallelism).
+
+    Each token picks its ``top_k`` experts by ``logits = x @ gate_w``; ``y = Σ weight ·
+    expert(x)`` with ``expert(x) = activation(x @ w1[e]) @ w2[e]``. The tokens travel to the
+    experts' ranks by ``all_to_all_single`` after the per-expert counts are exchanged, the
+    experts run a grouped matmul (``jax.lax.ragged_dot``) on exactly the tokens they got,
+    and the results come back by the inverse ``all_to_all_single``.
+
+    Args:
+        x: ``(tokens_local, d)`` this rank's tokens.
+        gate_w: ``(d, E)`` the router, the same on every rank.
+        w1: ``(E_local, d, f)`` this rank's experts' first weights, ``E = E_local · ep``.
+        w2: ``(E_local, f, d)`` their second weights.
+        group: the expert-parallel group (``mesh["ep"]``, a ProcessGroup, None: the world).
+        top_k: experts per token.
+        capacity_factor: None: dropless. Else each expert takes at most
+            ``ceil(capacity_factor · tokens · top_k / E)`` choices (``tokens`` of the whole
+            group), first choices before second ones, then in rank and token order; the
+            rest are dropped (their contribution is zero) and counted in ``aux.dropped``.
+        activation: the experts' activation.
+        normalize_topk: True: the weights are the softmax over the chosen logits (Mixtral);
+            False: the full softmax's probabilities of the chosen experts (GShard, Switch).
+
+    Returns:
+        ``(y, aux)``: ``y`` ``(tokens_local, d)``, and an :class:`MoEAux`.
+
+    Raises:
+        ValueError, TypeError: before anything runs, for E not divisible by ep, top_k
+            outside ``[1, E]``, ``gate_w`` of the wrong width, expert shapes that do not
+            match (or differ across ranks), a group that is not one mesh dimension.
+
+    Example:
+        >>> g = jaxpg.init_device_mesh((4,), ("ep",))["ep"]
+        >>> y, aux = jaxpg.spmd(lambda *a: moe(*a, group=g), group=g)(x, gate_w, w1, w2)
+    """
+    api = "moe"
+    ep_group = resolve_ep_group(group, api)
+    pg, ep = ep_group.group, ep_group.size
+    options = dict(group=pg, ep=ep, top_k=top_k, capacity_factor=capacity_factor,
+                   activation=activation, normalize_topk=normalize_topk)
+    if current_context() is not None:
+        return _moe_per_rank(x, gate_w, w1, w2, **options)
+    if _binds_axis(ep_group, api):  # a plain jax.shard_map over the group's mesh
+        with SpmdContext(ep_group.mesh, _world.current()):
+            return _moe_per_rank(x, gate_w, w1, w2, **options)
+    if ep == 1:  # no communication: plain code on these arrays; jit and grad work
+        return _moe_per_rank(x, gate_w, w1, w2, **{**options, "group": None})
+    # Host code: this process's ranks' arguments (stacked when it holds several).
+    n_local = len(pg.local_members())
+    per_rank = [np.shape(a)[1:] if n_local > 1 else np.shape(a) for a in (x, gate_w, w1, w2)]
+    if pg._world.multiprocess:  # first, so that every rank takes part before any raises
+        _check_same_on_every_rank(pg, [tuple(s) for s in per_rank], api)
+    check_moe_args(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in per_rank), ep, top_k,
+                   capacity_factor, api)
+
+    def body(lay: Any, x: Any, gate_w: Any, w1: Any, w2: Any) -> Any:
+        return _moe_per_rank(x, gate_w, w1, w2, **options)
+
+    static = (top_k, capacity_factor, activation, normalize_topk)
+    return run_eager(pg, api, static, body, {"x": x, "gate_w": gate_w, "w1": w1, "w2": w2})

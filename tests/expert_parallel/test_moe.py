@@ -1,0 +1,83 @@
+"""``moe`` against the one-device reference: output, the four gradients, aux loss, counts
+and drops, at ep = 2 and 4, top_k 1 and 2, dropless and with a capacity (one process, the
+ranks stacked under ``jaxpg.spmd``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _reference import reference_loss_and_grads, reference_moe
+
+import jaxpg
+from jaxpg.expert_parallel import moe
+
+TOL = 1e-5
+T, D, F, E = 6, 8, 16, 8  # tokens per rank, model width, expert width, experts
+
+
+def _inputs(ep, seed=0):
+    r = np.random.default_rng(seed)
+    x = r.normal(size=(ep * T, D)).astype(np.float32)
+    gate_w = r.normal(size=(D, E)).astype(np.float32)
+    w1 = (r.normal(size=(E, D, F)) / 3).astype(np.float32)
+    w2 = (r.normal(size=(E, F, D)) / 3).astype(np.float32)
+    cot = r.normal(size=(ep * T, D)).astype(np.float32)
+    return x, gate_w, w1, w2, cot
+
+
+def _ep_loss(ep, group, **options):
+    """The loss of the stacked per-rank layout: sum(y · cot) + aux loss (rank 0's copy)."""
+    run = jaxpg.spmd(lambda x, g, a, b: moe(x, g, a, b, group=group, **options), group=group)
+
+    def loss(x, gate_w, w1, w2, cot):
+        y, aux = run(x, gate_w, w1, w2)
+        return jnp.sum(y * cot) + aux.loss[0], (y, aux)
+
+    return loss
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("top_k,capacity_factor,normalize",
+                         [(1, None, True), (2, None, True), (1, 1.0, False), (2, 1.25, True)],
+                         ids=["k1-dropless", "k2-dropless", "k1-cap1.0-gshard", "k2-cap1.25"])
+def test_moe_equals_one_device_reference(ep, top_k, capacity_factor, normalize):
+    x, gate_w, w1, w2, cot = _inputs(ep)
+    options = dict(top_k=top_k, capacity_factor=capacity_factor, normalize_topk=normalize)
+    group = jaxpg.new_group(list(range(ep)))
+
+    want, want_grads = reference_loss_and_grads(x, gate_w, w1, w2, cot, **options)
+    y_ref, aux_ref, counts_ref, dropped_ref = reference_moe(x, gate_w, w1, w2, **options)
+    stacked = (x.reshape(ep, T, D), np.broadcast_to(gate_w, (ep, D, E)),
+               w1.reshape(ep, E // ep, D, F), w2.reshape(ep, E // ep, F, D),
+               cot.reshape(ep, T, D))
+    (got, (y, aux)), grads = jax.jit(jax.value_and_grad(
+        _ep_loss(ep, group, **options), argnums=(0, 1, 2, 3), has_aux=True))(*stacked)
+    np.testing.assert_allclose(np.asarray(y).reshape(ep * T, D), y_ref, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(aux.loss), np.full(ep, aux_ref), rtol=TOL)
+    np.testing.assert_array_equal(np.asarray(aux.counts), np.tile(counts_ref, (ep, 1)))
+    np.testing.assert_array_equal(np.asarray(aux.dropped), np.full(ep, dropped_ref))
+    if capacity_factor is not None and top_k == 1:
+        assert dropped_ref > 0  # the capacity case really drops
+    gx, ggate, gw1, gw2 = grads
+    np.testing.assert_allclose(np.asarray(gx).reshape(ep * T, D), want_grads[0],
+                               rtol=TOL, atol=TOL)
+    # gate_w is one replicated parameter: its gradient is the sum of the ranks' parts.
+    np.testing.assert_allclose(np.asarray(ggate).sum(0), want_grads[1], rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(gw1).reshape(E, D, F), want_grads[2],
+                               rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(gw2).reshape(E, F, D), want_grads[3],
+                               rtol=TOL, atol=TOL)
+
+
+def test_moe_from_host_code_with_stacked_ranks():
+    # Outside SPMD code: this process's ranks' arguments stacked, run eagerly.
+    ep = 2
+    x, gate_w, w1, w2, _ = _inputs(ep, seed=1)
+    y, aux = moe(x.reshape(ep, T, D), np.broadcast_to(gate_w, (ep, D, E)),
+                 w1.reshape(ep, E // ep, D, F), w2.reshape(ep, E // ep, F, D),
+                 group=jaxpg.new_group([0, 1]), top_k=2)
+    y_ref, loss_ref, counts_ref, _ = reference_moe(x, gate_w, w1, w2, top_k=2)
+    np.testing.assert_allclose(np.asarray(y).reshape(ep * T, D), y_ref, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(aux.loss), [loss_ref] * ep, rtol=TOL)
+    np.testing.assert_array_equal(np.asarray(aux.counts)[1], counts_ref)

@@ -1,0 +1,33 @@
+"""``moe`` with one rank per process: 4 real processes under jaxpg-run, one launch.
+
+Against the one-device reference (output, the four gradients, aux loss, counts, drops):
+ep = 4 (the world) with top_k 2 dropless and top_k 1 with a capacity, ep = 2 (a ("dp", "ep")
+mesh's dimension) with top_k 1 dropless and top_k 2 with a capacity; also the host-code call
+with plain local arrays, and the error for expert shapes that differ across ranks.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parent / "workers" / "moe_worker.py"
+CHECKS = {"ep4_top2_dropless", "ep4_top1_capacity", "ep2_top1_dropless", "ep2_top2_capacity",
+          "host_call", "mismatched_shapes_error"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_moe_across_processes_equals_the_one_device_reference():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "4", str(WORKER)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    found: dict[int, set[str]] = {}
+    for m in re.finditer(r"\[rank (\d+)\] CHECK (\w+) ok", proc.stdout):
+        found.setdefault(int(m.group(1)), set()).add(m.group(2))
+    assert found == {r: CHECKS for r in range(4)}, proc.stdout[-4000:]

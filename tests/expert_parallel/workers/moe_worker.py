@@ -1,0 +1,122 @@
+"""``moe`` with one rank per process (4 processes under jaxpg-run), against the one-device
+reference each process computes for its ep group. Prints ``CHECK <name> ok``."""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from _reference import reference_loss_and_grads, reference_moe  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxpg  # noqa: E402
+from jaxpg.expert_parallel import moe  # noqa: E402
+
+TOL = 1e-5
+T, D, F, E = 6, 8, 16, 8
+
+
+def check(name, cond=True):
+    if not cond:
+        raise AssertionError(f"{name} failed on process {jax.process_index()}")
+    print(f"CHECK {name} ok", flush=True)
+
+
+def rank_inputs(seed, rank, ep):
+    """Rank ``rank``'s tokens and cotangent; the router and all experts (same everywhere)."""
+    shared = np.random.default_rng(seed)
+    gate_w = shared.normal(size=(D, E)).astype(np.float32)
+    w1 = (shared.normal(size=(E, D, F)) / 3).astype(np.float32)
+    w2 = (shared.normal(size=(E, F, D)) / 3).astype(np.float32)
+    own = np.random.default_rng([seed, rank])
+    return (own.normal(size=(T, D)).astype(np.float32), gate_w, w1, w2,
+            own.normal(size=(T, D)).astype(np.float32))
+
+
+def stacked(group, local):
+    """The group's stacked global array (one row per rank) from this process's row."""
+    sharding = NamedSharding(group.family_mesh, P(group.axis_name))
+    return jax.make_array_from_process_local_data(sharding, np.asarray(local)[None])
+
+
+def mine(global_array):
+    return np.asarray(global_array.addressable_shards[0].data[0])
+
+
+def case(name, group, ep, top_k, capacity_factor, seed):
+    rank = jaxpg.get_rank()
+    me = rank % ep  # ep is the mesh's last dimension (or the world): group rank
+    first = rank - me
+    x, gate_w, w1, w2, cot = rank_inputs(seed, rank, ep)
+    local = E // ep
+    options = dict(top_k=top_k, capacity_factor=capacity_factor)
+
+    def per_rank(x, gate_w, w1, w2, cot):
+        def loss(x, gate_w, w1, w2):
+            y, aux = moe(x, gate_w, w1, w2, group=group, **options)
+            return jnp.sum(y * cot) + aux.loss / ep, (y, aux)
+        (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
+                                                  has_aux=True)(x, gate_w, w1, w2)
+        return y, aux, grads
+
+    args = [stacked(group, a) for a in (x, gate_w, w1[me * local:(me + 1) * local],
+                                        w2[me * local:(me + 1) * local], cot)]
+    y, aux, grads = jaxpg.spmd(per_rank, group=group)(*args)
+    group_data = [rank_inputs(seed, r, ep) for r in range(first, first + ep)]
+    xs = np.concatenate([d[0] for d in group_data])
+    cots = np.concatenate([d[4] for d in group_data])
+
+    y_ref, loss_ref, counts_ref, dropped_ref = reference_moe(xs, gate_w, w1, w2, **options)
+    _, want = reference_loss_and_grads(xs, gate_w, w1, w2, cots, **options)
+    rows = slice(me * T, (me + 1) * T)
+    experts = slice(me * local, (me + 1) * local)
+    gate_sum = jaxpg.all_reduce(jnp.asarray(mine(grads[1])), group=group)  # ranks' parts
+    ok = (np.allclose(mine(y), y_ref[rows], rtol=TOL, atol=TOL)
+          and np.allclose(mine(aux.loss), loss_ref, rtol=TOL)
+          and np.array_equal(mine(aux.counts), counts_ref)
+          and int(mine(aux.dropped)) == dropped_ref
+          and np.allclose(mine(grads[0]), want[0][rows], rtol=TOL, atol=TOL)
+          and np.allclose(np.asarray(gate_sum), want[1], rtol=TOL, atol=TOL)
+          and np.allclose(mine(grads[2]), want[2][experts], rtol=TOL, atol=TOL)
+          and np.allclose(mine(grads[3]), want[3][experts], rtol=TOL, atol=TOL))
+    check(name, ok and (capacity_factor is None or dropped_ref >= 0))
+
+
+def main():
+    jaxpg.init_process_group()
+    start = time.monotonic()
+    world = jaxpg.new_group([0, 1, 2, 3])
+    mesh = jaxpg.init_device_mesh((2, 2), ("dp", "ep"))
+    ep2 = mesh.get_group("ep")
+    case("ep4_top2_dropless", world, 4, 2, None, 1)
+    case("ep4_top1_capacity", world, 4, 1, 1.0, 2)
+    case("ep2_top1_dropless", ep2, 2, 1, None, 3)
+    case("ep2_top2_capacity", ep2, 2, 2, 1.25, 4)
+    # Host code, one rank per process: plain local arrays in and out.
+    rank = jaxpg.get_rank()
+    x, gate_w, w1, w2, _ = rank_inputs(5, rank, 4)
+    y, aux = moe(x, gate_w, w1[rank * 2:rank * 2 + 2], w2[rank * 2:rank * 2 + 2], group=world)
+    xs = np.concatenate([rank_inputs(5, r, 4)[0] for r in range(4)])
+    y_ref, loss_ref, _, _ = reference_moe(xs, gate_w, w1, w2, top_k=2)
+    check("host_call", np.allclose(np.asarray(y), y_ref[rank * T:(rank + 1) * T], atol=TOL)
+          and np.allclose(float(aux.loss), loss_ref, rtol=TOL))
+    # Experts of another shape on one rank: a clear error on every rank, before running.
+    narrow = rank == 0  # rank 0's experts are 8 wide, the others' 16: each valid alone
+    try:
+        moe(x, gate_w, w1[:2, :, :8] if narrow else w1[:2], w2[:2, :8] if narrow else w2[:2],
+            group=world)
+    except ValueError as err:
+        check("mismatched_shapes_error", "different shapes" in str(err))
+    else:
+        raise AssertionError("mismatched expert shapes ran")
+    print(f"moe worker took {time.monotonic() - start:.1f}s", flush=True)
+    jaxpg.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
