@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).parent / "workers" / "elastic_members.py"
+FSDP_WORKER = Path(__file__).parent / "workers" / "elastic_fsdp.py"
 HEARTBEAT = 4.0  # --rdzv-conf heartbeat: a node silent this long has left
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,8 @@ def _free_port() -> int:
 class Node:
     """One node's launcher, in its own session (so that killing it takes its workers)."""
 
-    def __init__(self, rank: int, nnodes: str, port: int, restarts: int = 1):
+    def __init__(self, rank: int, nnodes: str, port: int, restarts: int = 1,
+                 script: list[str] | None = None):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE",
                                                                 "XLA_FLAGS")}
         env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -39,7 +41,7 @@ class Node:
             [sys.executable, "-m", "jaxpg.run", "--nnodes", nnodes, "--node-rank", str(rank),
              "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts",
              str(restarts), "--grace-period", "1", "--rdzv-conf",
-             f"heartbeat={HEARTBEAT},last_call_timeout=2", str(WORKER)],
+             f"heartbeat={HEARTBEAT},last_call_timeout=2", *(script or [str(WORKER)])],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             start_new_session=True)
         self.out: list[str] = []
@@ -130,6 +132,57 @@ def test_losing_node_0_ends_the_others_with_a_named_error():
         ended = time.monotonic()
         assert ended - killed_at < bound, (ended - killed_at, nodes[1].stderr())
         assert "lost node 0's launcher (the rendezvous host at 127.0.0.1:" in nodes[1].stderr()
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def _reference(steps: int) -> dict:
+    """An uninterrupted one-device run on the same global batches (the epoch's permutation
+    cut into slices of 12: what the ranks' DistributedSampler shares add up to)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "fsdp"))
+    import jax
+    import numpy as np
+    import optax
+    from _fsdp_models import Net, Reference
+
+    from jaxpg.ddp import DistributedSampler
+
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((48, 7)).astype(np.float32),
+            "y": rng.integers(0, 5, 48).astype(np.int32)}
+    ref = Reference(Net(0), optax.adam(1e-2))
+    sampler = DistributedSampler(48, num_replicas=1, rank=0, shuffle=True, seed=5)
+    for step in range(steps):
+        epoch, b = divmod(step, 4)
+        sampler.set_epoch(epoch)
+        idx = sampler.indices()[b * 12:(b + 1) * 12]
+        ref.step({k: v[idx] for k, v in data.items()})
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(ref.params)[0]}
+
+
+@pytest.mark.timeout(400)
+def test_fsdp_losing_a_node_finishes_on_two_to_the_uninterrupted_parameters(tmp_path):
+    import numpy as np
+
+    steps, port = 8, _free_port()
+    script = [str(FSDP_WORKER), str(tmp_path / "ckpt"), str(tmp_path / "out.npz"), str(steps)]
+    nodes = [Node(r, "2:3", port, script=script) for r in range(3)]
+    try:
+        _wait(lambda: any("KILLME" in line for line in list(nodes[2].out)), 240,
+              "node 2 at step 4", nodes)
+        nodes[2].kill()
+        for n in nodes[:2]:
+            assert n.proc.wait(timeout=240) == 0, n.stderr()[-3000:] + "".join(n.out)[-2000:]
+        out = "".join(nodes[0].out)
+        assert "RESUMED step=0 world=3 attempt=0" in out
+        assert "RESUMED step=4 world=2 attempt=1" in out  # the async checkpoint of step 4
+        assert "attempt 1: 2 nodes [0, 1]; left: [2]" in nodes[0].stderr()
+        got, want = dict(np.load(tmp_path / "out.npz")), _reference(steps)
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
     finally:
         for n in nodes:
             n.close()
