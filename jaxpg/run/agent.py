@@ -178,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jaxpg.run.elastic_agent import run_elastic
 
         try:
-            return run_elastic(args)
+            return run_elastic(args, start=_start, watch=_watch, say=_say,
+                               free_port=_free_port)
         except _Terminated:
             _say("got SIGTERM; stopping all workers")
             return 143

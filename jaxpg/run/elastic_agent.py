@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
+from collections.abc import Callable
 
 from jaxpg.run.coordination import WorkerCoordinator
 from jaxpg.run.elastic import ElasticNodes, ElasticSettings, RendezvousHostLost, _JobEnded
@@ -19,9 +20,17 @@ from jaxpg.run.workers import WorkerGroup
 __all__ = ["run_elastic"]
 
 
-def run_elastic(args: argparse.Namespace) -> int:
-    """Runs this node's launcher of an elastic job; returns its exit code."""
-    from jaxpg.run.agent import _free_port, _say, _start, _watch
+def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
+                watch: Callable[..., tuple], say: Callable[[str], None],
+                free_port: Callable[[str], int]) -> int:
+    """Runs this node's launcher of an elastic job; returns its exit code.
+
+    Args:
+        args: the parsed flags.
+        start, watch, say, free_port: the launcher's own (``jaxpg.run.agent``): start an
+            attempt's workers, watch them, print a message, pick a free port.
+    """
+    _free_port, _say, _start, _watch = free_port, say, start, watch
 
     settings = ElasticSettings(args.min_nodes, args.nnodes, **args.rdzv_conf)
     group: WorkerGroup | None = None

@@ -20,7 +20,6 @@ import pytest
 WORKER = Path(__file__).parent / "workers" / "elastic_members.py"
 FSDP_WORKER = Path(__file__).parent / "workers" / "elastic_fsdp.py"
 HEARTBEAT = 4.0  # --rdzv-conf heartbeat: a node silent this long has left
-pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:
@@ -86,6 +85,27 @@ def _wait(cond, timeout: float, what: str, nodes) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "3:2", "x.py"], "--nnodes MIN:MAX needs MIN <= MAX, got '3:2'"),
+    (["--nnodes", "0:2", "x.py"], "--nnodes MIN must be at least 1, got 0"),
+    (["--nnodes", "1:2", "x.py"], "--nnodes 1:2 needs --master-port"),
+    (["--nnodes", "1:2", "--master-port", "1", "--node-rank", "2", "x.py"],
+     "--node-rank must be in [0, --nnodes=2)"),
+    (["--rdzv-conf", "beat=1", "x.py"], "--rdzv-conf takes key=seconds with keys"),
+    (["--rdzv-conf", "heartbeat=0", "x.py"], "heartbeat must be a positive number"),
+    (["--nnodes", "1:2", "--master-port", "1", "--coordinator", "rank0", "x.py"],
+     "--nnodes MIN:MAX needs --coordinator launcher"),
+])  # fmt: skip
+def test_bad_elastic_flags_give_a_clear_error(argv, message, capsys):
+    from jaxpg.run import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_lost_node_restarts_the_job_on_the_nodes_present():
     port = _free_port()
@@ -117,6 +137,7 @@ def test_a_lost_node_restarts_the_job_on_the_nodes_present():
             n.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_losing_node_0_ends_the_others_with_a_named_error():
     port = _free_port()
@@ -162,6 +183,7 @@ def _reference(steps: int) -> dict:
             for p, x in jax.tree_util.tree_flatten_with_path(ref.params)[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_fsdp_losing_a_node_finishes_on_two_to_the_uninterrupted_parameters(tmp_path):
     import numpy as np
