@@ -106,10 +106,11 @@ def test_bad_elastic_flags_give_a_clear_error(argv, message, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_lost_node_restarts_the_job_on_the_nodes_present():
+@pytest.mark.timeout(300)
+def test_a_lost_node_restarts_on_the_nodes_present_and_a_node_added_back_joins(tmp_path):
     port = _free_port()
-    nodes = [Node(r, "2:3", port) for r in range(3)]
+    script = [str(WORKER), "2"]  # the workers wait through attempts 0 and 1
+    nodes = [Node(r, "2:3", port, script=script) for r in range(3)]
     try:
         _wait(lambda: all(n.envs() for n in nodes), 120, "3 workers started", nodes)
         assert sorted(n.envs()[0]["RANK"] for n in nodes) == ["0", "1", "2"]
@@ -126,12 +127,24 @@ def test_a_lost_node_restarts_the_job_on_the_nodes_present():
         for n in survivors:
             assert "attempt 1: 2 nodes [0, 2]; left: [1]" in n.stderr()
         assert "node 1 left (no heartbeat" in nodes[0].stderr()
-        for n in survivors:
-            assert n.proc.wait(timeout=120) == 0, n.stderr()[-3000:]
-        second = [n.envs()[-1] for n in survivors]  # new WORLD_SIZE, RANK, GROUP_RANK
+        _wait(lambda: all(len(n.envs()) == 2 for n in survivors), 120, "attempt 1's workers",
+              survivors)
         assert [(e["RANK"], e["GROUP_RANK"], e["WORLD_SIZE"], e["TORCHELASTIC_RESTART_COUNT"])
-                for e in second] == [("0", "0", "2", "1"), ("1", "1", "2", "1")]
-        assert all("DONE world=2" in "".join(n.out) for n in survivors)
+                for e in (n.envs()[-1] for n in survivors)] == [("0", "0", "2", "1"),
+                                                                ("1", "1", "2", "1")]
+        # scale-up: node 1 comes back; it joins attempt 2, which --max-restarts 1 allows
+        # (a joined node uses no restart)
+        nodes[1].close()
+        nodes[1] = Node(1, "2:3", port, script=script)
+        for n in nodes:
+            assert n.proc.wait(timeout=150) == 0, n.stderr()[-3000:]
+        assert "node 1 joined" in nodes[0].stderr()
+        assert "attempt 2: 3 nodes [0, 1, 2]; joined: [1]" in nodes[0].stderr()
+        third = [n.envs()[-1] for n in nodes]
+        assert [(e["RANK"], e["GROUP_RANK"], e["WORLD_SIZE"], e["TORCHELASTIC_RESTART_COUNT"])
+                for e in third] == [("0", "0", "3", "2"), ("1", "1", "3", "2"),
+                                    ("2", "2", "3", "2")]
+        assert all("DONE world=3" in "".join(n.out) for n in nodes)
     finally:
         for n in nodes:
             n.close()

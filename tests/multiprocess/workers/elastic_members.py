@@ -1,6 +1,6 @@
-"""Worker for --nnodes MIN:MAX: prints its variables; on the first attempt it then waits
-(until the launcher stops it); on a later attempt it joins the world, checks an all_reduce
-against the world size and exits 0."""
+"""Worker for --nnodes MIN:MAX: prints its variables; on the attempts before argv[1]
+(default 1) it then waits (until the launcher stops it); on a later attempt it joins the
+world, checks an all_reduce against the world size and exits 0."""
 
 import json
 import os
@@ -8,7 +8,9 @@ import time
 
 NAMES = ["RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"]
 print("ENV " + json.dumps({name: os.environ[name] for name in NAMES}), flush=True)
-if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+import sys  # noqa: E402
+
+if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < int((sys.argv[1:] or ["1"])[0]):
     while True:
         time.sleep(1)
 
