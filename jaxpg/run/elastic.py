@@ -172,9 +172,11 @@ class ElasticNodes:
         deadline = time.monotonic() + s.join_timeout
         while len(live := self.live_nodes()) < s.min_nodes:
             if time.monotonic() > deadline:
-                raise _JobEnded({"code": 1, "message": (
-                    f"only {len(live)} nodes {live} present, fewer than --nnodes minimum "
-                    f"{s.min_nodes}, within join_timeout {s.join_timeout:.0f} s")})
+                message = (f"only {len(live)} nodes {live} present, fewer than --nnodes "
+                           f"minimum {s.min_nodes}, within join_timeout "
+                           f"{s.join_timeout:.0f} s")
+                self.end(1, message)
+                raise _JobEnded({"code": 1, "message": message})
             time.sleep(0.2)
         last_call = time.monotonic() + s.last_call
         while len(live) < s.max_nodes and time.monotonic() < last_call:

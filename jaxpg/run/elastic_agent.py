@@ -96,6 +96,9 @@ def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
     except RendezvousHostLost as err:
         _say(f"{err}; stopping all workers")
         code = 1
+    except TimeoutError as err:  # node 0 published nothing within join_timeout
+        _say(str(err))
+        code = 1
     except ValueError as err:  # the nodes disagree on a setting
         _say(str(err))
         code = 2
