@@ -99,6 +99,9 @@ def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
     except TimeoutError as err:  # node 0 published nothing within join_timeout
         _say(str(err))
         code = 1
+    except OSError as err:  # the script could not start, or the port is taken
+        _say(f"could not start the attempt: {err}")
+        code = 1
     except ValueError as err:  # the nodes disagree on a setting
         _say(str(err))
         code = 2
