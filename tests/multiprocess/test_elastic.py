@@ -154,7 +154,7 @@ def test_fault_injection(tmp_path, reference, busy_loops, fault, load):
     assert_same(params, reference)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_async_checkpoints_a_rank_killed_while_committing_resumes_from_the_previous(
         tmp_path, reference):
     result, params = train(tmp_path, "async", "ckpt:0:3", ELASTIC_ASYNC="1")
