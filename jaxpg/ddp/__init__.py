@@ -2,7 +2,12 @@
 join, SyncBatchNorm, checkpoints and the sampler."""
 
 from jaxpg.ddp.bucket_plan import Bucket, BucketPlan, make_bucket_plan
-from jaxpg.ddp.checkpoint import latest_step, restore_checkpoint, save_checkpoint
+from jaxpg.ddp.checkpoint import (
+    latest_step,
+    restore_checkpoint,
+    save_checkpoint,
+    wait_for_checkpoints,
+)
 from jaxpg.ddp.comm_hooks import (
     allreduce_hook,
     bf16_compress_hook,
@@ -50,4 +55,5 @@ __all__ = [
     "save_checkpoint",
     "sync_batchnorm_axis",
     "verify_param_shapes",
+    "wait_for_checkpoints",
 ]

@@ -29,8 +29,10 @@ from typing import Any
 import jax
 
 from jaxpg.data_parallel.checkpoint_format import numbered_arrays, restore_leaves
+from jaxpg.ddp import checkpoint_writer
+from jaxpg.ddp.checkpoint_writer import wait_for_checkpoints
 
-__all__ = ["save_checkpoint", "restore_checkpoint", "latest_step"]
+__all__ = ["save_checkpoint", "restore_checkpoint", "latest_step", "wait_for_checkpoints"]
 
 _PARTS = ("params", "rest", "opt_state", "hook_state")
 
@@ -44,10 +46,7 @@ def _flat(ddp: Any) -> tuple[dict[str, Any], list[str]]:
 
 
 def _manager(directory: str | os.PathLike) -> Any:
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options)
+    return checkpoint_writer.manager(directory)
 
 
 def every_process_calls(api: str) -> None:
@@ -63,7 +62,8 @@ def every_process_calls(api: str) -> None:
 
 
 def save_checkpoint(
-    directory: str | os.PathLike, ddp: Any, *, data_state: dict[str, Any] | None = None
+    directory: str | os.PathLike, ddp: Any, *, data_state: dict[str, Any] | None = None,
+    async_save: bool = False,
 ) -> int:
     """Saves ``ddp``'s training state at its current step; returns the step.
 
@@ -76,28 +76,24 @@ def save_checkpoint(
         directory: the checkpoint root; the checkpoint goes to ``directory/<step>``.
         ddp: the :class:`~jaxpg.ddp.DistributedDataParallel`.
         data_state: the data position to resume from (JSON-serialisable).
+        async_save: return once the state is staged and let orbax write it in the
+            background (:mod:`jaxpg.ddp.checkpoint_writer`); the next save, a restore and
+            ``destroy_process_group`` wait for it (or call ``wait_for_checkpoints``).
     """
-    import orbax.checkpoint as ocp
-
-    from jaxpg.supervision import liveness
-
+    if not isinstance(async_save, bool):
+        raise TypeError(f"save_checkpoint: async_save must be a bool; got {async_save!r}.")
     every_process_calls("save_checkpoint")
     arrays, paths = _flat(ddp)
     meta = {"step": ddp.step, "data_state": data_state or {}, "paths": paths}
-    heartbeat = float(os.environ.get("JAXPG_HEARTBEAT_TIMEOUT", "10"))
-    with liveness.naming_lost("save_checkpoint", heartbeat), _manager(directory) as mngr:
-        mngr.save(
-            ddp.step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
-                                    meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
-        mngr.wait_until_finished()
+    checkpoint_writer.write_checkpoint(directory, ddp.step, arrays, meta,
+                                       async_save=async_save)
     return ddp.step
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
-    """The newest step saved under ``directory``, or None if there is none."""
+    """The newest complete step saved under ``directory``, or None if there is none (waits
+    for this process's save in flight first)."""
+    checkpoint_writer.wait_for_checkpoints()
     if not os.path.isdir(directory):
         return None
     with _manager(directory) as mngr:
@@ -120,6 +116,7 @@ def restore_checkpoint(
     """
     import orbax.checkpoint as ocp
 
+    checkpoint_writer.wait_for_checkpoints()
     step = latest_step(directory) if step is None else step
     if step is None:
         raise FileNotFoundError(f"restore_checkpoint: no checkpoint under {directory!r}.")

@@ -11,6 +11,7 @@ from jaxpg.fsdp.checkpoint import (
     latest_step,
     restore_checkpoint,
     save_checkpoint,
+    wait_for_checkpoints,
 )
 from jaxpg.fsdp.fully_sharded import FullyShardedDataParallel
 from jaxpg.fsdp.memory import StepMemory, step_memory
@@ -25,4 +26,5 @@ __all__ = [
     "restore_checkpoint",
     "save_checkpoint",
     "step_memory",
+    "wait_for_checkpoints",
 ]

@@ -31,12 +31,14 @@ import jax
 
 from jaxpg.data_parallel.checkpoint_format import numbered_arrays, restore_leaves
 from jaxpg.data_parallel.prng_keys import is_key
-from jaxpg.ddp.checkpoint import every_process_calls, latest_step
+from jaxpg.ddp import checkpoint_writer
+from jaxpg.ddp.checkpoint import every_process_calls, latest_step, wait_for_checkpoints
 from jaxpg.fsdp.model_parallel import has_block_padding
 from jaxpg.fsdp.placement import check_fits
 from jaxpg.fsdp.state_shapes import state_paths, true_shapes
 
-__all__ = ["save_checkpoint", "restore_checkpoint", "consolidate_checkpoint", "latest_step"]
+__all__ = ["save_checkpoint", "restore_checkpoint", "consolidate_checkpoint", "latest_step",
+           "wait_for_checkpoints"]
 
 _PARTS = ("params", "rest", "opt_state")
 
@@ -51,28 +53,17 @@ def _flat(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def _manager(directory: str | os.PathLike, **kwargs: Any) -> Any:
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options,
-                                 **kwargs)
+    return checkpoint_writer.manager(directory, **kwargs)
 
 
 def _write(directory: str | os.PathLike, step: int, arrays: dict[str, Any],
-           meta: dict[str, Any]) -> None:
-    import orbax.checkpoint as ocp
-
-    from jaxpg.supervision import liveness
-
-    heartbeat = float(os.environ.get("JAXPG_HEARTBEAT_TIMEOUT", "10"))
-    with liveness.naming_lost("save_checkpoint", heartbeat), _manager(directory) as mngr:
-        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
-                                                meta=ocp.args.JsonSave(meta)), force=True)
-        mngr.wait_until_finished()
+           meta: dict[str, Any], async_save: bool = False) -> None:
+    checkpoint_writer.write_checkpoint(directory, step, arrays, meta, async_save=async_save)
 
 
 def save_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
-                    data_state: dict[str, Any] | None = None, full: bool = False) -> int:
+                    data_state: dict[str, Any] | None = None, full: bool = False,
+                    async_save: bool = False) -> int:
     """Saves ``fsdp``'s training state at its current step. **Every process must call it**;
     a call made on some processes only raises ``DistTimeoutError`` there, naming the ranks
     that did not call it, after the world's timeout.
@@ -82,10 +73,15 @@ def save_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
         fsdp: the :class:`~jaxpg.fsdp.FullyShardedDataParallel`.
         data_state: the data position to resume from (JSON-serialisable).
         full: write whole, unpadded arrays (a DDP checkpoint) instead of the shards.
+        async_save: return once the state is staged and let orbax write it in the
+            background (:mod:`jaxpg.ddp.checkpoint_writer`); the next save, a restore and
+            ``destroy_process_group`` wait for it (or call ``wait_for_checkpoints``).
 
     Returns:
         The step saved.
     """
+    if not isinstance(async_save, bool):
+        raise TypeError(f"save_checkpoint: async_save must be a bool; got {async_save!r}.")
     every_process_calls("save_checkpoint")
     state = fsdp.full_state_dict() if full else fsdp.state_dict()
     tree = _tree(state)
@@ -95,7 +91,7 @@ def save_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
                      "stage": fsdp.stage, "num_shards": fsdp.group.num_shards,
                      "world_size": fsdp.group.size,
                      "block_padded": not full and has_block_padding(fsdp.layouts)}}
-    _write(directory, fsdp.step, _flat(tree), meta)
+    _write(directory, fsdp.step, _flat(tree), meta, async_save=async_save)
     return fsdp.step
 
 
@@ -135,6 +131,7 @@ def restore_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
     """
     import orbax.checkpoint as ocp
 
+    checkpoint_writer.wait_for_checkpoints()
     step = latest_step(directory) if step is None else step
     if step is None:
         raise FileNotFoundError(f"restore_checkpoint: no checkpoint under {directory!r}.")

@@ -66,16 +66,20 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def _start(args: argparse.Namespace, attempt: int, port: int, run_id: str,
-           lobby: str) -> WorkerGroup:
+           lobby: str, node_rank: int | None = None, nnodes: int | None = None) -> WorkerGroup:
+    """Starts this node's workers; ``node_rank``/``nnodes`` override the flags' (an elastic
+    attempt's group rank and node count)."""
     nproc, gpus = args.nproc_per_node, visible_gpus()
-    first = args.node_rank * nproc
+    node_rank = args.node_rank if node_rank is None else node_rank
+    nnodes = args.nnodes if nnodes is None else nnodes
+    first = node_rank * nproc
     base = {**os.environ, LOBBY_VAR: lobby}
     envs = [
         worker_env(
             dict(base), rank=first + local_rank, local_rank=local_rank,
-            world_size=args.nnodes * nproc, local_world_size=nproc, node_rank=args.node_rank,
+            world_size=nnodes * nproc, local_world_size=nproc, node_rank=node_rank,
             master_addr=args.master_addr, master_port=port,
-            devices_per_proc=args.devices_per_proc, gpus=gpus, nnodes=args.nnodes,
+            devices_per_proc=args.devices_per_proc, gpus=gpus, nnodes=nnodes,
             restart_count=attempt, max_restarts=args.max_restarts, run_id=run_id,
             coordinator_hosted=args.coordinator == "launcher",
         )  # fmt: skip
@@ -170,6 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    if args.min_nodes is not None:  # --nnodes MIN:MAX
+        from jaxpg.run.elastic_agent import run_elastic
+
+        try:
+            return run_elastic(args, start=_start, watch=_watch, say=_say,
+                               free_port=_free_port)
+        except _Terminated:
+            _say("got SIGTERM; stopping all workers")
+            return 143
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     group: WorkerGroup | None = None
     coordinator: WorkerCoordinator | None = None
     nodes: LocalNodes | NodeChannel | None = None

@@ -24,6 +24,40 @@ def _positive_int(name: str, minimum: int = 1):
     return parse
 
 
+def _nnodes(text: str) -> tuple[int | None, int]:
+    """``N`` or ``MIN:MAX``: ``(None, N)`` or ``(MIN, MAX)``."""
+    lo, sep, hi = text.partition(":")
+    if not sep:
+        return None, _positive_int("--nnodes")(text)
+    low, high = _positive_int("--nnodes MIN")(lo), _positive_int("--nnodes MAX")(hi)
+    if low > high:
+        raise argparse.ArgumentTypeError(f"--nnodes MIN:MAX needs MIN <= MAX, got {text!r}")
+    return low, high
+
+
+_RDZV_CONF = {"heartbeat": "heartbeat", "last_call_timeout": "last_call",
+              "join_timeout": "join_timeout"}
+
+
+def _rdzv_conf(text: str) -> dict[str, float]:
+    """``key=seconds,...`` for the elastic rendezvous (keys of ``_RDZV_CONF``)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in _RDZV_CONF:
+            raise argparse.ArgumentTypeError(
+                f"--rdzv-conf takes key=seconds with keys {sorted(_RDZV_CONF)}, got {item!r}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if seconds <= 0:
+            raise argparse.ArgumentTypeError(
+                f"--rdzv-conf {key} must be a positive number of seconds, got {value!r}")
+        out[_RDZV_CONF[key]] = seconds
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxpg-run",
@@ -34,9 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive_int("--nproc-per-node"),
                    default=1, help="worker processes on this node (default 1)")
-    p.add_argument("--nnodes", type=_positive_int("--nnodes"), default=None,
-                   help="number of nodes (default 1, or the tasks of an srun/mpirun that "
-                        "started one launcher per node)")
+    p.add_argument("--nnodes", type=_nnodes, default=None,
+                   help="number of nodes, or MIN:MAX for elastic membership (default 1, or "
+                        "the tasks of an srun/mpirun that started one launcher per node)")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", type=_rdzv_conf, default={},
+                   help="elastic rendezvous settings, seconds: heartbeat=10,"
+                        "last_call_timeout=2,join_timeout=600")
     p.add_argument("--node-rank", "--node_rank", type=int, default=None,
                    help="this node's index in [0, nnodes) (default 0, or the task's rank)")
     p.add_argument("--master-addr", "--master_addr", default=None,
@@ -165,6 +202,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parses and checks ``argv``; exits with status 2 and a message naming the flag."""
     parser = _parser()
     args = parser.parse_args(argv)
+    args.min_nodes, args.nnodes = (None, None) if args.nnodes is None else args.nnodes
     _nodes_from_launcher(args, parser)
     if args.standalone:
         if args.nnodes != 1:
@@ -179,6 +217,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.master_addr, args.master_port = host, int(port)
     if args.master_port is not None and not 0 < args.master_port < 65536:
         parser.error(f"--master-port must be in [1, 65535], got {args.master_port}")
+    if args.min_nodes is not None and args.master_port is None:
+        parser.error(f"--nnodes {args.min_nodes}:{args.nnodes} needs --master-port (or "
+                     "--rdzv-endpoint): node 0's launcher serves the rendezvous there")
+    if args.min_nodes is not None and args.coordinator != "launcher":
+        parser.error("--nnodes MIN:MAX needs --coordinator launcher (node 0's launcher hosts "
+                     "each attempt's coordination service)")
     if args.master_port is None and args.nnodes > 1:
         parser.error(
             f"--nnodes {args.nnodes} needs --master-port (or --rdzv-endpoint) so that all "

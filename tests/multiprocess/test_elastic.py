@@ -154,6 +154,18 @@ def test_fault_injection(tmp_path, reference, busy_loops, fault, load):
     assert_same(params, reference)
 
 
+@pytest.mark.timeout(300)
+def test_async_checkpoints_a_rank_killed_while_committing_resumes_from_the_previous(
+        tmp_path, reference):
+    result, params = train(tmp_path, "async", "ckpt:0:3", ELASTIC_ASYNC="1")
+    assert "dying while committing checkpoint 3" in result.stdout
+    assert "rank 0 exited with code -9 (killed by SIGKILL)" in result.stderr
+    # the save of step 3 had returned (its loss line printed) before the commit killed rank 0
+    assert "[rank 0] step 2 loss" in result.stdout
+    assert "[rank 0] RESUMED step=2 attempt=1" in result.stdout  # 3 was never committed
+    assert_same(params, reference)
+
+
 def _kill_rank_when(launcher: subprocess.Popen, lines: list[str], marker: str, rank: str):
     """Kills the launcher's worker with RANK=rank once ``marker`` appears in ``lines``."""
     while launcher.poll() is None:

@@ -20,6 +20,9 @@ FAULT (only on the first attempt, ``TORCHELASTIC_RESTART_COUNT=0``):
 * ``ckpt:R:S``: rank R dies while writing step S's checkpoint (its files written, before
   orbax commits it by renaming the temporary directory);
 * ``random:SEED``: ``killmid`` at a rank and step drawn from ``random.Random(SEED)``.
+
+With ``ELASTIC_ASYNC=1`` the checkpoints are asynchronous (``async_save=True``): a ``ckpt``
+fault then kills the rank in orbax's background commit, during the next step.
 """
 
 import datetime
@@ -115,7 +118,8 @@ for step in range(start, steps):
     if armed and kind == "killmid" and step == fault_step:
         print(f"dying after the update of step {step}", flush=True)
         die()
-    jddp.save_checkpoint(ckpt_dir, ddp, data_state={"step": step + 1})
+    jddp.save_checkpoint(ckpt_dir, ddp, data_state={"step": step + 1},
+                         async_save=os.environ.get("ELASTIC_ASYNC") == "1")
     print(f"step {step} loss {float(metrics['loss']):.6f}", flush=True)
     if armed and kind == "kill" and step == fault_step:
         print(f"dying after step {step}", flush=True)

@@ -1,0 +1,117 @@
+"""The launcher's main loop for ``--nnodes MIN:MAX``: rendezvous, start, watch, repeat.
+
+Each attempt: the nodes present meet (:class:`~jaxpg.run.elastic.ElasticNodes`), node 0's
+launcher hosts the workers' coordination service for that world, every member starts its
+workers with the attempt's ``WORLD_SIZE``, ``RANK`` and ``GROUP_RANK``, and all watch until
+the workers end, a worker fails, or a node leaves or joins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from collections.abc import Callable
+
+from jaxpg.run.coordination import WorkerCoordinator
+from jaxpg.run.elastic import ElasticNodes, ElasticSettings, RendezvousHostLost, _JobEnded
+from jaxpg.run.workers import WorkerGroup
+
+__all__ = ["run_elastic"]
+
+
+def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
+                watch: Callable[..., tuple], say: Callable[[str], None],
+                free_port: Callable[[str], int]) -> int:
+    """Runs this node's launcher of an elastic job; returns its exit code.
+
+    Args:
+        args: the parsed flags.
+        start, watch, say, free_port: the launcher's own (``jaxpg.run.agent``): start an
+            attempt's workers, watch them, print a message, pick a free port.
+    """
+    _free_port, _say, _start, _watch = free_port, say, start, watch
+
+    settings = ElasticSettings(args.min_nodes, args.nnodes, **args.rdzv_conf)
+    group: WorkerGroup | None = None
+    coordinator: WorkerCoordinator | None = None
+    nodes: ElasticNodes | None = None
+    code = 1
+    try:
+        nodes = ElasticNodes(args.master_addr, args.master_port, args.node_rank, args.rdzv_id,
+                             settings, _say)
+        nodes.agree({"--nproc-per-node": args.nproc_per_node,
+                     "--max-restarts": args.max_restarts})
+        attempt = 0
+        while True:
+            port = _free_port(args.master_addr) if nodes.leader else None
+
+            def host(members: list[int], port: int = port) -> None:
+                nonlocal coordinator
+                if args.coordinator == "launcher":
+                    coordinator = WorkerCoordinator(port, len(members) * args.nproc_per_node)
+
+            joined = nodes.rendezvous(attempt, port, host)
+            if joined is None:  # a standby node: the next attempt takes it
+                attempt += 1
+                continue
+            members, port = joined
+            group_rank = members.index(args.node_rank)
+            lobby = tempfile.mkdtemp(prefix="jaxpg-lobby-")
+            try:
+                group = _start(args, attempt, port, nodes.run_id, lobby,
+                               node_rank=group_rank, nnodes=len(members))
+                failure, code, _ = _watch(group, nodes, attempt, lobby)
+                if failure is not None:
+                    _say(f"{failure}; stopping the other workers")
+                group.stop(args.grace_period)
+                group.join_output()
+            finally:
+                shutil.rmtree(lobby, ignore_errors=True)
+            group = None
+            nodes.barrier(f"stopped/{attempt}")
+            if coordinator is not None:
+                coordinator.shutdown()
+                coordinator = None
+            if failure is None:
+                nodes.close()
+                return 0
+            if nodes.leader:
+                if not nodes.joined_only(attempt):
+                    nodes.restarts_used += 1
+                if nodes.restarts_used > args.max_restarts:
+                    message = f"no restarts left (--max-restarts {args.max_restarts})"
+                    _say(f"{message}; giving up")
+                    nodes.end(code or 1, message)
+                    nodes.close()
+                    return code or 1
+                _say(f"starting attempt {attempt + 1} with the nodes present (restarts used "
+                     f"{nodes.restarts_used} of --max-restarts {args.max_restarts})")
+            attempt += 1
+    except _JobEnded as ended:
+        _say(f"node 0 ended the job: {ended}")
+        code = ended.code
+        if nodes is not None:
+            nodes.close()
+    except RendezvousHostLost as err:
+        _say(f"{err}; stopping all workers")
+        code = 1
+    except TimeoutError as err:  # node 0 published nothing within join_timeout
+        _say(str(err))
+        code = 1
+    except OSError as err:  # the script could not start, or the port is taken
+        _say(f"could not start the attempt: {err}")
+        code = 1
+    except ValueError as err:  # the nodes disagree on a setting
+        _say(str(err))
+        code = 2
+    except KeyboardInterrupt:
+        _say("interrupted; stopping all workers")
+        code = 130
+    finally:
+        if group is not None:
+            group.stop(args.grace_period)
+            group.join_output()
+        if coordinator is not None:
+            coordinator.shutdown()
+    return code

@@ -1,0 +1,223 @@
+"""jaxpg-run --nnodes MIN:MAX on 127.0.0.1, one launcher per "node": a lost node's launcher
+starts the next attempt with the nodes present (new WORLD_SIZE, RANK, GROUP_RANK; stderr
+names the node that left) within the heartbeat timeout plus a few seconds; a lost node 0
+ends every other launcher with a named error. Each fault test states its bound."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parent / "workers" / "elastic_members.py"
+FSDP_WORKER = Path(__file__).parent / "workers" / "elastic_fsdp.py"
+HEARTBEAT = 4.0  # --rdzv-conf heartbeat: a node silent this long has left
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """One node's launcher, in its own session (so that killing it takes its workers)."""
+
+    def __init__(self, rank: int, nnodes: str, port: int, restarts: int = 1,
+                 script: list[str] | None = None):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE",
+                                                                "XLA_FLAGS")}
+        env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxpg.run", "--nnodes", nnodes, "--node-rank", str(rank),
+             "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts",
+             str(restarts), "--grace-period", "1", "--rdzv-conf",
+             f"heartbeat={HEARTBEAT},last_call_timeout=2", *(script or [str(WORKER)])],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True)
+        self.out: list[str] = []
+        self.err: list[tuple[float, str]] = []
+        self.readers = [threading.Thread(target=lambda: self.out.extend(self.proc.stdout),
+                                         daemon=True),
+                        threading.Thread(target=self._read_err, daemon=True)]
+        for reader in self.readers:
+            reader.start()
+
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:
+            self.err.append((time.monotonic(), line))
+
+    def envs(self) -> list[dict]:
+        return [json.loads(line.split("ENV ", 1)[1]) for line in list(self.out)
+                if "ENV " in line]
+
+    def stderr(self) -> str:
+        return "".join(line for _, line in list(self.err))
+
+    def kill(self) -> float:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        return time.monotonic()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for reader in self.readers:
+            reader.join(timeout=10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+def _wait(cond, timeout: float, what: str, nodes) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout} s\n" + "\n".join(
+                n.stderr()[-2000:] + "".join(n.out)[-1000:] for n in nodes))
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "3:2", "x.py"], "--nnodes MIN:MAX needs MIN <= MAX, got '3:2'"),
+    (["--nnodes", "0:2", "x.py"], "--nnodes MIN must be at least 1, got 0"),
+    (["--nnodes", "1:2", "x.py"], "--nnodes 1:2 needs --master-port"),
+    (["--nnodes", "1:2", "--master-port", "1", "--node-rank", "2", "x.py"],
+     "--node-rank must be in [0, --nnodes=2)"),
+    (["--rdzv-conf", "beat=1", "x.py"], "--rdzv-conf takes key=seconds with keys"),
+    (["--rdzv-conf", "heartbeat=0", "x.py"], "heartbeat must be a positive number"),
+    (["--nnodes", "1:2", "--master-port", "1", "--coordinator", "rank0", "x.py"],
+     "--nnodes MIN:MAX needs --coordinator launcher"),
+])  # fmt: skip
+def test_bad_elastic_flags_give_a_clear_error(argv, message, capsys):
+    from jaxpg.run import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_lost_node_restarts_on_the_nodes_present_and_a_node_added_back_joins(tmp_path):
+    port = _free_port()
+    script = [str(WORKER), "2"]  # the workers wait through attempts 0 and 1
+    nodes = [Node(r, "2:3", port, script=script) for r in range(3)]
+    try:
+        _wait(lambda: all(n.envs() for n in nodes), 120, "3 workers started", nodes)
+        assert sorted(n.envs()[0]["RANK"] for n in nodes) == ["0", "1", "2"]
+        assert all(n.envs()[0]["WORLD_SIZE"] == "3" for n in nodes)
+        killed_at = nodes[1].kill()  # node 1's launcher and worker, SIGKILL
+        survivors = [nodes[0], nodes[2]]
+        # Bound: the heartbeat timeout, + 0.5 s polling, + 1 s grace to stop the workers,
+        # + 2 s last call, + 6 s for a loaded machine.
+        bound = HEARTBEAT + 0.5 + 1 + 2 + 6
+        _wait(lambda: all(any("attempt 1:" in line for _, line in n.err) for n in survivors),
+              bound + 30, "the next attempt announced", survivors)
+        started = max(next(t for t, line in n.err if "attempt 1:" in line) for n in survivors)
+        assert started - killed_at < bound, (started - killed_at, survivors[0].stderr())
+        for n in survivors:
+            assert "attempt 1: 2 nodes [0, 2]; left: [1]" in n.stderr()
+        assert "node 1 left (no heartbeat" in nodes[0].stderr()
+        _wait(lambda: all(len(n.envs()) == 2 for n in survivors), 120, "attempt 1's workers",
+              survivors)
+        assert [(e["RANK"], e["GROUP_RANK"], e["WORLD_SIZE"], e["TORCHELASTIC_RESTART_COUNT"])
+                for e in (n.envs()[-1] for n in survivors)] == [("0", "0", "2", "1"),
+                                                                ("1", "1", "2", "1")]
+        # scale-up: node 1 comes back; it joins attempt 2, which --max-restarts 1 allows
+        # (a joined node uses no restart)
+        nodes[1].close()
+        nodes[1] = Node(1, "2:3", port, script=script)
+        for n in nodes:
+            assert n.proc.wait(timeout=150) == 0, n.stderr()[-3000:]
+        assert "node 1 joined" in nodes[0].stderr()
+        assert "attempt 2: 3 nodes [0, 1, 2]; joined: [1]" in nodes[0].stderr()
+        third = [n.envs()[-1] for n in nodes]
+        assert [(e["RANK"], e["GROUP_RANK"], e["WORLD_SIZE"], e["TORCHELASTIC_RESTART_COUNT"])
+                for e in third] == [("0", "0", "3", "2"), ("1", "1", "3", "2"),
+                                    ("2", "2", "3", "2")]
+        assert all("DONE world=3" in "".join(n.out) for n in nodes)
+    finally:
+        for n in nodes:
+            n.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_losing_node_0_ends_the_others_with_a_named_error():
+    port = _free_port()
+    nodes = [Node(r, "1:2", port) for r in range(2)]
+    try:
+        _wait(lambda: all(n.envs() for n in nodes), 120, "2 workers started", nodes)
+        killed_at = nodes[0].kill()
+        # Bound: a refused or reset connection is seen at the next poll (0.5 s); without
+        # any answer the request times out after the heartbeat timeout; + 1 s grace to stop
+        # the workers, + 5 s for a loaded machine.
+        bound = HEARTBEAT + 0.5 + 1 + 5
+        assert nodes[1].proc.wait(timeout=bound + 30) == 1
+        ended = time.monotonic()
+        assert ended - killed_at < bound, (ended - killed_at, nodes[1].stderr())
+        assert "lost node 0's launcher (the rendezvous host at 127.0.0.1:" in nodes[1].stderr()
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def _reference(steps: int) -> dict:
+    """An uninterrupted one-device run on the same global batches (the epoch's permutation
+    cut into slices of 12: what the ranks' DistributedSampler shares add up to)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "fsdp"))
+    import jax
+    import numpy as np
+    import optax
+    from _fsdp_models import Net, Reference
+
+    from jaxpg.ddp import DistributedSampler
+
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((48, 7)).astype(np.float32),
+            "y": rng.integers(0, 5, 48).astype(np.int32)}
+    ref = Reference(Net(0), optax.adam(1e-2))
+    sampler = DistributedSampler(48, num_replicas=1, rank=0, shuffle=True, seed=5)
+    for step in range(steps):
+        epoch, b = divmod(step, 4)
+        sampler.set_epoch(epoch)
+        idx = sampler.indices()[b * 12:(b + 1) * 12]
+        ref.step({k: v[idx] for k, v in data.items()})
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(ref.params)[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fsdp_losing_a_node_finishes_on_two_to_the_uninterrupted_parameters(tmp_path):
+    import numpy as np
+
+    steps, port = 8, _free_port()
+    script = [str(FSDP_WORKER), str(tmp_path / "ckpt"), str(tmp_path / "out.npz"), str(steps)]
+    nodes = [Node(r, "2:3", port, script=script) for r in range(3)]
+    try:
+        _wait(lambda: any("KILLME" in line for line in list(nodes[2].out)), 240,
+              "node 2 at step 4", nodes)
+        nodes[2].kill()
+        for n in nodes[:2]:
+            assert n.proc.wait(timeout=240) == 0, n.stderr()[-3000:] + "".join(n.out)[-2000:]
+        out = "".join(nodes[0].out)
+        assert "RESUMED step=0 world=3 attempt=0" in out
+        assert "RESUMED step=4 world=2 attempt=1" in out  # the async checkpoint of step 4
+        assert "attempt 1: 2 nodes [0, 1]; left: [2]" in nodes[0].stderr()
+        got, want = dict(np.load(tmp_path / "out.npz")), _reference(steps)
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    finally:
+        for n in nodes:
+            n.close()
