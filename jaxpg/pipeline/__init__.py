@@ -15,7 +15,17 @@ from jaxpg.pipeline.hybrid import bucketed_grad_reducer
 from jaxpg.pipeline.mesh import pipeline_mesh
 from jaxpg.pipeline.microbatch import merge_microbatches, split_microbatches
 from jaxpg.pipeline.nnx_stages import module_fn, split_module, stack_modules
+from jaxpg.pipeline.pipeline_stage import PipelineStage
 from jaxpg.pipeline.render import render_png, render_text
+from jaxpg.pipeline.schedule_classes import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from jaxpg.pipeline.schedules import (
     available_schedules,
     get_schedule,
@@ -43,4 +53,7 @@ __all__ = [
     "stack_modules", "split_module", "module_fn", "bucketed_grad_reducer", "ActionCosts",
     "TimedTimetable", "default_costs", "lockstep_time", "measure_costs", "timed",
     "StagePieces", "split_stage", "to_rank_order", "to_model_order",
+    "PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
+    "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
 ]
