@@ -34,7 +34,6 @@ Example (two processes, ``jaxpg-run --nproc-per-node 2``)::
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -123,8 +122,7 @@ class PipelineStage:
                                  for a in _as_tuple(input_args)))  # fmt: skip
         self.output_args = output_args
         self.grads: nnx.State | None = None
-        self.graphdef, _, self._rest = nnx.split(module, nnx.Param, ...)
-        self._programs: dict[Any, Callable] = {}
+        self.graphdef = nnx.graphdef(module)
 
     @property
     def is_first(self) -> bool:
@@ -140,6 +138,10 @@ class PipelineStage:
         """The module's current ``nnx.Param`` state (read at every step)."""
         return nnx.state(self.submod, nnx.Param)
 
+    def frozen_state(self) -> nnx.State:
+        """The module's state other than ``nnx.Param`` (read as constants by the stage)."""
+        return nnx.state(self.submod, nnx.Not(nnx.Param))
+
     def zero_grad(self) -> None:
         """Clears ``grads`` (to ``None``, as torch's ``zero_grad(set_to_none=True)``)."""
         self.grads = None
@@ -151,7 +153,7 @@ class PipelineStage:
 
     def __call__(self, params: nnx.State, *inputs: Any) -> tuple:
         """The stage's forward on ``params`` (traceable); its outputs as a tuple."""
-        out = nnx.merge(self.graphdef, params, self._rest)(*inputs)
+        out = nnx.merge(self.graphdef, params, self.frozen_state())(*inputs)
         return _as_tuple(out)
 
     def output_structs(self, inputs: tuple) -> tuple:

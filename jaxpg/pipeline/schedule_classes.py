@@ -24,6 +24,7 @@ its bubble-filling order.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,12 @@ def interleaved_zero_bubble(p: int, m: int, v: int) -> Timetable:
         for r in range(p)]  # fmt: skip
     return simulate("interleaved_zb", orders, num_microbatches=m, num_chunks=v,
                     split_backward=True)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_rows(leaves: tuple, m: int) -> tuple:
+    """Each leaf cut into ``m`` equal parts along dimension 0 (one program)."""
+    return tuple(tuple(jnp.split(a, m)) for a in leaves)
 
 
 @jax.jit
@@ -117,10 +124,8 @@ class _PipelineSchedule:
                 raise ValueError(f"{self._what}: {name} of shape {shape} does not split into "
                                  f"n_microbatches={m} equal microbatches along dimension 0; "
                                  f"use a batch size that is a multiple of {m}.")
-        leaves = [jax.device_put(a, device) for a in leaves]
-        rows = [a.shape[0] // m for a in leaves]
-        return [jax.tree.unflatten(treedef, [a[i * n:(i + 1) * n] for a, n in zip(
-            leaves, rows, strict=True)]) for i in range(m)]  # fmt: skip
+        parts = _split_rows(tuple(jax.device_put(a, device) for a in leaves), m)
+        return [jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(m)]
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None,
              return_outputs: bool = True) -> Any:

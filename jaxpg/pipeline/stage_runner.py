@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpg.pipeline.mpmd import _wait_lane
 from jaxpg.pipeline.p2p_lanes import StepMail, lane_between
@@ -46,34 +47,39 @@ def _add(acc: Any, value: Any) -> Any:
 class StagePrograms(NamedTuple):
     """One stage's jitted programs (see the module docstring)."""
 
-    forward: Callable  # (p, args) -> (out, vjp)
-    forward_loss: Callable  # (p, args, target) -> (loss, out, vjp)
+    forward: Callable  # (p, rest, args) -> (out, vjp)
+    forward_loss: Callable  # (p, rest, args, target) -> (loss, out, vjp)
     backward: Callable  # (vjp, dy, g) -> (dx, g + dp)
     backward_input: Callable  # (vjp, dy) -> dx
     weight: Callable  # (vjp, dy, g) -> g + dp
 
 
 def stage_programs(stage: Any, loss_fn: Callable | None) -> StagePrograms:
-    """The programs of ``stage`` (a PipelineStage) with ``loss_fn``, made once per pair."""
-    key = ("programs", loss_fn)
-    if key in stage._programs:
-        return stage._programs[key]
-    first = stage.is_first
+    """The programs of ``stage`` (a PipelineStage) with ``loss_fn``; stages of the same
+    structure (graph) share them, so every schedule of a model compiles them once."""
+    return _programs(stage.graphdef, loss_fn, stage.is_first)
 
-    def pullback(f, p, args, **kw):
+
+@functools.lru_cache(maxsize=64)
+def _programs(graphdef: Any, loss_fn: Callable | None, first: bool) -> StagePrograms:
+    def call(p, rest, *a):
+        out = nnx.merge(graphdef, p, rest)(*a)
+        return tuple(out) if isinstance(out, tuple | list) else (out,)
+
+    def pullback(f, p, rest, args, **kw):
         if first:  # the model's inputs take no gradient (token ids, say)
-            return jax.vjp(lambda p: f(p, *args), p, **kw)
-        return jax.vjp(f, p, *args, **kw)
+            return jax.vjp(lambda p: f(p, rest, *args), p, **kw)
+        return jax.vjp(lambda p, *a: f(p, rest, *a), p, *args, **kw)
 
-    def forward(p, args):
-        return pullback(stage, p, args)
+    def forward(p, rest, args):
+        return pullback(call, p, rest, args)
 
-    def forward_loss(p, args, target):
-        def f(p, *a):
-            out = stage(p, *a)
+    def forward_loss(p, rest, args, target):
+        def f(p, rest, *a):
+            out = call(p, rest, *a)
             return loss_fn(out[0] if len(out) == 1 else out, target), out
 
-        loss, vjp, out = pullback(f, p, args, has_aux=True)
+        loss, vjp, out = pullback(f, p, rest, args, has_aux=True)
         return loss, out, vjp
 
     def backward(vjp, dy, g):
@@ -86,11 +92,9 @@ def stage_programs(stage: Any, loss_fn: Callable | None) -> StagePrograms:
     def weight(vjp, dy, g):
         return _add(g, vjp(dy)[0])
 
-    progs = StagePrograms(jax.jit(forward), jax.jit(forward_loss),
-                          jax.jit(backward, donate_argnums=(2,)), jax.jit(backward_input),
-                          jax.jit(weight, donate_argnums=(2,)))  # fmt: skip
-    stage._programs[key] = progs
-    return progs
+    return StagePrograms(jax.jit(forward), jax.jit(forward_loss),
+                         jax.jit(backward, donate_argnums=(2,)), jax.jit(backward_input),
+                         jax.jit(weight, donate_argnums=(2,)))  # fmt: skip
 
 
 class RankSetup(NamedTuple):
@@ -205,6 +209,7 @@ def run_step(tt: Any, setup: RankSetup, stages: dict, shapes: tuple[dict, dict],
 
 def _run_ops(setup, stages, loss_fn, args, targets, mail):
     params = {s: jax.device_put(st.params(), st.device) for s, st in stages.items()}
+    rests = {s: st.frozen_state() for s, st in stages.items()}
     progs = {s: stage_programs(st, loss_fn) for s, st in stages.items()}
     split = any(op.kind == "W" for op in setup.ops)
     src_of = {}
@@ -219,9 +224,10 @@ def _run_ops(setup, stages, loss_fn, args, targets, mail):
         if op.kind == "F":
             x = args[mb] if op.first else mail.receive(op.needs, src_of.get(op.needs, setup.me))
             if op.last:
-                losses[mb], outs[mb], vjps[k] = pr.forward_loss(params[s], x, targets[mb])
+                losses[mb], outs[mb], vjps[k] = pr.forward_loss(params[s], rests[s], x,
+                                                                   targets[mb])
             else:
-                sent, vjps[k] = pr.forward(params[s], x)
+                sent, vjps[k] = pr.forward(params[s], rests[s], x)
         elif op.kind == "B":
             if op.last:
                 if one is None:

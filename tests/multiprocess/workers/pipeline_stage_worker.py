@@ -11,9 +11,11 @@ service; one CPU device per process). Writes ``OUT_DIR/rank{RANK}.npz`` with:
   ``zero_grad``, an SGD update, a third step) and ``ScheduleGPipe`` (one step): every
   microbatch loss (``{lib}/{sched}/losses{step}``) and every parameter gradient
   (``{lib}/{sched}/grad{step}/{torch name}``) of this rank's stage.
+  The un-pipelined model's microbatch losses and gradients: ``ref/losses1``,
+  ``ref/grad1/{torch name}`` (``jax.grad`` here).
 * ``hetero``: a 4-piece model whose stages differ in shapes (widths 16, 12, 20, vocab)
-  under every schedule class (``hetero/{class}/...``), and the un-pipelined model's
-  microbatch losses and gradients (``hetero/ref/...``), computed here with ``jax.grad``.
+  under the schedule classes of 2 stages per process (``hetero/{class}/...``), and the
+  un-pipelined model's microbatch losses and gradients (``hetero/ref/...``, ``jax.grad``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -113,8 +116,22 @@ def stage_grads_by_torch_name(grads, r: int) -> dict:
 
 
 # --------------------------------------------------------------------------- torch
-def torch_weights():
-    """The tutorial model in torch (seeded), its full state as numpy."""
+def numpy_weights() -> dict:
+    """The tutorial model's weights under torch's names (seeded numpy, both legs)."""
+    rng = np.random.default_rng(1)
+    f32 = lambda *shape, s=0.3: (rng.normal(size=shape) * s).astype(np.float32)  # noqa: E731
+    w = {"tok_embeddings.weight": f32(V, D, s=1.0)}
+    for i in range(3):
+        w |= {f"layers.{i}.norm.weight": 1 + f32(D, s=0.1), f"layers.{i}.norm.bias": f32(D, s=0.1),
+              f"layers.{i}.fc1.weight": f32(2 * D, D), f"layers.{i}.fc1.bias": f32(2 * D, s=0.1),
+              f"layers.{i}.fc2.weight": f32(D, 2 * D), f"layers.{i}.fc2.bias": f32(D, s=0.1)}
+    w |= {"norm.weight": 1 + f32(D, s=0.1), "norm.bias": f32(D, s=0.1),
+          "output.weight": f32(V, D), "output.bias": f32(V, s=0.1)}
+    return w
+
+
+def torch_model(weights: dict):
+    """The tutorial model in torch, with ``weights``."""
     import torch
     from torch import nn
 
@@ -143,12 +160,8 @@ def torch_weights():
             h = self.norm(h) if self.norm else h
             return self.output(h) if self.output else h
 
-    torch.manual_seed(0)
     model = Transformer()
-    with torch.no_grad():  # non-trivial norms
-        for name, prm in model.named_parameters():
-            if "norm" in name:
-                prm.add_(0.1 * torch.randn_like(prm))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
     return model
 
 
@@ -166,7 +179,7 @@ def torch_stage(model, r):
     return stage
 
 
-def run_torch(rank, world, port, tokens, labels, out):
+def run_torch(rank, world, port, weights, tokens, labels, out):
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -174,8 +187,7 @@ def run_torch(rank, world, port, tokens, labels, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     torch.set_num_threads(1)
-    model = torch_weights()
-    weights = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    model = torch_model(weights)
 
     def loss_fn(output, target):
         return torch.nn.functional.cross_entropy(output.reshape(-1, V), target.reshape(-1))
@@ -203,7 +215,6 @@ def run_torch(rank, world, port, tokens, labels, out):
                     [float(t.detach()) for t in losses])
             grads_of(mod, f"torch/{sched_name}/grad{step}")
     dist.destroy_process_group()
-    return weights
 
 
 def _torch_name(name: str) -> str:
@@ -236,6 +247,30 @@ def run_jaxpg_tutorial(rank, world, weights, tokens, labels, out):
                 out[f"jax/{sched_name}/losses{step}"] = np.array([float(t) for t in losses])
             for k, v in stage_grads_by_torch_name(stage.grads, rank).items():
                 out[f"jax/{sched_name}/grad{step}/{k}"] = v
+
+
+def tutorial_reference(weights, tokens, labels, out):
+    """The whole tutorial model, un-pipelined: microbatch losses and mean gradients."""
+    global STAGE_LAYERS
+    layers, STAGE_LAYERS = STAGE_LAYERS, {0: [0, 1, 2]}
+    try:
+        full = TutorialStage([0, 1, 2], True, True, nnx.Rngs(0))
+        load_stage(full, weights, 0)
+        gd, params, rest = nnx.split(full, nnx.Param, ...)
+        rows = B // M
+
+        def mean_loss(params):
+            model = nnx.merge(gd, params, rest)
+            per = jnp.stack([ce_loss(model(tokens[i * rows:(i + 1) * rows]),
+                                     labels[i * rows:(i + 1) * rows]) for i in range(M)])
+            return per.mean(), per
+
+        (_, per), g = jax.value_and_grad(mean_loss, has_aux=True)(params)
+        out["ref/losses1"] = np.asarray(per)
+        for k, v in stage_grads_by_torch_name(g, 0).items():
+            out[f"ref/grad1/{k}"] = v
+    finally:
+        STAGE_LAYERS = layers
 
 
 # hetero: four pieces of different widths; 2 stages = pieces (0, 1) and (2, 3)
@@ -284,8 +319,6 @@ def piece(i: int):
 def run_hetero(rank, world, tokens, labels, out):
     from jaxpg.pipeline import (
         PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
         ScheduleZBVZeroBubble,
@@ -309,9 +342,7 @@ def run_hetero(rank, world, tokens, labels, out):
             out[f"hetero/ref/piece{i}/{k}"] = v
 
     n_proc = world
-    cases = [("ScheduleGPipe", ScheduleGPipe, {r: [(r, [2 * r, 2 * r + 1])] for r in range(2)}),
-             ("Schedule1F1B", Schedule1F1B, {r: [(r, [2 * r, 2 * r + 1])] for r in range(2)}),
-             ("ScheduleInterleaved1F1B", ScheduleInterleaved1F1B,
+    cases = [("ScheduleInterleaved1F1B", ScheduleInterleaved1F1B,
               {0: [(0, [0]), (2, [2])], 1: [(1, [1]), (3, [3])]}),
              ("ScheduleInterleavedZeroBubble", ScheduleInterleavedZeroBubble,
               {0: [(0, [0]), (2, [2])], 1: [(1, [1]), (3, [3])]}),
@@ -340,6 +371,75 @@ def run_hetero(rank, world, tokens, labels, out):
                     out[f"hetero/{name}/piece{i}/{k}"] = v
 
 
+class PEmbed(nnx.Module):
+    def __init__(self, seed):
+        self.embed = nnx.Embed(V, D, rngs=nnx.Rngs(seed))
+
+    def __call__(self, tokens):
+        return self.embed(tokens)
+
+
+class PBlock(Block):
+    def __init__(self, seed):
+        super().__init__(D, nnx.Rngs(seed))
+
+
+class PHead(nnx.Module):
+    def __init__(self, seed):
+        self.out = nnx.Linear(D, V, rngs=nnx.Rngs(seed))
+
+    def __call__(self, h):
+        return self.out(h)
+
+
+def paddle_layers():
+    """Paddle's list: embedding, 4 Blocks, a plain function, the head."""
+    from jaxpg.pipeline import LayerDesc
+
+    return ([LayerDesc(PEmbed, 0)] + [LayerDesc(PBlock, 1 + i) for i in range(4)]
+            + [jnp.tanh, LayerDesc(PHead, 5)])
+
+
+def run_paddle(rank, world, tokens, labels, out):
+    """PipelineLayer + train_batch (2 SGD steps) against the un-pipelined model."""
+    from jaxpg.pipeline import PipelineLayer
+
+    model = PipelineLayer(layers=paddle_layers(), num_stages=world, loss_fn=ce_loss,
+                          seg_method="layer:PBlock", accumulate_steps=M)
+    out["paddle/parts"] = np.asarray(model.segment_parts)
+    tx = optax.sgd(LR)
+    out["paddle/losses"] = np.array([model.train_batch([tokens, labels], tx) for _ in range(2)])
+    for k, v in _flat(nnx.to_pure_dict(model.parameters())).items():
+        out[f"paddle/params/{k}"] = v
+    # the reference: every layer in this process, full-batch mean loss, 2 SGD steps
+    built = [d.build_layer() if hasattr(d, "build_layer") else d for d in paddle_layers()]
+    lo, hi = model.segment_parts[rank], model.segment_parts[rank + 1]
+    mods = [b for b in built if isinstance(b, nnx.Module)]
+    gd, params = nnx.split(nnx.List(mods), nnx.Param)
+
+    def loss_of(params):
+        layers = iter(nnx.merge(gd, params))
+        h = tokens
+        for b in built:
+            h = next(layers)(h) if isinstance(b, nnx.Module) else b(h)
+        return ce_loss(h, labels)
+
+    losses = []
+    for _ in range(2):
+        loss, g = jax.value_and_grad(loss_of)(params)
+        losses.append(float(loss))
+        params = jax.tree.map(lambda p, g: p - LR * g, params, g)
+    out["paddle/ref_losses"] = np.array(losses)
+    ref = nnx.to_pure_dict(params)
+    j = 0
+    for i, b in enumerate(built):
+        if isinstance(b, nnx.Module):
+            if lo <= i < hi:
+                for k, v in _flat(ref[j]).items():
+                    out[f"paddle/ref_params/layer_{i - lo}.{k}"] = v
+            j += 1
+
+
 def _flat(tree, prefix=""):
     out = {}
     for k, v in tree.items():
@@ -361,15 +461,25 @@ def main() -> None:
     tokens = rng.integers(0, V, size=(B, S)).astype(np.int32)
     labels = rng.integers(0, V, size=(B, S)).astype(np.int32)
     out: dict[str, np.ndarray] = {}
+    weights = numpy_weights()
+    start = time.perf_counter()
     try:
         import torch  # noqa: F401
-
-        weights = run_torch(rank, world, torch_port, tokens, labels, out)
     except ImportError:
-        weights = None
-    if weights is not None:
-        run_jaxpg_tutorial(rank, world, weights, tokens, labels, out)
+        print("torch is not installed: no torch pipeline to compare with", flush=True)
+    else:
+        run_torch(rank, world, torch_port, weights, tokens, labels, out)
+        print(f"torch {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    run_jaxpg_tutorial(rank, world, weights, tokens, labels, out)
+    tutorial_reference(weights, jnp.asarray(tokens), jnp.asarray(labels), out)
+    print(f"jaxpg tutorial {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
     run_hetero(rank, world, jnp.asarray(tokens), jnp.asarray(labels), out)
+    print(f"jaxpg hetero {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    run_paddle(rank, world, jnp.asarray(tokens), jnp.asarray(labels), out)
+    print(f"jaxpg paddle {time.perf_counter() - start:.1f} s", flush=True)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
     jaxpg.destroy_process_group()
     print("DONE", flush=True)
