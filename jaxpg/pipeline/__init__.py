@@ -1,4 +1,5 @@
-"""Pipeline parallelism: schedules as timetables, run by one SPMD loop over ppermute."""
+"""Pipeline parallelism: schedules as timetables, their executors, and torch's and Paddle's
+stage and schedule classes over Flax NNX modules."""
 
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.checker import check_timetable, default_in_flight_limits, peak_in_flight
@@ -15,7 +16,18 @@ from jaxpg.pipeline.hybrid import bucketed_grad_reducer
 from jaxpg.pipeline.mesh import pipeline_mesh
 from jaxpg.pipeline.microbatch import merge_microbatches, split_microbatches
 from jaxpg.pipeline.nnx_stages import module_fn, split_module, stack_modules
+from jaxpg.pipeline.pipeline_layer import LayerDesc, PipelineLayer, segment_layers
+from jaxpg.pipeline.pipeline_stage import PipelineStage
 from jaxpg.pipeline.render import render_png, render_text
+from jaxpg.pipeline.schedule_classes import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from jaxpg.pipeline.schedules import (
     available_schedules,
     get_schedule,
@@ -45,4 +57,7 @@ __all__ = [
     "TimedTimetable", "default_costs", "lockstep_time", "measure_costs", "timed",
     "StagePieces", "split_stage", "to_rank_order", "to_model_order",
     "init_zero_train_state", "make_zero_train_step",
+    "PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
+    "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble", "LayerDesc", "PipelineLayer", "segment_layers",
 ]

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.errors import DistTimeoutError
 from jaxpg.groups import callbacks, world
 from jaxpg.pipeline.action_programs import action_programs
-from jaxpg.pipeline.p2p_lanes import PairLane, StepMail
+from jaxpg.pipeline.p2p_lanes import PairLane, StepMail, lane_between
 from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
 from jaxpg.pipeline.stage_hoist import HoistedStage, hoist_stage
 from jaxpg.pipeline.stage_meta import batch_stage_metadata
@@ -55,13 +55,11 @@ from jaxpg.pipeline.step_timeline import recording
 __all__ = ["mpmd_unsupported_reason", "run_mpmd"]
 
 _DEFAULT_TIMEOUT_S = 1800.0
-_lanes: dict[tuple[int, int], PairLane] = {}
 
 
 @callbacks.on_reset
-def _forget_lanes() -> None:
-    """``destroy_process_group``: the lanes' meshes and kernels belong to the old world."""
-    _lanes.clear()
+def _forget_plans() -> None:
+    """``destroy_process_group``: the plans' lanes belong to the old world."""
     _plans.cache_clear()
     _finisher.cache_clear()
 
@@ -140,10 +138,8 @@ def _plans(cfg: Any) -> _Plan:
     me = global_of[r]
     pairs = {}
     for q in peers_of(tt, r):
-        key = (device.id, device_at(q).id)
-        if key not in _lanes:
-            _lanes[key] = PairLane(device, device_at(q), me, global_of[q])
-        pairs[q] = (_lanes[key], [t._replace(src=global_of[t.src], dst=global_of[t.dst])
+        lane = lane_between(device, device_at(q), me, global_of[q])
+        pairs[q] = (lane, [t._replace(src=global_of[t.src], dst=global_of[t.dst])
                                   for t in pair_transfers(tt, r, q)])  # in global ranks
     process_of = {global_of[q]: device_at(q).process_index for q in range(tt.num_stages)}
     replica = pos.get(cfg.dp_axis, 0) if cfg.dp_axis else 0

@@ -44,11 +44,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.collectives.p2p_meta import TensorMeta, decode_meta, encode_meta
 from jaxpg.errors import DistNetworkError, DistTimeoutError
+from jaxpg.groups import callbacks
 from jaxpg.pipeline.stage_meta import format_struct
 from jaxpg.supervision import liveness
 from jaxpg.supervision.runner import Runner
 
-__all__ = ["PairLane", "StepMail", "describe_key"]
+__all__ = ["PairLane", "StepMail", "describe_key", "lane_between"]
 
 _SLICE = 0.1  # how often a waiting host thread looks for lost peers (seconds)
 
@@ -173,6 +174,7 @@ class PairLane:
         self.runner = Runner()
         self._kernels: dict[tuple, Callable] = {}
         self._templates: dict[tuple, list] = {}  # expected leaves -> receive buffers
+        self._receive_buffers: dict[tuple, list] = {}  # of run_transfers, by structure
 
     def _kernel(self, perm: tuple[tuple[int, int], ...]) -> Callable:
         kernel = self._kernels.get(perm)
@@ -259,6 +261,38 @@ class PairLane:
         self._templates[key] = [jax.device_put(jnp.zeros(s, d), device) for s, d in theirs]
         return self._templates[key]
 
+    def send_meta(self, structs: Any, what: str) -> None:
+        """Sends the metadata of ``structs`` to the peer (the seed's ``send_meta``).
+
+        The peer must call :meth:`recv_meta` at the same point of its program: the length
+        of the header, then the header, each one ``ppermute`` this way.
+        """
+        header = encode_meta([TensorMeta(tuple(a.shape), str(np.dtype(a.dtype)))
+                              for a in jax.tree.leaves(structs)], several=True)  # fmt: skip
+        to_peer = ((self.index, 1 - self.index),)
+        device = self.mesh.devices.flat[self.index]
+        self._move([jax.device_put(np.array([header.size], np.int32), device)], to_peer, what)
+        self._move([jax.device_put(header, device)], to_peer, what)
+
+    def recv_meta(self, what: str) -> list[jax.ShapeDtypeStruct]:
+        """Receives what the peer's :meth:`send_meta` sends (the seed's ``recv_meta``)."""
+        from_peer = ((1 - self.index, self.index),)
+        device = self.mesh.devices.flat[self.index]
+        got = self._move([jax.device_put(np.zeros(1, np.int32), device)], from_peer, what)
+        length = int(np.asarray(got[0])[0])
+        got = self._move([jax.device_put(np.zeros(length, np.int32), device)], from_peer, what)
+        metas, _ = decode_meta(np.asarray(got[0]).tolist())
+        return [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in metas]
+
+    def _buffers(self, structs: Any) -> list:
+        """Receive buffers (zeros on this end's device) for ``structs``, made once."""
+        key = tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in jax.tree.leaves(structs))
+        if key not in self._receive_buffers:
+            device = self.mesh.devices.flat[self.index]
+            self._receive_buffers[key] = [jax.device_put(jnp.zeros(s, d), device)
+                                          for s, d in key]  # fmt: skip
+        return self._receive_buffers[key]
+
     def run_step(self, transfers: Sequence[Any], mail: StepMail, act: Any, what: str,
                  record: Callable[[str, str, float, float], None] | None = None) -> None:
         """Moves one step's ``transfers`` in order (runs on the lane's thread).
@@ -271,8 +305,18 @@ class PairLane:
             record: ``record(kind, label, start, end)`` for each transfer (a timeline).
         """
         try:
-            templates = self.handshake(act, act, what)
-            treedef = jax.tree.structure(act)
+            self.handshake(act, act, what)
+        except BaseException as err:  # noqa: BLE001 (handed to the host thread)
+            mail.fail(err)
+            raise
+        self.run_transfers(transfers, mail, lambda key: act, what, record)
+
+    def run_transfers(self, transfers: Sequence[Any], mail: StepMail,
+                      structs_of: Callable[[tuple], Any], what: str,
+                      record: Callable[[str, str, float, float], None] | None = None) -> None:
+        """Moves ``transfers`` in order; ``structs_of(key)`` is a message's structure
+        (shape structs), known to both ends (runs on the lane's thread)."""
+        try:
             to_peer = ((self.index, 1 - self.index),)
             from_peer = ((1 - self.index, self.index),)
             for t in transfers:
@@ -288,12 +332,30 @@ class PairLane:
                     self._move(leaves, to_peer, what)
                     kind = "send"
                 else:
+                    structs = structs_of(t.key)
                     start = time.perf_counter()
-                    got = self._move(templates, from_peer, what)
-                    mail.deliver(t.key, jax.tree.unflatten(treedef, got))
+                    got = self._move(self._buffers(structs), from_peer, what)
+                    mail.deliver(t.key, jax.tree.unflatten(jax.tree.structure(structs), got))
                     kind = "recv"
                 if record is not None:
                     record(kind, " ".join(map(str, t.key)), start, time.perf_counter())
         except BaseException as err:  # noqa: BLE001 (handed to the host thread)
             mail.fail(err)
             raise
+
+
+_lanes: dict[tuple[int, int], PairLane] = {}
+
+
+@callbacks.on_reset
+def _forget_lanes() -> None:
+    """``destroy_process_group``: the lanes' meshes and kernels belong to the old world."""
+    _lanes.clear()
+
+
+def lane_between(mine: Any, peer: Any, me: int, peer_rank: int) -> PairLane:
+    """The lane between this process's device ``mine`` and ``peer`` (made once, kept)."""
+    key = (mine.id, peer.id)
+    if key not in _lanes:
+        _lanes[key] = PairLane(mine, peer, me, peer_rank)
+    return _lanes[key]

@@ -1,0 +1,250 @@
+"""Runs one process's :class:`~jaxpg.pipeline.pipeline_stage.PipelineStage` s through a
+timetable: the process executor for stages that differ from each other.
+
+The process executor of ``pipeline_value_and_grad`` (``jaxpg.pipeline.mpmd``) runs
+stacked, identical stages; this one runs each stage's own module, so a stage may hold the
+embedding, another the head, and their inputs and outputs may differ in shapes and dtypes.
+The rest is the same machinery: the rank's actions in its timetable order
+(``rank_program``), messages on one in-order lane per neighbour (``p2p_lanes``), sent as
+soon as made and waited for right before they are read.
+
+* **Shapes.** On a schedule's first step, :func:`exchange_shapes` walks the model stages
+  in order: a stage learns its input's shapes and dtypes from its inputs (the first), from
+  its own previous chunk, or by the seed's ``recv_meta`` from the rank before it, computes
+  its output's with ``jax.eval_shape`` and ``send_meta`` s them to the next rank. Each rank
+  waits only for the stage before its own, so the chain cannot deadlock. They fix every
+  message's receive buffer from then on.
+* **Programs.** Per stage, jitted: ``F`` runs ``jax.vjp`` of the stage (of stage and loss
+  on the last) and keeps the pullback's residuals until the backward; ``B`` applies it
+  (with a split backward, ``B`` makes only the input gradient and ``W`` only the weight
+  gradient, XLA dropping the other half of each).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpg.pipeline.mpmd import _wait_lane
+from jaxpg.pipeline.p2p_lanes import StepMail, lane_between
+from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
+from jaxpg.pipeline.stage_meta import format_struct
+
+__all__ = ["StagePrograms", "stage_programs", "RankSetup", "rank_setup", "exchange_shapes",
+           "run_step"]
+
+
+def _add(acc: Any, value: Any) -> Any:
+    return value if acc is None else jax.tree.map(jnp.add, acc, value)
+
+
+class StagePrograms(NamedTuple):
+    """One stage's jitted programs (see the module docstring)."""
+
+    forward: Callable  # (p, rest, args) -> (out, vjp)
+    forward_loss: Callable  # (p, rest, args, target) -> (loss, out, vjp)
+    backward: Callable  # (vjp, dy, g) -> (dx, g + dp)
+    backward_input: Callable  # (vjp, dy) -> dx
+    weight: Callable  # (vjp, dy, g) -> g + dp
+
+
+def stage_programs(stage: Any, loss_fn: Callable | None) -> StagePrograms:
+    """The programs of ``stage`` (a PipelineStage) with ``loss_fn``; stages of the same
+    structure (graph) share them, so every schedule of a model compiles them once."""
+    return _programs(stage.graphdef, loss_fn, stage.is_first)
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(graphdef: Any, loss_fn: Callable | None, first: bool) -> StagePrograms:
+    def call(p, rest, *a):
+        out = nnx.merge(graphdef, p, rest)(*a)
+        return tuple(out) if isinstance(out, tuple | list) else (out,)
+
+    def pullback(f, p, rest, args, **kw):
+        if first:  # the model's inputs take no gradient (token ids, say)
+            return jax.vjp(lambda p: f(p, rest, *args), p, **kw)
+        return jax.vjp(lambda p, *a: f(p, rest, *a), p, *args, **kw)
+
+    def forward(p, rest, args):
+        return pullback(call, p, rest, args)
+
+    def forward_loss(p, rest, args, target):
+        def f(p, rest, *a):
+            out = call(p, rest, *a)
+            return loss_fn(out[0] if len(out) == 1 else out, target), out
+
+        loss, vjp, out = pullback(f, p, rest, args, has_aux=True)
+        return loss, out, vjp
+
+    def backward(vjp, dy, g):
+        grads = vjp(dy)
+        return tuple(grads[1:]), _add(g, grads[0])
+
+    def backward_input(vjp, dy):
+        return tuple(vjp(dy)[1:])
+
+    def weight(vjp, dy, g):
+        return _add(g, vjp(dy)[0])
+
+    return StagePrograms(jax.jit(forward), jax.jit(forward_loss),
+                         jax.jit(backward, donate_argnums=(2,)), jax.jit(backward_input),
+                         jax.jit(weight, donate_argnums=(2,)))  # fmt: skip
+
+
+class RankSetup(NamedTuple):
+    """What this process runs of a timetable: its rank, actions, lanes and transfers."""
+
+    rank: int  # pipeline rank
+    me: int  # global rank
+    ops: list
+    pairs: dict  # peer pipeline rank -> (lane, transfers in global ranks)
+    global_of: dict  # pipeline rank -> global rank
+    process_of: dict  # global rank -> process
+
+
+def rank_setup(tt: Any, group: Any) -> RankSetup:
+    """This process's part of ``tt`` over the pipeline ``group`` (one rank per process)."""
+    r = group.rank()
+    global_of = {q: group.global_rank(q) for q in range(tt.num_stages)}
+    devices = group.devices
+    pairs = {}
+    for q in peers_of(tt, r):
+        lane = lane_between(devices[r], devices[q], global_of[r], global_of[q])
+        pairs[q] = (lane, [t._replace(src=global_of[t.src], dst=global_of[t.dst])
+                           for t in pair_transfers(tt, r, q)])  # fmt: skip
+    process_of = {global_of[q]: devices[q].process_index for q in range(tt.num_stages)}
+    return RankSetup(r, global_of[r], rank_program(tt, r), pairs, global_of, process_of)
+
+
+def _structs(tree: Any) -> tuple:
+    return tuple(jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)) for a in tree)
+
+
+def exchange_shapes(tt: Any, setup: RankSetup, stages: dict, first_inputs: tuple | None,
+                    what: str) -> tuple[dict, dict]:
+    """Each local stage's input and output shape structs (``send_meta``/``recv_meta``).
+
+    Args:
+        tt: the timetable.
+        setup: this rank's :class:`RankSetup`.
+        stages: model stage -> this process's PipelineStage.
+        first_inputs: one microbatch of the model's inputs (on the first stage's process).
+        what: the schedule, for errors.
+
+    Returns:
+        ``(inputs, outputs)``: model stage -> a tuple of shape structs.
+
+    Raises:
+        ValueError: a stage's ``input_args`` differ from what the stage before it sends.
+        TypeError: a stage after the first takes a non-float input (it cannot get a gradient).
+    """
+    n = tt.num_model_stages
+    inputs, outputs = {}, {}
+    for s in sorted(stages):
+        stage = stages[s]
+        if s == 0:
+            got = _structs(first_inputs)
+        elif s - 1 in stages:
+            got = outputs[s - 1]
+        else:
+            peer = tt.place_of(s - 1)[0]
+            got = tuple(setup.pairs[peer][0].recv_meta(what))
+        if stage.input_args is not None and [(a.shape, a.dtype) for a in stage.input_args] != [
+                (a.shape, a.dtype) for a in got]:
+            raise ValueError(f"{what}: stage {s}'s input_args are {format_struct(stage.input_args)}"
+                             f" but it receives {format_struct(got)} (from the microbatch or the "
+                             "previous stage); fix input_args or the microbatch size.")
+        if s > 0:
+            for a in got:
+                if not jnp.issubdtype(a.dtype, jnp.floating):
+                    raise TypeError(f"{what}: stage {s} receives a {a.dtype} input "
+                                    f"({format_struct(got)}); inputs of stages after the first "
+                                    "must be floating point, to carry a gradient back.")
+        inputs[s] = got
+        outputs[s] = tuple(stage.output_structs(got))
+        if s < n - 1 and s + 1 not in stages:
+            setup.pairs[tt.place_of(s + 1)[0]][0].send_meta(outputs[s], what)
+    return inputs, outputs
+
+
+def run_step(tt: Any, setup: RankSetup, stages: dict, shapes: tuple[dict, dict],
+             loss_fn: Callable | None, args: Sequence[tuple] | None,
+             targets: Sequence[Any] | None, timeout: float, what: str) -> tuple[dict, dict, dict]:
+    """One step of this rank's actions.
+
+    Returns:
+        ``(grads, losses, outputs)``: model stage -> its summed weight gradient (this
+        step's microbatches); microbatch -> loss and -> last stage's output (last stage).
+    """
+    inputs, outputs = shapes
+
+    def structs_of(key):
+        kind, s, _ = key
+        return inputs[s] if kind == "act" else outputs[s]
+
+    mail = StepMail(setup.me, timeout, what, setup.process_of)
+    jobs = []
+    for q, (lane, transfers) in setup.pairs.items():
+        job = lane.runner.submit(functools.partial(
+            lane.run_transfers, transfers, mail, structs_of, what), what)
+        jobs.append((q, lane, job))
+    try:
+        result = _run_ops(setup, stages, loss_fn, args, targets, mail)
+        for q, _, job in jobs:
+            _wait_lane(job, mail, setup.global_of[q])
+    except BaseException:
+        mail.cancel()
+        for _, lane, job in jobs:
+            if not job.finished:
+                lane.runner.abandon()
+        raise
+    return result
+
+
+def _run_ops(setup, stages, loss_fn, args, targets, mail):
+    params = {s: jax.device_put(st.params(), st.device) for s, st in stages.items()}
+    rests = {s: st.frozen_state() for s, st in stages.items()}
+    progs = {s: stage_programs(st, loss_fn) for s, st in stages.items()}
+    split = any(op.kind == "W" for op in setup.ops)
+    src_of = {}
+    for _, transfers in setup.pairs.values():
+        src_of.update((t.key, t.src) for t in transfers if t.dst == setup.me)
+    vjps, dys, grads, losses, outs = {}, {}, dict.fromkeys(stages), {}, {}
+    one = None
+    for op in setup.ops:
+        s, mb = op.stage, op.microbatch
+        k, pr = (s, mb), progs[s]
+        sent = None
+        if op.kind == "F":
+            x = args[mb] if op.first else mail.receive(op.needs, src_of.get(op.needs, setup.me))
+            if op.last:
+                losses[mb], outs[mb], vjps[k] = pr.forward_loss(params[s], rests[s], x,
+                                                                   targets[mb])
+            else:
+                sent, vjps[k] = pr.forward(params[s], rests[s], x)
+        elif op.kind == "B":
+            if op.last:
+                if one is None:
+                    one = jnp.ones((), losses[mb].dtype)
+                dy = one
+            else:
+                dy = mail.receive(op.needs, src_of.get(op.needs, setup.me))
+            if split:
+                dys[k] = dy
+                if not op.first:
+                    sent = pr.backward_input(vjps[k], dy)
+            else:
+                sent, grads[s] = pr.backward(vjps.pop(k), dy, grads[s])
+        else:
+            grads[s] = pr.weight(vjps.pop(k), dys.pop(k), grads[s])
+        if op.sends is not None:
+            key, dst = op.sends
+            mail.post(key, setup.global_of[dst], sent)
+    return grads, losses, outs
+

@@ -1,0 +1,122 @@
+"""torch's PipelineStage and schedule classes across 2 processes (one launch runs them all).
+
+* torch's pipelining tutorial model (embedding + blocks + norm + head, 2 unequal stages):
+  jaxpg's ``Schedule1F1B`` and ``ScheduleGPipe`` give torch pipelining's per-microbatch
+  losses and every parameter gradient on the same weights and data (1e-5), including
+  torch's accumulation without ``zero_grad`` (its ``scale_grads`` rule) and a step after
+  an SGD update (3.11 leg, where torch is installed);
+* every schedule class gives the un-pipelined model's losses and gradients, with stages of
+  different shapes (both legs).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _procs import finish
+
+from jaxpg.rendezvous import free_port
+
+WORKER = Path(__file__).parent / "workers" / "pipeline_stage_worker.py"
+MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+M = 4  # microbatches (the worker's)
+
+
+def _close(got, want, what, tol=1e-5):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    scale = max(1.0, float(np.max(np.abs(want))))
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale, err_msg=what)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline_stage")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    port, torch_port = free_port(), free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(port),
+                               str(torch_port), str(out)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]  # fmt: skip
+    runs = finish(procs, timeout=840)
+    for rc, text in runs:
+        assert rc == 0 and "DONE" in text, text[-5000:]
+    return [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tutorial_model_matches_torch_pipelining(results):
+    pytest.importorskip("torch")
+    for r, got in enumerate(results):
+        torch_keys = [k for k in got if k.startswith("torch/")]
+        assert torch_keys, f"rank {r} ran no torch pipeline"
+        for key in torch_keys:
+            mine = "jax/" + key[len("torch/"):]
+            assert mine in got, f"rank {r}: jaxpg has no {mine}"
+            _close(got[mine], got[key], f"rank {r}: {key}")
+        grads = [k for k in torch_keys if "/grad" in k]
+        assert len(grads) >= 8, grads  # every parameter of the stage, every step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
+def test_tutorial_model_matches_the_un_pipelined_model(results, sched):
+    """Schedule1F1B and ScheduleGPipe over 2 unequal stages (int tokens in, [b, s, 16]
+    between, logits out): the whole model's microbatch losses and mean gradients."""
+    _close(results[1][f"jax/{sched}/losses1"], results[0]["ref/losses1"], "losses")
+    seen = 0
+    for r, got in enumerate(results):
+        for key, value in got.items():
+            if key.startswith(f"jax/{sched}/grad1/"):
+                _close(value, results[0]["ref/grad1/" + key.split("/", 3)[3]], f"rank {r} {key}")
+                seen += 1
+    assert seen == 1 + 3 * 6 + 4, seen  # every parameter of the model
+    if sched == "1f1b":
+        for got in results:
+            for key in (k for k in got if k.startswith("jax/1f1b/grad1/")):
+                # no zero_grad between steps 1 and 2: torch's rule, (g1 + m g1) / m
+                _close(got[key.replace("grad1", "grad2")], got[key] * (M + 1) / M, key)
+        last = results[1]
+        # the third step, after an optax SGD update over stage.grads, has lower losses
+        assert last["jax/1f1b/losses3"].mean() < last["jax/1f1b/losses1"].mean() - 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", MULTI)
+def test_every_schedule_class_gives_the_un_pipelined_gradients(results, name):
+    ref_losses = results[0]["hetero/ref/losses"]
+    # the last stage is on rank 1 in a loop (stage 3 = 2 + 1), on rank 0 in a V
+    holder = results[0 if name == "ScheduleZBVZeroBubble" else 1]
+    _close(holder[f"hetero/{name}/losses"], ref_losses, f"{name} losses")
+    seen = 0
+    for got in results:
+        for key, value in got.items():
+            if key.startswith(f"hetero/{name}/piece"):
+                ref = results[0]["hetero/ref/" + key[len(f"hetero/{name}/"):]]
+                _close(value, ref, key)
+                seen += 1
+    # pieces: embedding + block (7 arrays), 2 dense (2 each), head (4): all compared
+    assert seen == 7 + 2 + 2 + 4, seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_paddle_pipeline_layer_trains_as_the_un_pipelined_model(results):
+    """PipelineLayer(seg_method="layer:PBlock") over [embed, 4 blocks, tanh, head]: 2
+    blocks a stage; two train_batch SGD steps give the whole model's losses and weights."""
+    np.testing.assert_array_equal(results[0]["paddle/parts"], [0, 3, 7])
+    for r, got in enumerate(results):
+        _close(got["paddle/losses"], got["paddle/ref_losses"], f"rank {r} losses")
+        params = [k for k in got if k.startswith("paddle/params/")]
+        assert len(params) == (1 + 2 * 6 if r == 0 else 2 * 6 + 2), params
+        for key in params:
+            _close(got[key], got["paddle/ref_params/" + key[len("paddle/params/"):]], key)
