@@ -65,7 +65,7 @@ def main() -> None:
     step(), step()  # compile, warm up
     jfsdp.save_checkpoint(root / "warmup", fsdp, async_save=True)  # orbax's first-call costs
     jfsdp.wait_for_checkpoints()
-    jfsdp.save_checkpoint(root / "warmup", fsdp)
+    jfsdp.save_checkpoint(root / "warmup_sync", fsdp)
     times: dict[str, list[float]] = {k: [] for k in (
         "plain_step", "async_save_returns", "step_during_async_write", "async_write_rest",
         "sync_save")}
