@@ -17,6 +17,7 @@ module, else to ``jaxpg.a``.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -66,11 +67,18 @@ def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
 MODULES = _modules()
 
 
+@functools.cache
+def _nodes(name: str) -> list[ast.AST]:
+    """Every node of module ``name``'s syntax tree (parsed once)."""
+    path, _ = MODULES[name]
+    return list(ast.walk(ast.parse(path.read_text(), str(path))))
+
+
 def _imports(name: str) -> set[tuple[str, int]]:
     """(imported jaxpg module, line) for every import in module ``name``, at any depth."""
     path, is_package = MODULES[name]
     edges = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _nodes(name):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -202,9 +210,9 @@ def test_no_private_name_crosses_packages():
     # ``from jaxpg.<package>... import _name`` only inside <package>: what another package
     # needs is public in its module (the shared data-parallel core, say), not borrowed.
     borrowed = []
-    for name, (path, _) in sorted(MODULES.items()):
+    for name in sorted(MODULES):
         own = name.split(".")[1] if "." in name else ""
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _nodes(name):
             if isinstance(node, ast.ImportFrom) and not node.level \
                     and (node.module or "").startswith("jaxpg."):
                 package = node.module.split(".")[1]
