@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpg.rendezvous import free_port
+from jaxpg.internal import free_port
 from jaxpg.run import main, worker_env
 from jaxpg.run.output import Console, Prefixer
 

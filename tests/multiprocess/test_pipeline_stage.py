@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from _procs import finish
 
-from jaxpg.rendezvous import free_port
+from jaxpg.internal import free_port
 
 WORKER = Path(__file__).parent / "workers" / "pipeline_stage_worker.py"
 MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
