@@ -12,6 +12,7 @@ import pytest
 EXAMPLE = Path(__file__).parents[2] / "examples" / "moe_gpt.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_moe_gpt_ep2_dp2_matches_one_device_training():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
