@@ -194,7 +194,7 @@ def main() -> int:
             print(f"step {i}: loss {got:.6f}, one device {want:.6f}", flush=True)
     diff = abs(got - want)
     verdict = "OK" if diff <= TOL else "MISMATCH"
-    print(f"[rank {rank}] RESULT after {args.steps} steps: loss {got:.6f}, one device "
+    print(f"RESULT after {args.steps} steps: loss {got:.6f}, one device "
           f"{want:.6f}, |difference| {diff:.2e} <= {TOL}: {verdict} (dp={args.dp} x "
           f"ep={args.ep}, {args.experts} experts, {model.blocks[0].moe.num_local_experts} "
           "per rank)", flush=True)
