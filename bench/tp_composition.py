@@ -5,7 +5,8 @@ The model is ``d -> 8d -> d`` (``parallelize_module`` with ``ColwiseParallel`` u
 ``RowwiseParallel`` down), SGD, a mean-squared-error loss, on a 1 x 2 mesh of simulated CPU
 devices in one process. The hand-written step holds the same weights and issues the one
 ``psum`` Megatron's convention needs (forward, with an identity backward). The three steps
-alternate round by round; each round keeps the median of its steps. The first-step losses
+alternate round by round; each round keeps the median of its steps. Every step, all three
+take the batch from host memory (numpy), as a training loop hands it over. The first-step losses
 of the three must agree (the same weights and data), and the compiled steps' collectives
 are counted.
 
@@ -119,11 +120,10 @@ def main() -> None:
                "down_k": model.down.kernel[...], "down_b": model.down.bias[...]}
     state = {"p": {k: jax.device_put(v, NamedSharding(jmesh, specs[k]))
                    for k, v in weights.items()}}
-    x, y = jnp.asarray(batch["x"]), jnp.asarray(batch["y"])
-    hand_text = hand.lower(state["p"], x, y).compile().as_text()
+    hand_text = hand.lower(state["p"], batch["x"], batch["y"]).compile().as_text()
 
-    def hand_step():
-        state["p"], value = hand(state["p"], x, y)
+    def hand_step():  # host data each step, as the wrappers get it
+        state["p"], value = hand(state["p"], batch["x"], batch["y"])
         return value
 
     variants = {
