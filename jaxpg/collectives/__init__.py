@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 # torch 2.13: a process outside the group warns and returns without communicating
+_wrapped: dict[int, object] = {}  # aliases (reduce_scatter_single) share one wrapper
 for _name in __all__:
-    if callable(globals()[_name]) and not isinstance(globals()[_name], type):
-        globals()[_name] = skips_non_members(globals()[_name])
-del _name
+    _fn = globals()[_name]
+    if callable(_fn) and not isinstance(_fn, type):
+        globals()[_name] = _wrapped.setdefault(id(_fn), skips_non_members(_fn))
+del _name, _fn, _wrapped

@@ -80,15 +80,15 @@ def warns_if_discarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         result = fn(*args, **kwargs)
         if result is None or type(result).__name__ in ("Work", "_DeferredWork", "P2PWork"):
             return result
-        caller = sys._getframe(1)
+        caller, level = sys._getframe(1), 2
         while caller.f_code in PASS_THROUGH:
-            caller = caller.f_back
+            caller, level = caller.f_back, level + 1
         if _discarded_at(caller.f_code, caller.f_lasti) and not _traced(result):
             warnings.warn(
                 f"the result of jaxpg.{api} is discarded: jaxpg returns the result instead of "
                 f"changing its arguments in place as torch.distributed does (JAX arrays "
                 f"cannot change), so this call has no effect. Keep it: {hint}.",
-                DiscardedResultWarning, stacklevel=2)
+                DiscardedResultWarning, stacklevel=level)
         return result
 
     return wrapper

@@ -1,11 +1,12 @@
 """Point-to-point: send, recv, isend, irecv, P2POp, batch_isend_irecv and permute.
 
-Eager, between two processes: both run one cached two-rank ``ppermute`` kernel (XLA moves
-the bytes). A ``recv`` that is not given a ``tensor`` learns the shape and dtype from a
-metadata header the sender sends first (``p2p_meta``: length, then message, as Paddle's
-``send_meta``/``recv_meta``). Between two ranks of one process, ``send`` leaves the array
-in a mailbox and ``recv`` moves it to the receiving device with ``jax.device_put``. Host
-code acts as this process's rank (see ``jaxpg.as_rank`` for processes with several).
+Eager, between processes: a send is posted at once and matched to a receive as torch
+matches it (group, source, tag, in order within a tag; any source for ``src=None``), and the
+bytes move by one cached two-rank ``ppermute`` kernel (XLA's collectives), in a job-wide
+order (``p2p_matching``). The send's record carries its shapes and dtypes, so a ``recv``
+needs no ``tensor``. Between two ranks of one process, ``send`` leaves the array in a
+mailbox and ``recv`` moves it to the receiving device with ``jax.device_put``. Host code
+acts as this process's rank (see ``jaxpg.as_rank`` for processes with several).
 
 In SPMD code every rank runs the same program, so a transfer names both ends: ``send(x,
 dst, src=...)`` and ``recv(x, src, dst=...)`` pair up (by group, src, dst and tag) into one

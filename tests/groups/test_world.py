@@ -3,6 +3,7 @@
 import datetime
 
 import jax
+import numpy as np
 import pytest
 from _require import import_or_skip
 
@@ -137,8 +138,13 @@ def test_new_subgroups_by_enumeration():
 def test_non_group_member_sentinel():
     assert jaxpg.get_rank(GroupMember.NON_GROUP_MEMBER) == -1
     assert jaxpg.get_world_size(GroupMember.NON_GROUP_MEMBER) == -1
-    with pytest.raises(ValueError, match="not a member"):
-        jaxpg.all_reduce([1.0], group=GroupMember.NON_GROUP_MEMBER)
+    # torch 2.13's _warn_not_in_group: the exact text, and no call
+    text = "Running all_gather_single on global rank 0 which does not belong to the given group."
+    with pytest.warns(UserWarning) as seen:
+        assert jaxpg.all_gather_into_tensor(np.ones(3), group=GroupMember.NON_GROUP_MEMBER) is None
+    assert [str(w.message) for w in seen] == [text]
+    with pytest.warns(UserWarning, match="Running isend on global rank 0 which does not"):
+        assert jaxpg.isend(np.ones(3), 1, GroupMember.NON_GROUP_MEMBER) is None
 
 
 def test_destroy_subgroup_only():
@@ -160,3 +166,16 @@ def test_as_rank_rejects_foreign_rank():
     with pytest.raises(ValueError, match="rank=9 is not one of this process's ranks"):
         with jaxpg.as_rank(9):
             pass
+
+
+def test_new_group_keeps_the_order_with_sort_ranks_false_and_torch_keywords():
+    g = jaxpg.new_group([3, 1, 2], sort_ranks=False, group_desc="mine", device_id=None)
+    assert jaxpg.get_process_group_ranks(g) == [3, 1, 2] and g.group_desc == "mine"
+    with jaxpg.as_rank(1):
+        assert g.rank() == 1
+    rows = np.stack([np.full(2, r, np.float32) for r in (1, 2, 3)])  # local ranks 1, 2, 3
+    gathered = jaxpg.all_gather(rows, group=g)
+    assert [float(x[0, 0]) for x in gathered] == [3.0, 1.0, 2.0]  # group-rank order
+    assert jaxpg.get_process_group_ranks(jaxpg.new_group([3, 1, 2])) == [1, 2, 3]
+    local = jaxpg.new_group([4, 5], use_local_synchronization=True)
+    assert local.group_name.startswith("local") and local.group_desc == local.group_name
