@@ -6,7 +6,7 @@ import itertools
 import jax
 import numpy as np
 import pytest
-from _reference import full_attention
+from _attention_reference import full_attention
 from jax.sharding import PartitionSpec as P
 
 import jaxpg

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _reference import reference_loss_and_grads, reference_moe
+from _moe_reference import reference_loss_and_grads, reference_moe
 
 import jaxpg
 from jaxpg.expert_parallel import moe
