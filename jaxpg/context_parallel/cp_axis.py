@@ -93,7 +93,7 @@ def resolve_cp_axis(group: Any, api: str) -> CPAxis:
     if isinstance(group, DeviceMesh) and group.ndim == 1:
         group = group.get_group()
     try:
-        tp = resolve_tp_mesh(group, api)
+        tp = resolve_tp_mesh(group, api, arg="group")
     except (ValueError, TypeError) as err:
         raise type(err)(_reworded(str(err))) from None
     if not isinstance(group, (ProcessGroup, TPMesh)):

@@ -70,7 +70,7 @@ def resolve_ep_group(group: Any, api: str) -> EPGroup:
                         f"(mesh['ep']) or None for the world; got {type(group).__name__}.")
     pg = _world._resolve_group(group, api)
     try:
-        tp = resolve_tp_mesh(pg, api)
+        tp = resolve_tp_mesh(pg, api, arg="group")
     except ValueError as err:  # the tensor-parallel wording, said for experts
         raise ValueError(str(err).replace("tensor-parallel", "expert-parallel")
                          .replace("tensor parallelism", "expert parallelism")) from None

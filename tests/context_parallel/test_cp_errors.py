@@ -51,7 +51,8 @@ def test_shards_of_different_shapes_and_unknown_method():
 def test_group_not_one_mesh_dimension():
     mesh = jaxpg.init_device_mesh((2, 4), ("dp", "cp"))
     q = _stacked(8)
-    with pytest.raises(ValueError, match=r"device_mesh has 2 dimensions.*mesh\['cp'\]"):
+    with pytest.raises(ValueError,
+                       match=r"group= runs over one axis.*2-D DeviceMesh.*group=mesh\['cp'\]"):
         cp_.attention(q, q, q, group=mesh)
     uneven, _ = jaxpg.new_subgroups_by_enumeration([[0, 1, 2], [3, 4, 5, 6, 7]])
     with pytest.raises(ValueError, match="uneven subgroups"):
