@@ -2,7 +2,7 @@
 all-to-all (Ulysses) and all-gather), the sequence layout helpers, and an NNX attention
 layer (see docs/context_parallel.md)."""
 
-from jaxpg.context_parallel.attention import METHODS, attention
+from jaxpg.context_parallel.attention import attention
 from jaxpg.context_parallel.cp_axis import CPAxis, resolve_cp_axis
 from jaxpg.context_parallel.layer import ContextParallelAttention
 from jaxpg.context_parallel.sequence import (
@@ -13,6 +13,6 @@ from jaxpg.context_parallel.sequence import (
 )
 
 __all__ = [
-    "attention", "METHODS", "CPAxis", "resolve_cp_axis", "SequenceLayout", "SequenceShards",
+    "attention", "CPAxis", "resolve_cp_axis", "SequenceLayout", "SequenceShards",
     "shard_sequence", "unshard_sequence", "ContextParallelAttention",
 ]

@@ -43,8 +43,9 @@ class LayerDesc:
 
     Args:
         layer_func: an ``nnx.Module`` class.
-        *inputs, **kwargs: its constructor's arguments (seed it by an argument, so that
+        inputs: its constructor's positional arguments (seed it by an argument, so that
             every process builds the same weights).
+        kwargs: its constructor's keyword arguments.
     """
 
     def __init__(self, layer_func: type, *inputs: Any, **kwargs: Any) -> None:
