@@ -66,17 +66,17 @@ class ElasticNodes:
                                        else 10.0)
         self._store._timeout = settings.heartbeat
         self._store._sock.settimeout(settings.heartbeat)
+        self.members: list[int] = []
+        self.restarts_used = 0
+        self._seen: dict[int, tuple[str, float]] = {}  # leader: last heartbeat, when seen
+        self._beats = 0
+        self._lost_error: Exception | None = None  # before _wait_for, which checks it
+        self._stop = threading.Event()
         if self.leader:
             import uuid
 
             self._store.set("run_id", run_id or uuid.uuid4().hex[:12])
         self.run_id = self._wait_for("run_id")
-        self.members: list[int] = []
-        self.restarts_used = 0
-        self._seen: dict[int, tuple[str, float]] = {}  # leader: last heartbeat, when seen
-        self._beats = 0
-        self._lost_error: Exception | None = None
-        self._stop = threading.Event()
         self._beat()
         threading.Thread(target=self._heartbeats, daemon=True).start()
 
