@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -212,7 +213,9 @@ def test_fsdp_losing_a_node_finishes_on_two_to_the_uninterrupted_parameters(tmp_
             assert n.proc.wait(timeout=240) == 0, n.stderr()[-3000:] + "".join(n.out)[-2000:]
         out = "".join(nodes[0].out)
         assert "RESUMED step=0 world=3 attempt=0" in out
-        assert "RESUMED step=4 world=2 attempt=1" in out  # the async checkpoint of step 4
+        # the newest complete checkpoint: step 4's, or step 2's when node 2 was killed while
+        # step 4's asynchronous write was still being committed
+        assert re.search(r"RESUMED step=(2|4) world=2 attempt=1", out), out
         assert "attempt 1: 2 nodes [0, 1]; left: [2]" in nodes[0].stderr()
         got, want = dict(np.load(tmp_path / "out.npz")), _reference(steps)
         assert got.keys() == want.keys()
