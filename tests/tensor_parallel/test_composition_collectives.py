@@ -17,7 +17,8 @@ from jaxpg.fsdp import FullyShardedDataParallel
 from jaxpg.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter)(?:-start)?\(.*?"
-                        r"replica_groups=(\{[^ ]*?\}\}|\[[0-9,]+\]<=\[[0-9,]+\])")
+                        r"replica_groups=(\{[^ ]*?\}\}|\[[0-9,]+\]<=\[[0-9,]+\]"
+                        r"|mesh\[[^\]]*\] \{[^}]*\})")
 
 
 class Mlp(nnx.Module):
@@ -36,6 +37,9 @@ def loss_fn(model, batch):
 def _group_sizes(groups: str) -> set[int]:
     if groups.startswith("["):  # iota form [groups,size]<=[n]
         return {int(groups[1:].split("]")[0].split(",")[1])}
+    if groups.startswith("mesh["):  # newer XLA: mesh['dp'=1,'tp'=8] {'tp'}
+        sizes = dict((name, int(n)) for name, n in re.findall(r"'(\w+)'=(\d+)", groups))
+        return {int(np.prod([sizes[a] for a in re.findall(r"'(\w+)'", groups.split("] ")[1])]))}
     return {len(g.split(",")) for g in re.findall(r"\{([0-9,]+)\}", groups)}
 
 
