@@ -7,10 +7,14 @@ GPU), and the tests that need the 8 simulated CPU devices or CPU worker processe
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 GPU_RUN = os.environ.get("JAXPG_TEST_PLATFORM", "") == "gpu"
+_flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+if not GPU_RUN and "xla_backend_optimization_level" not in _flags:
+    # The suite compiles thousands of small CPU programs and runs each a few times: LLVM's
+    # optimizations cost more than they save (about a quarter of the suite's time). Worker
+    # processes inherit it (tests/_child_env.py). Results do not depend on it.
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
 if not GPU_RUN:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _child_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([^\s`]*)\s*(.*)$")
@@ -118,8 +119,8 @@ def _cases() -> list:
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                        "XLA_FLAGS", "JAXPG_COORDINATOR_HOSTED", "JAXPG_RUN_LOBBY")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+                        "JAXPG_COORDINATOR_HOSTED", "JAXPG_RUN_LOBBY")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=xla_flags(), **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
@@ -155,7 +156,7 @@ def test_docs_code_runs_as_written(blocks, tmp_path):
     spec.write_text(json.dumps([[b.page, b.line, b.code] for b in blocks]))
     result = subprocess.run(
         [sys.executable, "-c", _RUNNER, str(spec)], cwd=ROOT, capture_output=True, text=True,
-        timeout=240, env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+        timeout=240, env=_env(XLA_FLAGS=xla_flags(8)))
     failed = re.search(r"BLOCK FAILED (\S+)", result.stdout)
     assert result.returncode == 0, (
         f"{failed.group(1) if failed else block.page} does not run as written:\n"

@@ -1,13 +1,13 @@
 """Context-parallel attention with one rank per process: 4 real processes under jaxpg-run,
 one launch (tests/context_parallel/workers/cp_worker.py)."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 
 WORKER = Path(__file__).parent / "workers" / "cp_worker.py"
 CHECKS = {"every_method_fwd_and_grads_cp4", "every_method_fwd_and_grads_cp2",
@@ -17,7 +17,7 @@ CHECKS = {"every_method_fwd_and_grads_cp4", "every_method_fwd_and_grads_cp2",
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_method_equals_full_attention_across_processes():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "4", str(WORKER)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env=env)

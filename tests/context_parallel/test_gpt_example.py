@@ -1,20 +1,20 @@
 """examples/gpt_context_parallel.py, briefly: dp=2 x cp=2 x tp=2 on 8 simulated devices (ring
 attention, load-balanced causal layout) against one-device training."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "gpt_context_parallel.py"
 
 
 @pytest.mark.timeout(600)
 def test_gpt_dp_cp_tp_matches_one_device_training():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, str(EXAMPLE), "--steps", "20", "--layers", "1", "--seq", "16",
            "--cp", "2", "--tp", "2", "--dp", "2"]

@@ -6,13 +6,13 @@ mesh's dimension) with top_k 1 dropless and top_k 2 with a capacity; also the ho
 with plain local arrays, and the error for expert shapes that differ across ranks.
 """
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 
 WORKER = Path(__file__).parent / "workers" / "moe_worker.py"
 CHECKS = {"ep4_top2_dropless", "ep4_top1_capacity", "ep2_top1_dropless", "ep2_top2_capacity",
@@ -22,7 +22,7 @@ CHECKS = {"ep4_top2_dropless", "ep4_top1_capacity", "ep2_top1_dropless", "ep2_to
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_moe_across_processes_equals_the_one_device_reference():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "4", str(WORKER)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env=env)

@@ -1,13 +1,13 @@
 """examples/moe_gpt.py, briefly: a MoE GPT with ep=2 x dp=2 on 4 simulated devices against
 one-device training (dropless)."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "moe_gpt.py"
 
@@ -15,7 +15,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "moe_gpt.py"
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_moe_gpt_ep2_dp2_matches_one_device_training():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, str(EXAMPLE), "--steps", "8", "--layers", "1", "--dim", "16",
            "--seq", "8"]

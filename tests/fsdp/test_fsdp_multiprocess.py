@@ -1,7 +1,6 @@
 """FSDP across 2 real processes (one rank each) under jaxpg-run, and checkpoints moving
 between 4 ranks in one process and 2 processes."""
 
-import os
 import re
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import optax
 import pytest
+from _child_env import child_env
 from _fsdp_models import Block, Net, Reference, assert_trees_close, group, loss_fn, make_batches
 from _require import import_or_skip
 
@@ -25,7 +25,7 @@ OPT = optax.adam(1e-2)
 
 
 def launch(worker, *args, timeout=360):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", str(worker), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

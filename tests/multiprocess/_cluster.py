@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import _require
+from _child_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 MPIWRAPPER = "MPIwrapper-2.11.1"
@@ -44,10 +45,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any launcher's variables, plus ``extra``."""
     prefixes = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
     names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-             "MASTER_PORT", "JAXPG_COORDINATOR_HOSTED", "XLA_FLAGS"}
+             "MASTER_PORT", "JAXPG_COORDINATOR_HOSTED"}
     env = {k: v for k, v in os.environ.items()
            if k not in names and not k.startswith(prefixes)}
-    env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **extra)
+    env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), **extra)
     return env
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _child_env import xla_flags
 from _procs import finish
 
 WORKERS = Path(__file__).parent / "workers"
@@ -72,7 +73,7 @@ def _spawn(script: Path, args: list[str], n: int, extra_env: dict[str, str] | No
            launcher_env: bool = False, port: int | None = None) -> list[subprocess.Popen]:
     procs = []
     for r in range(n):
-        env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        env = _env(XLA_FLAGS=xla_flags(1),
                    JAXPG_TEST_RANK=str(r), JAXPG_TEST_WORLD=str(n), **(extra_env or {}))
         if launcher_env:
             env.update(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 
 from jaxpg.internal import free_port
 from jaxpg.runtime.coordinator_process import linger_seconds
@@ -24,7 +25,7 @@ CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "termi
 
 
 def _start(world: int, case: str) -> list[subprocess.Popen]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     # docs/launcher.md: a heartbeat timeout under 10 s declares live ranks dead on a loaded
     # machine. The group timeout (40 s) stays well above it, so a lost rank is found by the
     # heartbeat (DistNetworkError), never by the group timeout.

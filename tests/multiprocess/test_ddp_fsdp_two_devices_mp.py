@@ -3,13 +3,13 @@ one-device training on the whole batch (``workers/ddp_fsdp_two_devices_worker.py
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 
 WORKER = Path(__file__).parent / "workers" / "ddp_fsdp_two_devices_worker.py"
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(400)
 def test_ddp_and_fsdp_with_two_devices_per_process():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", "--devices-per-proc",
            "2", str(WORKER)]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _child_env import xla_flags
 from _procs import finish
 
 WORKER = Path(__file__).parent / "workers" / "eager_semantics_worker.py"
@@ -34,7 +35,7 @@ def _run(mode: str, n: int, timeout: float, handshake: Path,
                if k not in ("RANK", "WORLD_SIZE", "JAXPG_DEBUG", "TORCH_DISTRIBUTED_DEBUG",
                             "JAXPG_BLOCKING_WAIT", "TORCH_NCCL_BLOCKING_WAIT")}
         env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=1", RANK=str(r),
+                   XLA_FLAGS=xla_flags(1), RANK=str(r),
                    WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), TEST_HANDSHAKE_DIR=str(handshake), **extra)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), mode], env=env,

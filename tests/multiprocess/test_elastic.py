@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _child_env import child_env
 
 WORKERS = Path(__file__).parent / "workers"
 EXAMPLE = Path(__file__).parents[2] / "examples" / "ddp_digits.py"
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
     return env
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 
 WORKER = Path(__file__).parent / "workers" / "elastic_members.py"
 FSDP_WORKER = Path(__file__).parent / "workers" / "elastic_fsdp.py"
@@ -34,9 +35,7 @@ class Node:
 
     def __init__(self, rank: int, nnodes: str, port: int, restarts: int = 1,
                  script: list[str] | None = None):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE",
-                                                                "XLA_FLAGS")}
-        env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        env = child_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxpg.run", "--nnodes", nnodes, "--node-rank", str(rank),
              "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts",

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _child_env import xla_flags
 from _procs import finish
 
 from jaxpg.internal import free_port
@@ -35,7 +36,7 @@ def _start(scenario: str, dumps: Path) -> list[subprocess.Popen]:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("JAXPG_", "TORCH_")) and k not in ("RANK", "WORLD_SIZE")}
         env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=1", RANK=str(r),
+                   XLA_FLAGS=xla_flags(1), RANK=str(r),
                    WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), TEST_TIMEOUT_S="4", JAXPG_FR_BUFFER_SIZE="64",
                    JAXPG_FR_DUMP_DIR=str(dumps))

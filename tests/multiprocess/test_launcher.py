@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _child_env import xla_flags
 
 from jaxpg.internal import free_port
 from jaxpg.run import main, worker_env
@@ -165,7 +166,7 @@ def test_two_workers_get_env_and_prefixed_output():
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
         assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", port)
-        assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+        assert env["XLA_FLAGS"] == xla_flags(1)  # the same flags, with 1 device
         assert env["PYTHONUNBUFFERED"] == "1"
         assert env["CUDA_VISIBLE_DEVICES"] == "35"[rank]
         assert f'[rank {rank}] ARGS ["a", "--b"]' in result.stdout
@@ -186,7 +187,7 @@ def test_four_workers_with_two_devices_each_and_a_module():
     envs = envs_by_rank(result.stdout)
     assert sorted(envs) == [0, 1, 2, 3]
     assert {e["MASTER_PORT"] for e in envs.values()} == {port}
-    assert {e["XLA_FLAGS"] for e in envs.values()} == {"--xla_force_host_platform_device_count=2"}
+    assert {e["XLA_FLAGS"] for e in envs.values()} == {xla_flags(2)}
     result = launch("--nproc-per-node", "4", "-m", "platform")
     assert result.returncode == 0, result.stderr
     assert sorted(line.split("]")[0] for line in result.stdout.splitlines()) == [

@@ -9,7 +9,6 @@ hosts, and send/recv from rank 0 (host 0) to rank 3 (host 1). The hostname resol
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -17,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 from _cluster import unavailable
 from _netns import HOST_ADDRESSES, two_hosts, why_no_namespaces
 
@@ -42,7 +42,7 @@ def test_gloo_device_choice():
 def _launch(ns: str, node_rank: int, port: int, flags: list[str] = (),
             script: Path = WORKERS / "collectives_worker.py", *script_args: str,
             **extra_env: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra_env)
     command = [
         "ip", "netns", "exec", ns, sys.executable, "-m", "jaxpg.run", "--nnodes", "2",

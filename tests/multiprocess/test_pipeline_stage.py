@@ -11,13 +11,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _child_env import child_env
 from _procs import finish
 
 from jaxpg.internal import free_port
@@ -37,7 +37,7 @@ def _close(got, want, what, tol=1e-5):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_stage")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     port, torch_port = free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(port),

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _child_env import xla_flags
 from _procs import finish
 
 WORKERS = Path(__file__).parent / "workers"
@@ -37,7 +38,7 @@ def _start(init_method: str, rank: int, world: int, **env: str) -> subprocess.Po
             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
                          "JAXPG_COORDINATOR_HOSTED", "JAXPG_RUN_LOBBY")}
     full.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-                XLA_FLAGS="--xla_force_host_platform_device_count=1", **env)
+                XLA_FLAGS=xla_flags(1), **env)
     return subprocess.Popen(
         [sys.executable, str(WORKERS / "startup_worker.py"), init_method, str(rank), str(world),
          str(TIMEOUT_S)], env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,20 +1,20 @@
 """examples/gpt_hybrid.py, briefly: DP x PP x TP (dp=2, pp=2, tp=2 on 8 simulated devices)
 with sequence parallelism against one-device training."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "gpt_hybrid.py"
 
 
 @pytest.mark.timeout(600)
 def test_gpt_hybrid_matches_one_device_training(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     plot = tmp_path / "loss.png"
     cmd = [sys.executable, str(EXAMPLE), "--steps", "20", "--dim", "32", "--heads", "4",

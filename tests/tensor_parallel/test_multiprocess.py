@@ -6,7 +6,6 @@ on a 2 x 2 mesh, against local references, and,
 with torch installed, torch's parallelize_module trained on the same weights and data.
 """
 
-import os
 import re
 import socket
 import subprocess
@@ -14,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 from _require import import_or_skip
 
 WORKER = Path(__file__).parent / "workers" / "tp_worker.py"
@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def launch():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS")}
+    env = child_env()
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "4", str(WORKER),
            str(_free_port())]
