@@ -1,5 +1,6 @@
-"""DDP and FSDP with 2 processes of 2 devices each (``--devices-per-proc 2``), against
-one-device training on the whole batch (``workers/ddp_fsdp_two_devices_worker.py``)."""
+"""DDP, FSDP and tensor parallelism (tp inside and across processes) with 2 processes of 2
+devices each (``--devices-per-proc 2``), against one-device training on the whole batch
+(``workers/ddp_fsdp_two_devices_worker.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(400)
-def test_ddp_and_fsdp_with_two_devices_per_process():
+def test_ddp_fsdp_and_tp_with_two_devices_per_process():
     env = child_env()
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", "--devices-per-proc",
@@ -25,5 +26,6 @@ def test_ddp_and_fsdp_with_two_devices_per_process():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for rank in (0, 1):
         found = set(re.findall(rf"\[rank {rank}\] CHECK (\w+) ok", proc.stdout))
-        assert found == {"ddp_equals_reference", "fsdp_equals_reference"}, proc.stdout[-4000:]
+        assert found == {"ddp_equals_reference", "fsdp_equals_reference",
+                         "tp_in_process", "tp_across_processes"}, proc.stdout[-4000:]
     assert proc.stdout.count("DONE") == 2

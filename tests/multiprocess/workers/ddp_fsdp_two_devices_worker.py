@@ -1,12 +1,16 @@
-"""DDP and FSDP across 2 processes holding 2 devices each (``--devices-per-proc 2``, the
-layout of torch's DDP tutorial's model-parallel part), against one-device training on the
-whole batch. Prints ``CHECK <name> ok``; a mismatch raises."""
+"""DDP, FSDP and tensor parallelism across 2 processes holding 2 devices each
+(``--devices-per-proc 2``, the layout of torch's DDP tutorial's model-parallel part),
+against one-device training on the whole batch. Tensor parallelism runs with its "tp"
+groups inside each process and across the processes. Prints ``CHECK <name> ok``; a
+mismatch raises."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ddp"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fsdp"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tensor_parallel"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tensor_parallel" / "workers"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -16,6 +20,7 @@ from _fsdp_models import Block, Net  # noqa: E402
 from _fsdp_models import Reference as FsdpReference  # noqa: E402
 from _fsdp_models import loss_fn as fsdp_loss  # noqa: E402
 from _fsdp_models import make_batches as fsdp_batches  # noqa: E402
+from tp_worker import ddp_sequence_parallel_block  # noqa: E402
 
 import jaxpg  # noqa: E402
 from jaxpg.ddp import DistributedDataParallel  # noqa: E402
@@ -54,4 +59,9 @@ for b in fsdp_batches(2, 8):
     fsdp.train_step(fsdp_loss, mine(b, 4))
     fref.step(b)
 check("fsdp_equals_reference", close(fsdp.full_params(), fref.params))
+
+# DDP over "dp" of a sequence-parallel block over "tp": tp inside each process (dp across
+# the processes), then tp across the processes (each process holds both dp ranks)
+ddp_sequence_parallel_block(jaxpg.init_device_mesh((2, 2), ("dp", "tp")), "tp_in_process")
+ddp_sequence_parallel_block(jaxpg.init_device_mesh((2, 2), ("tp", "dp")), "tp_across_processes")
 print("DONE", flush=True)

@@ -1,4 +1,4 @@
-"""A 2-process pipeline step (one CPU device per process, ppermute over gloo).
+"""A 2-process pipeline step (one or two CPU devices per process, ppermute over gloo).
 
 Run by ``jaxpg-run`` from ``tests/multiprocess/test_pipeline_mp.py``; rank 0 writes each
 schedule's loss and gathered gradients to ``argv[1]`` (npz). The model and data are
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SCHEDULES = {"1f1b": 1, "zb_v": 2}  # name -> chunks per rank (V: stages r, 2p - 1 - r)
-BLOCKS, DIM, M, ROWS = 4, 16, 4, 8  # blocks, width, microbatches, rows per microbatch
+BLOCKS, DIM, M, ROWS = 8, 16, 4, 8  # blocks, width, microbatches, rows per microbatch
 
 
 def stage(w, x):
@@ -62,8 +62,8 @@ def main() -> None:
     import jaxpg
 
     jaxpg.init_process_group()
-    assert jax.process_count() == 2 and len(jax.local_devices()) == 1, jax.devices()
-    mesh = Mesh(np.array(jax.devices()), ("pp",))
+    assert jax.process_count() == 2 and len(jax.local_devices()) in (1, 2), jax.devices()
+    mesh = Mesh(np.array(jax.devices()), ("pp",))  # with 2 devices each: 2 stages a process
     out = {}
     for name in SCHEDULES:
         loss, grads = run(mesh, name)

@@ -146,9 +146,18 @@ def vocab_loss(mesh22):
 
 
 
-def ddp_sequence_parallel_block(mesh22):
+def dp_ranks_here(mesh) -> list[int]:
+    """The "dp" coordinates of this process's devices on ``mesh`` (one per process when each
+    process holds one rank or one whole tp group; both when tp spans the processes)."""
+    axis = mesh.jax_mesh.axis_names.index("dp")
+    return sorted({i[axis] for i, d in np.ndenumerate(mesh.jax_mesh.devices)
+                   if d.process_index == jax.process_index()})
+
+
+def ddp_sequence_parallel_block(mesh22, name="ddp_dp2_sequence_parallel_block_tp2"):
     """DDP over "dp" of a block with sequence parallelism over "tp" (whole sequences in and
-    out of the block; split inside)."""
+    out of the block; split inside). Each process passes the rows of the dp ranks it
+    holds."""
     optimizer = optax.sgd(0.05, momentum=0.9)
     model = parallelize_module(Block(16, 4, nnx.Rngs(0)), mesh22["tp"], PrepareModuleInputOutput(
         input_layouts=Replicate(), desired_input_layouts=Shard(1), output_layouts=Shard(1),
@@ -169,14 +178,15 @@ def ddp_sequence_parallel_block(mesh22):
         return optax.apply_updates(params, updates), opt_state, want
 
     rng = np.random.default_rng(4)
-    dp_rank = mesh22.get_local_rank("dp")
+    dp = dp_ranks_here(mesh22)
+    assert dp == list(range(dp[0], dp[-1] + 1)), dp
     for _ in range(3):
         batch = {k: rng.normal(size=(4, 8, 16)).astype(np.float32) for k in ("x", "y")}
-        mine = jax.tree.map(lambda a: a[dp_rank * 2:(dp_rank + 1) * 2], batch)
+        mine = jax.tree.map(lambda a: a[dp[0] * 2:(dp[-1] + 1) * 2], batch)
         got = ddp.train_step(loss_fn, mine)["loss"]
         params, opt_state, want = ref_step(params, opt_state, batch)
     full = nnx.state(ddp.module, nnx.Param)
-    check("ddp_dp2_sequence_parallel_block_tp2", abs(float(got) - float(want)) < 1e-5 and all(
+    check(name, abs(float(got) - float(want)) < 1e-5 and all(
         same_shards(a, b, 1e-5) for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(params))))
 
 
