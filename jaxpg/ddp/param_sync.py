@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.batch_placement import place_batch
 from jaxpg.data_parallel.prng_keys import unkey
 
 __all__ = [
@@ -183,32 +184,6 @@ def shard_batch(batch: Any, pg: Any) -> Any:
                        "rank(s) of the DDP group. Drop or pad the last batch, e.g. "
                        "DistributedSampler(..., drop_last=True) or a batch size that is a "
                        "multiple of the rank count.")
-
-
-def place_batch(batch: Any, sharding: NamedSharding, n_local: int, local: bool,
-                where: str) -> Any:
-    """Lays out each leaf of ``batch`` with ``sharding``, its dim 0 split among this
-    process's ``n_local`` positions (``local``: the mesh is all on this process).
-
-    Raises:
-        ValueError: naming the leaf whose leading dimension does not divide; ``where``
-            ends the message (what the positions are, and what to do).
-    """
-
-    def place(path, x):
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            return x
-        shape = np.shape(x)
-        if not shape or shape[0] % n_local:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}; its leading "
-                f"(sample) dimension must divide evenly among this process's {n_local} {where}"
-            )
-        if local:
-            return jax.device_put(x, sharding)
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-
-    return jax.tree_util.tree_map_with_path(place, batch)
 
 
 def per_rank(tree: Any, pg: Any) -> Any:

@@ -30,8 +30,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.batch_placement import place_batch
 from jaxpg.data_parallel.prng_keys import is_key
-from jaxpg.ddp.param_sync import place_batch
 
 __all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank"]
 

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.local_loss import local_loss
 from jaxpg.data_parallel.zero import sharded_update
 from jaxpg.ddp._axis import axis_size
 from jaxpg.ddp.bucket_plan import BucketPlan
@@ -83,29 +84,6 @@ class StepMode:
     divide_by_initial_world_size: bool = True
     throw_on_early_termination: bool = False
     has_aux: bool = False
-
-
-def _local_loss(loss_fn, graphdef, params, rest, batch, has_aux):
-    """Per-rank loss; returns ``(loss, (aux, new_rest))``."""
-    if graphdef is None:  # a plain parameter pytree (Linen's params): loss_fn(params, batch)
-        out = loss_fn(params, batch)
-        new_rest = rest
-    else:
-        from flax import nnx
-
-        # copy=True: fresh Variables at this trace level, so the module may update them.
-        model = nnx.merge(graphdef, params, rest, copy=True)
-        out = loss_fn(model, batch)
-        _, _, new_rest = nnx.split(model, nnx.Param, ...)
-    loss, aux = out if has_aux else (out, None)
-    loss = jnp.asarray(loss)
-    if loss.shape != ():
-        raise ValueError(
-            f"loss_fn must return a scalar loss (the mean over this rank's batch); it returned "
-            f"shape {loss.shape}. Reduce it with .mean(), or pass has_aux=True to return "
-            "(loss, aux)."
-        )
-    return loss, (aux, new_rest)
 
 
 def _from_rank0(tree: Any, axis: str) -> Any:
@@ -200,7 +178,7 @@ def build_train_step(
         else:
             weight = jnp.float32(1)
         (loss, (aux, new_rest)), grads = jax.value_and_grad(
-            lambda p: _local_loss(loss_fn, graphdef, p, rest, batch, mode.has_aux),
+            lambda p: local_loss(loss_fn, graphdef, p, rest, batch, mode.has_aux),
             has_aux=True,
         )(params)
         if mode.join:

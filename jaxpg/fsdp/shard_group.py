@@ -30,6 +30,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.batch_placement import place_batch
+
 __all__ = ["ShardGroup", "resolve_shard_group"]
 
 
@@ -120,24 +122,9 @@ class ShardGroup:
             ValueError: if a leaf has no leading dimension or it does not divide among
                 this process's ranks.
         """
-        sharding = self.sharding(self.batch_spec)
-        n_local = self.local_batch_positions()
-
-        def place(path, x):
-            if isinstance(x, jax.Array) and x.sharding == sharding:
-                return x
-            shape = np.shape(x)
-            if not shape or shape[0] % n_local:
-                raise ValueError(
-                    f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}; its "
-                    f"leading (sample) dimension must divide evenly among this process's "
-                    f"{n_local} rank(s) of the FSDP group. Drop or pad the last batch."
-                )
-            if self.all_local:
-                return jax.device_put(x, sharding)
-            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-
-        return jax.tree_util.tree_map_with_path(place, batch)
+        return place_batch(batch, self.sharding(self.batch_spec), self.local_batch_positions(),
+                           self.all_local, "rank(s) of the FSDP group. Drop or pad the last "
+                           "batch.")
 
     def per_rank(self, tree: Any) -> Any:
         """One copy of ``tree`` per rank, stacked on a leading axis split over the group."""

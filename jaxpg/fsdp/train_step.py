@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.local_loss import local_loss
 from jaxpg.data_parallel.zero import sharded_update
 from jaxpg.fsdp import units as _units
 from jaxpg.fsdp.collectives import Comm, accumulate, allreduce_leaf, gather_param, reduce_leaf
@@ -118,25 +119,9 @@ def _local_loss(loss_fn, plan: StepPlan, params, rest, batch, has_aux, ctx: Step
     """Per-rank ``(loss, (aux, new_rest))`` with ``ctx`` active for the units."""
     token = _units.active_step().set(ctx)
     try:
-        if plan.graphdef is None:
-            out, new_rest = loss_fn(params, batch), rest
-        else:
-            from flax import nnx
-
-            model = nnx.merge(plan.graphdef, params, rest, copy=True)
-            out = loss_fn(model, batch)
-            new_rest = nnx.split(model, nnx.Param, ...)[2]
+        return local_loss(loss_fn, plan.graphdef, params, rest, batch, has_aux)
     finally:
         _units.active_step().reset(token)
-    loss, aux = out if has_aux else (out, None)
-    loss = jnp.asarray(loss)
-    if loss.shape != ():
-        raise ValueError(
-            f"loss_fn must return a scalar loss (the mean over this rank's batch); it "
-            f"returned shape {loss.shape}. Reduce it with .mean(), or pass has_aux=True to "
-            "return (loss, aux)."
-        )
-    return loss, (aux, new_rest)
 
 
 def _stage3_grads(loss_fn, plan: StepPlan, mode: StepMode, shards, rest, acc, batch):
