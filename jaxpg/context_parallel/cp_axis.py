@@ -1,10 +1,11 @@
 """The context-parallel group as a mesh axis: the one place a ``group=`` argument is resolved.
 
 Every API of this package turns its ``group`` argument into a :class:`CPAxis` through
-:func:`resolve_cp_axis`, which delegates to the tensor-parallel resolver
-(:func:`jaxpg.tensor_parallel.resolve_tp_mesh`: a ProcessGroup, a 1-D DeviceMesh such as
-``mesh["cp"]``, ``new_subgroups``' groups). When the project's shared resolver lands, this
-function is the only one to switch.
+:func:`resolve_cp_axis`: the project's resolver names the group
+(:func:`jaxpg.groups.resolve.resolve_degree_group`: a ProcessGroup, a 1-D DeviceMesh such as
+``mesh["cp"]``, ``new_subgroups``' groups, or a whole ``ParallelDims`` or
+``HybridCommunicateGroup``, whose cp/sep group it takes), and the tensor-parallel one finds
+its axis on the topology's mesh (:func:`jaxpg.tensor_parallel.resolve_tp_mesh`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ from typing import Any
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxpg.groups import world as _world
-from jaxpg.groups.device_mesh import DeviceMesh
-from jaxpg.groups.hybrid import HybridCommunicateGroup
 from jaxpg.groups.process_group import ProcessGroup
+from jaxpg.groups.resolve import resolve_degree_group
 from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
 
 __all__ = ["CPAxis", "resolve_cp_axis"]
@@ -80,23 +79,15 @@ def resolve_cp_axis(group: Any, api: str) -> CPAxis:
     Raises:
         ValueError: a multi-dimensional DeviceMesh, a group that is not one dimension of a
             mesh (uneven ``new_subgroups``), or a process that holds none of its ranks.
-        TypeError: anything that is not a group.
+        TypeError: anything that is not a group or a topology.
     """
     if isinstance(group, CPAxis):
         return group
-    if group is None:
-        group = _world._resolve_group(None, api)
-    if isinstance(group, HybridCommunicateGroup):
-        raise TypeError(
-            f"{api}: a HybridCommunicateGroup has no context-parallel axis; pass the cp group "
-            "itself (init_device_mesh(..., ('dp', 'cp', 'tp'))['cp'] or a ProcessGroup).")
-    if isinstance(group, DeviceMesh) and group.ndim == 1:
-        group = group.get_group()
     try:
+        if not isinstance(group, TPMesh):
+            group = resolve_degree_group(group, "cp", api=api)
         tp = resolve_tp_mesh(group, api, arg="group")
     except (ValueError, TypeError) as err:
         raise type(err)(_reworded(str(err))) from None
-    if not isinstance(group, (ProcessGroup, TPMesh)):
-        group = None
     pg = group if isinstance(group, ProcessGroup) else None
     return CPAxis(tp.mesh, tp.axis, pg, tp.size)

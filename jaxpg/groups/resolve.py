@@ -24,7 +24,7 @@ from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.world import GROUP_FORMS, devices_error
 
 __all__ = ["GROUP_FORMS", "MESH_FORMS", "devices_error", "resolve_group", "resolve_mesh",
-           "resolve_device_mesh"]
+           "resolve_device_mesh", "resolve_degree_group"]
 
 MESH_FORMS = "a DeviceMesh, a HybridCommunicateGroup, a ParallelDims or a jax.sharding.Mesh"
 """What an argument naming several axes (``mesh=``) accepts."""
@@ -39,6 +39,30 @@ def resolve_group(group: Any, *, api: str, arg: str = "group") -> ProcessGroup:
         TypeError: for anything that is not one of :data:`GROUP_FORMS`.
     """
     return _world._resolve_group(group, api, arg)
+
+
+_HCG_GETTERS = {"dp": "get_data_parallel_group", "pp": "get_pipe_parallel_group",
+                "dp_shard": "get_sharding_parallel_group", "cp": "get_sep_parallel_group",
+                "tp": "get_model_parallel_group", "ep": "get_expert_parallel_group"}
+
+
+def resolve_degree_group(group: Any, degree: str, *, api: str,
+                         arg: str = "group") -> ProcessGroup:
+    """The ``ProcessGroup`` of parallelism ``degree`` (``"cp"``, ``"ep"``, ``"tp"``, ...)
+    that ``group`` names.
+
+    A whole topology, a ``ParallelDims`` or a ``HybridCommunicateGroup``, gives its
+    ``degree`` group (``dims.get_group(dims.axis("cp"))``, ``hcg.get_sep_parallel_group()``);
+    anything else is :func:`resolve_group`'s.
+
+    Raises:
+        ValueError, TypeError: as :func:`resolve_group`.
+    """
+    if isinstance(group, ParallelDims):
+        return group.get_group(group.axis(degree))
+    if isinstance(group, HybridCommunicateGroup):
+        return getattr(group, _HCG_GETTERS[degree])()
+    return resolve_group(group, api=api, arg=arg)
 
 
 def resolve_device_mesh(mesh: Any, *, api: str, arg: str = "mesh") -> DeviceMesh:
