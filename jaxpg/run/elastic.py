@@ -212,7 +212,9 @@ class ElasticNodes:
                       + (f"; joined: {joined}" if joined else ""))
         if self.node_id not in self.members:
             return None
-        return self.members, record.get("addr", self.addr), int(record["port"])
+        # c10d: node 0 at this node's --master-addr, as every node names it
+        addr = self.addr if self.fixed_leader else record["addr"]
+        return self.members, addr, int(record["port"])
 
     def _leads(self, attempt: int) -> bool:
         """Whether this node leads attempt ``attempt`` (etcd: it holds ``leader/k``, which

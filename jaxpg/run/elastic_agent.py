@@ -94,6 +94,9 @@ def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
     except RendezvousHostLost as err:
         _say(f"{err}; stopping all workers")
         code = 1
+    except RuntimeError as err:  # etcd refused a request
+        _say(f"rendezvous error: {err}")
+        code = 1
     except TimeoutError as err:  # node 0 published nothing within join_timeout
         _say(str(err))
         code = 1

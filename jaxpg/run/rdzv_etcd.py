@@ -112,6 +112,9 @@ class EtcdStore:
                 raise RendezvousHostLost(f"lost the etcd rendezvous at {self.where}: {why}")
             time.sleep(0.2)
         result = json.loads(text)
+        if "lease not found" in str(result.get("error", "")):
+            raise RendezvousHostLost(f"this launcher's lease in the etcd at {self.where} "
+                                     "expired (no keepalive within the heartbeat timeout)")
         if status != 200 or "error" in result:
             raise RuntimeError(f"etcd at {self.where}: {path}: "
                                f"{result.get('message') or result.get('error') or status}")
