@@ -2,16 +2,17 @@
 # Installs what the cluster tests (tests/multiprocess/test_slurm.py, test_mpirun.py) and
 # bench/cluster.py need, idempotently, and says what it did:
 #   * Debian packages: slurm-wlm munge (a one-node Slurm), openmpi-bin libopenmpi-dev
-#     gfortran cmake (Open MPI's mpirun, and what MPIwrapper builds with);
+#     gfortran cmake (Open MPI's mpirun, and what MPIwrapper builds with), etcd-server (the
+#     etcd that tests/multiprocess/test_elastic_etcd.py starts for --rdzv-backend etcd);
 #   * MPIwrapper 2.11.1 from ../shared/vendor/ (or $JAXPG_VENDOR_DIR), built against this
 #     machine's mpiexec into $JAXPG_MPIWRAPPER_DIR (default ~/.cache/jaxpg/MPIwrapper-2.11.1),
 #     where the tests look for it; it prints the MPITRAMPOLINE_LIB to use.
 # Needs root for apt-get (CI runs as root). Nothing else starts: the tests start their own
-# munged/slurmctld/slurmd in a temporary directory and stop them.
+# munged/slurmctld/slurmd (and etcd) in a temporary directory and stop them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(slurm-wlm munge openmpi-bin libopenmpi-dev gfortran cmake)
+packages=(slurm-wlm munge openmpi-bin libopenmpi-dev gfortran cmake etcd-server)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

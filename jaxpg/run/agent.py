@@ -66,10 +66,12 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def _start(args: argparse.Namespace, attempt: int, port: int, run_id: str,
-           lobby: str, node_rank: int | None = None, nnodes: int | None = None) -> WorkerGroup:
-    """Starts this node's workers; ``node_rank``/``nnodes`` override the flags' (an elastic
-    attempt's group rank and node count)."""
+           lobby: str, node_rank: int | None = None, nnodes: int | None = None,
+           master_addr: str | None = None) -> WorkerGroup:
+    """Starts this node's workers; ``node_rank``/``nnodes``/``master_addr`` override the
+    flags' (an elastic attempt's group rank, node count and coordinator host)."""
     nproc, gpus = args.nproc_per_node, visible_gpus()
+    master_addr = args.master_addr if master_addr is None else master_addr
     node_rank = args.node_rank if node_rank is None else node_rank
     nnodes = args.nnodes if nnodes is None else nnodes
     first = node_rank * nproc
@@ -78,7 +80,7 @@ def _start(args: argparse.Namespace, attempt: int, port: int, run_id: str,
         worker_env(
             dict(base), rank=first + local_rank, local_rank=local_rank,
             world_size=nnodes * nproc, local_world_size=nproc, node_rank=node_rank,
-            master_addr=args.master_addr, master_port=port,
+            master_addr=master_addr, master_port=port,
             devices_per_proc=args.devices_per_proc, gpus=gpus, nnodes=nnodes,
             restart_count=attempt, max_restarts=args.max_restarts, run_id=run_id,
             coordinator_hosted=args.coordinator == "launcher",

@@ -58,6 +58,28 @@ def _rdzv_conf(text: str) -> dict[str, float]:
     return out
 
 
+def _backend(text: str) -> str:
+    if text not in ("c10d", "etcd"):
+        raise argparse.ArgumentTypeError(
+            f"--rdzv-backend must be c10d (the default: node 0's launcher hosts the "
+            f"rendezvous) or etcd (an etcd server at --rdzv-endpoint), got {text!r}")
+    return text
+
+
+def _local_addr(etcd: str) -> str:
+    """This machine's address on its route to ``etcd`` (``host:port``)."""
+    import socket
+
+    host = etcd.rpartition(":")[0].strip("[]")
+    try:
+        family = socket.getaddrinfo(host, None)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((host, 9))  # UDP: nothing is sent
+            return sock.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxpg-run",
@@ -83,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="port on node 0 (default: a free port; required with --nnodes > 1)")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
                    help="host:port of node 0; overrides --master-addr/--master-port")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", type=_backend, default="c10d",
+                   help="c10d (default: node 0's launcher hosts the rendezvous) or etcd (an "
+                        "etcd server at --rdzv-endpoint does: any node may be lost)")
+    p.add_argument("--local-addr", "--local_addr", default=None,
+                   help="with --rdzv-backend etcd: the address the other nodes reach this "
+                        "one at (default: this machine's address on its route to etcd)")
     p.add_argument("--rdzv-id", "--rdzv_id", "--run-id", "--run_id", dest="rdzv_id",
                    default=None,
                    help="the job's id, TORCHELASTIC_RUN_ID (default: node 0 makes one)")
@@ -198,6 +226,20 @@ def _nodes_from_launcher(args: argparse.Namespace, parser: argparse.ArgumentPars
     args.master_addr = "127.0.0.1" if args.master_addr is None else args.master_addr
 
 
+def _check_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--rdzv-backend etcd``: an etcd answers at ``--rdzv-endpoint``."""
+    from jaxpg.run.rdzv_etcd import probe_etcd
+
+    try:
+        probe_etcd(args.rdzv_endpoint)
+    except ConnectionError as err:
+        parser.error(f"--rdzv-endpoint {args.rdzv_endpoint} (--rdzv-backend etcd): {err}; "
+                     "start etcd there (its --listen-client-urls) or pass the client address "
+                     "of a running one")
+    if args.local_addr is None:
+        args.local_addr = _local_addr(args.rdzv_endpoint)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parses and checks ``argv``; exits with status 2 and a message naming the flag."""
     parser = _parser()
@@ -210,11 +252,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.master_addr, args.master_port = "127.0.0.1", None
     if not 0 <= args.node_rank < args.nnodes:
         parser.error(f"--node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
+    if args.rdzv_backend == "etcd" and args.rdzv_endpoint is None:
+        parser.error("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT, the client address "
+                     "of an etcd server (etcd --listen-client-urls http://HOST:PORT ...)")
     if args.rdzv_endpoint is not None:
         host, sep, port = args.rdzv_endpoint.rpartition(":")
         if not sep or not host or not port.isdigit():
             parser.error(f"--rdzv-endpoint must be host:port, got {args.rdzv_endpoint!r}")
         args.master_addr, args.master_port = host, int(port)
+    if args.rdzv_backend == "etcd":
+        if args.rdzv_id is None:
+            parser.error("--rdzv-backend etcd needs --rdzv-id ID, the same on every node and "
+                         "new for each job (the job's keys in etcd live under /jaxpg/ID/)")
+        if args.min_nodes is None:  # --nnodes N with etcd: N:N
+            args.min_nodes = args.nnodes
     if args.master_port is not None and not 0 < args.master_port < 65536:
         parser.error(f"--master-port must be in [1, 65535], got {args.master_port}")
     if args.min_nodes is not None and args.master_port is None:
@@ -223,6 +274,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.min_nodes is not None and args.coordinator != "launcher":
         parser.error("--nnodes MIN:MAX needs --coordinator launcher (node 0's launcher hosts "
                      "each attempt's coordination service)")
+    if args.local_addr is not None and args.rdzv_backend != "etcd":
+        parser.error("--local-addr is for --rdzv-backend etcd (with c10d, node 0's address "
+                     "is --master-addr)")
     if args.master_port is None and args.nnodes > 1:
         parser.error(
             f"--nnodes {args.nnodes} needs --master-port (or --rdzv-endpoint) so that all "
@@ -259,4 +313,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             f"--nproc-per-node {nproc} x --devices-per-proc "
             f"{args.devices_per_proc} needs {needed} GPUs, but {len(gpus)} are visible"
         )
+    if args.rdzv_backend == "etcd":
+        _check_etcd(args, parser)
     return args

@@ -18,6 +18,14 @@ and sends a heartbeat every ``heartbeat / 4`` seconds. Node 0's launcher leads:
 If node 0's launcher is lost, every other launcher's next request fails (connection reset
 or refused, at once; or, with no answer at all, after ``heartbeat`` seconds): it stops its
 workers and exits 1 with ``lost node 0's launcher (the rendezvous host at A:P)``.
+
+With ``--rdzv-backend etcd`` the store is an etcd server (:mod:`jaxpg.run.rdzv_etcd`) and
+no node is special: each attempt's leader is elected (the lowest node id alive creates the
+attempt's ``leader/k`` key, attached to its etcd lease; etcd's compare-and-swap keeps it
+one), is the attempt's node rank 0 and hosts its
+coordination service at its own address; restarts used are kept in the attempt's record;
+every member watches the others' heartbeats. A lost leader's lease runs out after
+``heartbeat`` seconds and another node leads the next attempt.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxpg.run.rdzv_store import RendezvousClient, RendezvousHostLost, RendezvousServer
@@ -41,6 +51,7 @@ class ElasticSettings:
     heartbeat: float = 10.0
     last_call: float = 2.0
     join_timeout: float = 600.0
+    max_restarts: int = 0
 
 
 class ElasticNodes:
@@ -48,43 +59,71 @@ class ElasticNodes:
     attempt's watch loop is shared) plus the membership of each attempt.
 
     Args:
-        master_addr: node 0's address.
-        master_port: the rendezvous port (node 0 serves it).
-        node_id: this node's ``--node-rank``: its name in the job, unique; 0 leads.
-        run_id: ``--rdzv-id``, or None to take node 0's.
+        master_addr: node 0's address (c10d), or the address this node's workers and the
+            others reach its coordination service at (etcd).
+        master_port: the rendezvous port (c10d: node 0 serves it).
+        node_id: this node's ``--node-rank``: its name in the job, unique; with c10d, 0 leads.
+        run_id: ``--rdzv-id``, or None to take node 0's (c10d only).
         settings: the elastic settings.
         say: prints a launcher message.
+        etcd: ``host:port`` of the etcd server for ``--rdzv-backend etcd``, else None.
     """
 
-    def __init__(self, master_addr: str, master_port: int, node_id: int, run_id: str | None,
-                 settings: ElasticSettings, say):
+    def __init__(self, master_addr: str, master_port: int | None, node_id: int,
+                 run_id: str | None, settings: ElasticSettings, say,
+                 etcd: str | None = None):
         self.node_id, self.settings, self._say = node_id, settings, say
-        self.leader = node_id == 0
-        self._server = RendezvousServer(master_port) if self.leader else None
-        self._store = RendezvousClient(master_addr, master_port,
-                                       timeout=settings.join_timeout if not self.leader
-                                       else 10.0)
-        self._store._timeout = settings.heartbeat
-        self._store._sock.settimeout(settings.heartbeat)
+        self.addr = master_addr
+        self.fixed_leader = etcd is None  # c10d: node 0 always leads
+        self.leader = self.fixed_leader and node_id == 0
+        self._server = None
         self.members: list[int] = []
-        self.restarts_used = 0
-        self._seen: dict[int, tuple[str, float]] = {}  # leader: last heartbeat, when seen
+        self._seen: dict[int, tuple[str, float]] = {}  # last heartbeat, when seen
         self._beats = 0
         self._lost_error: Exception | None = None  # before _wait_for, which checks it
         self._stop = threading.Event()
-        if self.leader:
-            import uuid
+        if etcd is not None:
+            from jaxpg.run.rdzv_etcd import EtcdStore
 
-            self._store.set("run_id", run_id or uuid.uuid4().hex[:12])
-        self.run_id = self._wait_for("run_id")
+            self._store = EtcdStore(etcd, str(run_id), timeout=settings.heartbeat)
+            self.run_id = str(run_id)
+            if (end := self._store.get("end")) is not None:
+                raise ValueError(f"--rdzv-id {run_id} names a job that already ended in the "
+                                 f"etcd at {etcd} ({json.loads(end)['message']}); give each "
+                                 "job a new --rdzv-id")
+            self._claim_name()
+        else:
+            self._server = RendezvousServer(master_port) if self.leader else None
+            self._store = RendezvousClient(master_addr, master_port,
+                                           timeout=settings.join_timeout if not self.leader
+                                           else 10.0)
+            self._store._timeout = settings.heartbeat
+            self._store._sock.settimeout(settings.heartbeat)
+            if self.leader:
+                self._store.set("run_id", run_id or uuid.uuid4().hex[:12])
+            self.run_id = self._wait_for("run_id")
         self._beat()
         threading.Thread(target=self._heartbeats, daemon=True).start()
+
+    def _claim_name(self) -> None:
+        """etcd: takes ``names/<node id>`` for this launcher's lease; waits up to a
+        heartbeat timeout for a lost launcher of the same id to let it go."""
+        token = uuid.uuid4().hex
+        deadline = time.monotonic() + self.settings.heartbeat + 1
+        while self._store.setnx(f"names/{self.node_id}", token, ephemeral=True) != token:
+            if time.monotonic() > deadline:
+                raise ValueError(f"--node-rank {self.node_id} is taken by another live "
+                                 f"launcher of job --rdzv-id {self.run_id}; give each node "
+                                 "its own --node-rank")
+            time.sleep(0.2)
 
     # heartbeats and liveness -------------------------------------------------------------
 
     def _beat(self) -> None:
         self._beats += 1
-        self._store.set(f"alive/{self.node_id}", str(self._beats))
+        if self._store.leases:
+            self._store.keepalive()
+        self._store.set(f"alive/{self.node_id}", str(self._beats), ephemeral=True)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.settings.heartbeat / 4):
@@ -99,14 +138,16 @@ class ElasticNodes:
             raise self._lost_error
 
     def live_nodes(self) -> list[int]:
-        """Leader: the nodes whose heartbeat changed within ``heartbeat`` seconds."""
+        """The nodes whose heartbeat key is there (etcd: their lease holds) and changed
+        within ``heartbeat`` seconds, by this node's clock."""
         now = time.monotonic()
-        for key, beat in self._store.list("alive/").items():
+        alive = self._store.list("alive/")
+        for key, beat in alive.items():
             node = int(key.rpartition("/")[2])
             if self._seen.get(node, ("", 0.0))[0] != beat:
                 self._seen[node] = (beat, now)
-        return sorted(n for n, (_, t) in self._seen.items()
-                      if n == self.node_id or now - t <= self.settings.heartbeat)
+        return sorted(n for n, (_, t) in self._seen.items() if n == self.node_id or (
+            f"alive/{n}" in alive and now - t <= self.settings.heartbeat))
 
     def _wait_for(self, key: str, timeout: float | None = None) -> str:
         deadline = time.monotonic() + (self.settings.join_timeout if timeout is None
@@ -124,48 +165,103 @@ class ElasticNodes:
     def agree(self, settings: dict[str, int]) -> None:
         """Raises ValueError naming a setting that differs from node 0's."""
         mine = json.dumps(settings, sort_keys=True)
-        if self.leader:
+        if not self.fixed_leader:  # etcd: the first node's settings are the job's
+            first = json.loads(self._store.setnx(
+                "settings", json.dumps({"node": self.node_id, "settings": settings})))
+            theirs, where = first["settings"], first["node"]
+        elif self.leader:
             self._store.set("settings", mine)
             return
-        theirs = json.loads(self._wait_for("settings"))
+        else:
+            theirs, where = json.loads(self._wait_for("settings")), 0
         for name, value in settings.items():
             if theirs.get(name) != value:
                 raise ValueError(f"{name} is {value} on node {self.node_id} but "
-                                 f"{theirs.get(name)} on node 0; start every node with the "
-                                 "same value")
+                                 f"{theirs.get(name)} on node {where}; start every node with "
+                                 "the same value")
 
     # one attempt's membership ------------------------------------------------------------
 
-    def rendezvous(self, attempt: int, port: int | None,
-                   host=None) -> tuple[list[int], int] | None:
-        """Attempt ``attempt``'s members and coordinator port; None for a node left out of
-        it (it waits for the next). The leader passes its port and ``host(members)``,
-        which starts the workers' coordination service before the members are published."""
+    def rendezvous(self, attempt: int, host: Callable[[list[int]], int],
+                   code: int = 1) -> tuple[list[int], str, int] | None:
+        """Attempt ``attempt``'s members (its node rank 0, the leader, first), and the
+        address and port of its coordination service; None for a node left out of it (it
+        waits for the next). The leader calls ``host(members)``, which starts the workers'
+        coordination service and returns its port, before it publishes the members; for
+        attempt k > 0 it first counts a restart for attempt k - 1 (``code``: this node's exit
+        code for it) and ends the job when none is left."""
         key = f"attempt/{attempt}"
-        if self.leader:
-            members = self._gather()
-            if host is not None:
-                host(members)
-            self._store.set(key, json.dumps({"members": members, "port": port}))
-        else:
-            while True:
-                if (end := self._store.get("end")) is not None:
-                    raise _JobEnded(json.loads(end))
-                if (value := self._store.get(key)) is not None:
-                    break
-                self._check()
-                time.sleep(0.1)
-            record = json.loads(value)
-            members, port = record["members"], record["port"]
-        old, self.members = self.members, members
-        if old and old != members:
-            left, joined = sorted(set(old) - set(members)), sorted(set(members) - set(old))
-            self._say(f"attempt {attempt}: {len(members)} nodes {members}"
+        while True:
+            if (end := self._store.get("end")) is not None:
+                raise _JobEnded(json.loads(end))
+            if (value := self._store.get(key)) is not None:
+                record = json.loads(value)
+                break
+            if self._leads(attempt):
+                record = self._lead(attempt, host, code)
+                break
+            self._check()
+            time.sleep(0.1)
+        old, self.members = self.members, record["members"]
+        self.leader = self.members[0] == self.node_id
+        if old and set(old) != set(self.members):
+            left = sorted(set(old) - set(self.members))
+            joined = sorted(set(self.members) - set(old))
+            self._say(f"attempt {attempt}: {len(self.members)} nodes {self.members}"
                       + (f"; left: {left}" if left else "")
                       + (f"; joined: {joined}" if joined else ""))
-        if self.node_id not in members:
+        if self.node_id not in self.members:
             return None
-        return members, int(port)
+        # c10d: node 0 at this node's --master-addr, as every node names it
+        addr = self.addr if self.fixed_leader else record["addr"]
+        return self.members, addr, int(record["port"])
+
+    def _leads(self, attempt: int) -> bool:
+        """Whether this node leads attempt ``attempt`` (etcd: it holds ``leader/k``, which
+        only the lowest node id it sees alive tries to take)."""
+        if self.fixed_leader:
+            return self.node_id == 0
+        if self.live_nodes()[0] != self.node_id:
+            return False
+        me = str(self.node_id)
+        return self._store.setnx(f"leader/{attempt}", me, ephemeral=True) == me
+
+    def _lead(self, attempt: int, host: Callable[[list[int]], int], code: int) -> dict:
+        restarts = 0
+        if attempt > 0:
+            restarts = self._after(attempt - 1)
+            if restarts > self.settings.max_restarts:
+                message = f"no restarts left (--max-restarts {self.settings.max_restarts})"
+                self._say(f"{message}; giving up")
+                record = {"code": code or 1, "message": message, "node": self.node_id}
+                self._store.setnx("end", json.dumps(record))
+                raise _JobEnded(record)
+            self._say(f"starting attempt {attempt} with the nodes present (restarts used "
+                      f"{restarts} of --max-restarts {self.settings.max_restarts})")
+        others = [n for n in self._gather() if n != self.node_id]
+        members = [self.node_id, *others[: self.settings.max_nodes - 1]]
+        record = {"members": members, "addr": self.addr, "port": host(members),
+                  "restarts": restarts}
+        self._store.set(f"attempt/{attempt}", json.dumps(record))
+        return record
+
+    def _after(self, attempt: int) -> int:
+        """Waits until attempt ``attempt`` has ended and its live members have stopped
+        their workers (a lost member never will); returns the restarts used then."""
+        while self._store.get(f"attempt/{attempt}/failed") is None:
+            if (end := self._store.get("end")) is not None:
+                raise _JobEnded(json.loads(end))
+            self._check()
+            time.sleep(0.2)
+        members = json.loads(self._store.get(f"attempt/{attempt}"))
+        deadline = time.monotonic() + self.settings.heartbeat + 30
+        while time.monotonic() < deadline:
+            stopped = {int(k.rpartition("/")[2]) for k in self._store.list(f"stopped/{attempt}/")}
+            live = self.live_nodes()
+            if all(n in stopped or n not in live for n in members["members"]):
+                break
+            time.sleep(0.2)
+        return members.get("restarts", 0) + (0 if self.joined_only(attempt) else 1)
 
     def _gather(self) -> list[int]:
         s = self.settings
@@ -176,13 +272,13 @@ class ElasticNodes:
                            f"minimum {s.min_nodes}, within join_timeout "
                            f"{s.join_timeout:.0f} s")
                 self.end(1, message)
-                raise _JobEnded({"code": 1, "message": message})
+                raise _JobEnded({"code": 1, "message": message, "node": self.node_id})
             time.sleep(0.2)
         last_call = time.monotonic() + s.last_call
         while len(live) < s.max_nodes and time.monotonic() < last_call:
             time.sleep(0.2)
             live = self.live_nodes()
-        return live[: s.max_nodes]
+        return live
 
     # NodeChannel's calls, used by the attempt's watch loop ------------------------------
 
@@ -198,9 +294,12 @@ class ElasticNodes:
 
     def failure(self, attempt: int) -> str | None:
         self._check()
-        if self.leader:
+        if self.leader or not self.fixed_leader:  # etcd: every member watches
             live = self.live_nodes()
             lost = [n for n in self.members if n not in live]
+            if lost:  # a member that finished and left is not lost
+                done = self._store.list(f"attempt/{attempt}/succeeded/")
+                lost = [n for n in lost if f"attempt/{attempt}/succeeded/{n}" not in done]
             if lost:
                 self.report_failure(attempt, f"node {lost[0]} left (no heartbeat for "
                                              f"{self.settings.heartbeat:.0f} s)")
@@ -221,17 +320,9 @@ class ElasticNodes:
         pass  # the lobby only names missing ranks in startup timeouts; per node here
 
     def barrier(self, name: str) -> None:
-        """After an attempt: every member says it stopped; the leader waits for the live
-        ones (a lost member never will)."""
+        """After an attempt: every member says it stopped (the next attempt's leader waits
+        for the live ones before it starts)."""
         self._store.set(f"{name}/{self.node_id}", "1")
-        if not self.leader:
-            return
-        deadline = time.monotonic() + self.settings.heartbeat + 30
-        while time.monotonic() < deadline:
-            stopped = {int(k.rpartition("/")[2]) for k in self._store.list(f"{name}/")}
-            if all(n in stopped or n not in self.live_nodes() for n in self.members):
-                return
-            time.sleep(0.2)
 
     def joined_only(self, attempt: int) -> bool:
         """Whether attempt ``attempt`` ended because a node joined (not counted as a
@@ -241,12 +332,22 @@ class ElasticNodes:
 
     def end(self, code: int, message: str) -> None:
         """Leader: tells every launcher that the job ends."""
-        self._store.set("end", json.dumps({"code": code, "message": message}))
+        self._store.set("end", json.dumps({"code": code, "message": message,
+                                           "node": self.node_id}))
 
-    def close(self) -> None:
-        """Leaves; the leader waits (up to 10 s) for the others to read the end first."""
+    def close(self, finished: bool = False) -> None:
+        """Leaves (``finished``: the job succeeded). c10d: node 0 waits (up to 10 s) for
+        the others to read the end first. etcd: a finished job's ``end`` tells standby
+        nodes; this launcher's lease goes, and its ephemeral keys with it."""
         self._stop.set()
-        if self.leader:
+        if not self.fixed_leader:
+            try:
+                if finished:
+                    self._store.setnx("end", json.dumps(
+                        {"code": 0, "message": "the job finished", "node": self.node_id}))
+            except Exception:  # noqa: BLE001
+                pass
+        elif self.leader:
             try:
                 self._store.set(f"closed/{self.node_id}", "1")
                 deadline = time.monotonic() + 10
@@ -268,8 +369,9 @@ class ElasticNodes:
 
 
 class _JobEnded(Exception):
-    """Node 0 ended the job (``{"code", "message"}``)."""
+    """A leader ended the job (``{"code", "message", "node"}``)."""
 
     def __init__(self, record: dict):
         super().__init__(record["message"])
         self.code = int(record["code"])
+        self.node = int(record.get("node", 0))

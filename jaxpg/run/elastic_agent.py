@@ -1,9 +1,10 @@
 """The launcher's main loop for ``--nnodes MIN:MAX``: rendezvous, start, watch, repeat.
 
-Each attempt: the nodes present meet (:class:`~jaxpg.run.elastic.ElasticNodes`), node 0's
-launcher hosts the workers' coordination service for that world, every member starts its
-workers with the attempt's ``WORLD_SIZE``, ``RANK`` and ``GROUP_RANK``, and all watch until
-the workers end, a worker fails, or a node leaves or joins.
+Each attempt: the nodes present meet (:class:`~jaxpg.run.elastic.ElasticNodes`), the
+attempt's leader (its node rank 0: node 0 with the default rendezvous, an elected node with
+``--rdzv-backend etcd``) hosts the workers' coordination service for that world, every
+member starts its workers with the attempt's ``WORLD_SIZE``, ``RANK`` and ``GROUP_RANK``,
+and all watch until the workers end, a worker fails, or a node leaves or joins.
 """
 
 from __future__ import annotations
@@ -32,35 +33,42 @@ def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
     """
     _free_port, _say, _start, _watch = free_port, say, start, watch
 
-    settings = ElasticSettings(args.min_nodes, args.nnodes, **args.rdzv_conf)
+    settings = ElasticSettings(args.min_nodes, args.nnodes, **args.rdzv_conf,
+                               max_restarts=args.max_restarts)
+    etcd = args.rdzv_backend == "etcd"
     group: WorkerGroup | None = None
     coordinator: WorkerCoordinator | None = None
     nodes: ElasticNodes | None = None
     code = 1
     try:
-        nodes = ElasticNodes(args.master_addr, args.master_port, args.node_rank, args.rdzv_id,
-                             settings, _say)
+        if etcd:
+            nodes = ElasticNodes(args.local_addr, None, args.node_rank, args.rdzv_id,
+                                 settings, _say, etcd=args.rdzv_endpoint)
+        else:
+            nodes = ElasticNodes(args.master_addr, args.master_port, args.node_rank,
+                                 args.rdzv_id, settings, _say)
         nodes.agree({"--nproc-per-node": args.nproc_per_node,
                      "--max-restarts": args.max_restarts})
         attempt = 0
         while True:
-            port = _free_port(args.master_addr) if nodes.leader else None
 
-            def host(members: list[int], port: int = port) -> None:
+            def host(members: list[int]) -> int:
                 nonlocal coordinator
+                port = _free_port(nodes.addr)
                 if args.coordinator == "launcher":
                     coordinator = WorkerCoordinator(port, len(members) * args.nproc_per_node)
+                return port
 
-            joined = nodes.rendezvous(attempt, port, host)
+            joined = nodes.rendezvous(attempt, host, code)
             if joined is None:  # a standby node: the next attempt takes it
                 attempt += 1
                 continue
-            members, port = joined
+            members, addr, port = joined
             group_rank = members.index(args.node_rank)
             lobby = tempfile.mkdtemp(prefix="jaxpg-lobby-")
             try:
                 group = _start(args, attempt, port, nodes.run_id, lobby,
-                               node_rank=group_rank, nnodes=len(members))
+                               node_rank=group_rank, nnodes=len(members), master_addr=addr)
                 failure, code, _ = _watch(group, nodes, attempt, lobby)
                 if failure is not None:
                     _say(f"{failure}; stopping the other workers")
@@ -74,27 +82,20 @@ def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
                 coordinator.shutdown()
                 coordinator = None
             if failure is None:
-                nodes.close()
+                nodes.close(finished=True)
                 return 0
-            if nodes.leader:
-                if not nodes.joined_only(attempt):
-                    nodes.restarts_used += 1
-                if nodes.restarts_used > args.max_restarts:
-                    message = f"no restarts left (--max-restarts {args.max_restarts})"
-                    _say(f"{message}; giving up")
-                    nodes.end(code or 1, message)
-                    nodes.close()
-                    return code or 1
-                _say(f"starting attempt {attempt + 1} with the nodes present (restarts used "
-                     f"{nodes.restarts_used} of --max-restarts {args.max_restarts})")
-            attempt += 1
+            attempt += 1  # the next attempt's leader counts the restart (and may end the job)
     except _JobEnded as ended:
-        _say(f"node 0 ended the job: {ended}")
+        if ended.node != args.node_rank:
+            _say(f"node {ended.node} ended the job: {ended}")
         code = ended.code
         if nodes is not None:
             nodes.close()
     except RendezvousHostLost as err:
         _say(f"{err}; stopping all workers")
+        code = 1
+    except RuntimeError as err:  # etcd refused a request
+        _say(f"rendezvous error: {err}")
         code = 1
     except TimeoutError as err:  # node 0 published nothing within join_timeout
         _say(str(err))

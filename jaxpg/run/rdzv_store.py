@@ -25,7 +25,7 @@ __all__ = ["RendezvousServer", "RendezvousClient", "RendezvousHostLost"]
 
 
 class RendezvousHostLost(ConnectionError):
-    """The launcher that serves the rendezvous (node 0's) cannot be reached any more."""
+    """The rendezvous store (node 0's launcher, or the etcd server) cannot be reached."""
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -119,11 +119,15 @@ class RendezvousClient:
     def _lost(self, why: str) -> str:
         return f"lost node 0's launcher (the rendezvous host at {self.where}): {why}"
 
-    def set(self, key: str, value: str) -> None:
+    leases = False  # no key vanishes: a lost launcher is seen by its silent heartbeat
+
+    def set(self, key: str, value: str, ephemeral: bool = False) -> None:
         self._call(op="set", key=key, value=value)
 
-    def setnx(self, key: str, value: str) -> str:
-        """Sets ``key`` if absent; returns the value it holds now."""
+    def setnx(self, key: str, value: str, ephemeral: bool = False) -> str:
+        """Sets ``key`` if absent; returns the value it holds now (``ephemeral``: see
+        :class:`~jaxpg.run.rdzv_etcd.EtcdStore`; every key here lives as long as the
+        server)."""
         return self._call(op="setnx", key=key, value=value)
 
     def get(self, key: str) -> str | None:

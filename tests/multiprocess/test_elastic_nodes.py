@@ -34,11 +34,15 @@ class Node:
     """One node's launcher, in its own session (so that killing it takes its workers)."""
 
     def __init__(self, rank: int, nnodes: str, port: int, restarts: int = 1,
-                 script: list[str] | None = None):
-        env = child_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+                 script: list[str] | None = None, rdzv: list[str] | None = None,
+                 **env_vars: str):
+        """``rdzv``: the rendezvous flags instead of ``--master-addr/--master-port``;
+        ``env_vars``: more environment for the launcher and its workers."""
+        env = child_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **env_vars)
+        where = rdzv or ["--master-addr", "127.0.0.1", "--master-port", str(port)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxpg.run", "--nnodes", nnodes, "--node-rank", str(rank),
-             "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts",
+             *where, "--max-restarts",
              str(restarts), "--grace-period", "1", "--rdzv-conf",
              f"heartbeat={HEARTBEAT},last_call_timeout=2", *(script or [str(WORKER)])],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -6,7 +6,8 @@ A fixed global batch of 12 samples per step, drawn by ``DistributedSampler`` (th
 share of the step's slice of the epoch's permutation), so the global batch of a step is the
 same whatever the world size. An asynchronous checkpoint every 2 steps; on start it resumes
 from the newest complete one onto this world (resharded). On the first attempt the rank of
-node 2 prints ``KILLME`` after step 4's update and waits to be killed with its node. At the
+node 2 (where ``ELASTIC_KILLME`` is set: on the first attempt with 3 processes, the ranks
+where it is 1) prints ``KILLME`` after step 4's update and waits to be killed with its node. At the
 end rank 0 writes the full parameters to OUT.npz.
 """
 
@@ -54,7 +55,9 @@ for step in range(start, steps):
     sampler.set_epoch(epoch)
     idx = sampler.indices()[b * per_rank:(b + 1) * per_rank]
     fsdp.train_step(loss_fn, {k: v[idx] for k, v in data.items()})
-    if attempt == "0" and os.environ["GROUP_RANK"] == "2" and step == 4:
+    if step == 4 and ((attempt == "0" and os.environ["GROUP_RANK"] == "2")
+                      if "ELASTIC_KILLME" not in os.environ
+                      else os.environ["ELASTIC_KILLME"] == "1" and n == 3):
         print("KILLME", flush=True)
         while True:
             time.sleep(1)
