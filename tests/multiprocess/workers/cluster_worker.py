@@ -51,7 +51,7 @@ def wrong_thread_error(me: int) -> "jaxpg.DistError | None":
         except jaxpg.DistError as err:
             caught.append(err)
 
-    thread = threading.Thread(target=call, name="not-mpis-thread")
+    thread = threading.Thread(target=call, name="not-mpis-thread", daemon=True)
     thread.start()
     thread.join(60)
     if len(caught) != 1 or type(caught[0]) is not jaxpg.DistError:
