@@ -125,17 +125,23 @@ def shutdown_world(state: Any) -> None:
 
 
 def _arrive_and_wait(store: Any, prefix: str, me: int, procs: list[int],
-                     timeout: datetime.timedelta) -> list[int]:
+                     timeout: datetime.timedelta, what: str = "",
+                     state: Any = None) -> list[int]:
     """Checks in under ``prefix/<me>`` and waits for every process's key; returns the
-    processes still missing when ``timeout`` ran out (empty when all arrived)."""
+    processes still missing when ``timeout`` ran out (empty when all arrived). A lost process
+    raises ``DistNetworkError`` naming ``what`` (the call) and, given ``state``, its ranks."""
     store.add(f"{prefix}/{me}", 1)
     keys = {p: f"{prefix}/{p}" for p in procs}
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.check(list(keys.values())):
         gone = [p for p in liveness.lost() if p in keys]
         if gone:
-            raise DistNetworkError(f"store barrier {prefix!r}: lost processes {gone}: the "
-                                   "coordination service stopped hearing from them.")
+            who = f"processes {gone}" if state is None else (
+                f"ranks {_ranks_of_processes(state, gone, range(len(state.devices)))} "
+                f"(processes {gone})")
+            raise DistNetworkError(f"{what + ' ' if what else ''}(store barrier {prefix!r}): "
+                                   f"lost {who}: the coordination service stopped hearing "
+                                   "from them (they died, exited or hang).")
         if time.monotonic() > deadline:
             return [p for p in procs if not store.check([keys[p]])]
         time.sleep(0.005)
@@ -146,7 +152,8 @@ def _store_barrier(state: Any, store: Any, name: str, procs: list[int],
                    timeout: datetime.timedelta, api: str = "") -> None:
     """The seed's ``_store_based_barrier``: every process checks in, then waits for all;
     raises ``DistTimeoutError`` naming the ranks that did not arrive and how many did."""
-    missing = _arrive_and_wait(store, f"barrier/{name}", state.process_index, procs, timeout)
+    missing = _arrive_and_wait(store, f"barrier/{name}", state.process_index, procs, timeout,
+                               api, state)
     if missing:
         ranks = _ranks_of_processes(state, missing, range(len(state.devices)))
         raise DistTimeoutError(
@@ -168,7 +175,8 @@ def check_in(group: Any, api: str, timeout: datetime.timedelta | None = None) ->
     timeout = timeout or group.timeout
     procs = _processes_of(state, group.members)
     missing = _arrive_and_wait(group_store(group), f"calls/{api}/{n}", state.process_index,
-                               procs, timeout)
+                               procs, timeout, f"{api} #{n} on group {group.group_name!r}",
+                               state)
     if missing:
         ranks = _ranks_of_processes(state, missing, group.members)
         raise DistTimeoutError(
@@ -212,7 +220,8 @@ def monitored_barrier(group: Any, timeout: datetime.timedelta, wait_all_ranks: b
     group._monitored = getattr(group, "_monitored", 0) + 1
     procs = _processes_of(state, group.members)
     missing = _arrive_and_wait(group_store(group), f"monitored/{group._monitored}",
-                               state.process_index, procs, timeout)
+                               state.process_index, procs, timeout,
+                               f"monitored_barrier on group {group.group_name!r}", state)
     if missing:
         ranks = _ranks_of_processes(state, missing, group.members)
         shown = ranks if wait_all_ranks else ranks[:1]
@@ -249,7 +258,8 @@ def _check_mpi(group: Any, api: str) -> None:
     state = group._world
     name = f"mpi_communicator/{zlib.crc32(repr(group.family).encode()):08x}"
     missing = _arrive_and_wait(state.world_group.store, name, state.process_index,
-                               list(range(state.process_count)), group.timeout)
+                               list(range(state.process_count)), group.timeout,
+                               f"{api} #{group.seq + 1} on group {group.group_name!r}", state)
     if missing:
         raise DistTimeoutError(
             f"{api} #{group.seq + 1} on group {group.group_name!r}: with "

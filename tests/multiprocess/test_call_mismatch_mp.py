@@ -4,7 +4,9 @@
   with the mismatch, both shapes named;
 * ``save_checkpoint`` on rank 0 only, ``barrier()`` on rank 1: both raise within the
   timeout; rank 0's error names rank 1 as the rank that did not call it, and rank 1's
-  barrier does not complete against the checkpoint's internal sync.
+  barrier does not complete against the checkpoint's internal sync;
+* then ``new_group`` on rank 0 only (in the same run): its store barrier raises
+  ``DistTimeoutError`` within the group's timeout, naming rank 1 (docs/design.md).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ WORKER = Path(__file__).parent / "workers" / "call_mismatch_worker.py"
 pytestmark = pytest.mark.slow
 
 
-def _errors(case: str, tmp_path: Path) -> dict[int, str]:
+def _errors(case: str, tmp_path: Path) -> dict[int | str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", JAXPG_TEST_CASE=case)
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", str(WORKER),
@@ -29,7 +31,10 @@ def _errors(case: str, tmp_path: Path) -> dict[int, str]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
     found = dict(re.findall(r"\[rank (\d)\] (ERROR .*|NO ERROR)", proc.stdout))
     assert sorted(found) == ["0", "1"], proc.stdout[-4000:] + proc.stderr[-2000:]
-    return {int(r): text for r, text in found.items()}
+    errors: dict[int | str, str] = {int(r): text for r, text in found.items()}
+    for text in re.findall(r"\[rank 0\] NEW_GROUP (.*)", proc.stdout):
+        errors["new_group"] = text
+    return errors
 
 
 @pytest.mark.timeout(240)
@@ -49,3 +54,7 @@ def test_checkpoint_on_one_rank_raises_on_both_naming_the_other(tmp_path):
                                 "ranks [1] did not call save_checkpoint"), errors[0]
     assert errors[1].startswith("ERROR DistTimeoutError: barrier #"), errors[1]
     assert "rank 0 never started it" in errors[1], errors[1]
+    # rank 0 alone creates a group: the creation barrier names rank 1 after the 2 s timeout
+    assert re.fullmatch(r"ERROR DistTimeoutError: new_group '\w+' \(store barrier 'created'\): "
+                        r"1 of 2 processes arrived within 2\.0 s; ranks that did not arrive: "
+                        r"\[1\] \(processes \[1\]\)\. .*", errors.get("new_group", "")), errors

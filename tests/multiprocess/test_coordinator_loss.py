@@ -89,7 +89,8 @@ def test_lost_rank0_is_a_named_python_error_in_every_survivor(case, world):
 def test_store_get_waiting_on_a_lost_rank_names_it():
     """A ``TCPStore.get`` (and ``wait``, ``multi_get``) whose key only the lost rank would set
     raises ``DistNetworkError`` naming it within the heartbeat timeout, not a bare timeout
-    after the store's 300 s."""
+    after the store's 300 s; so do ``new_group``'s store barrier and ``save_checkpoint``
+    (docs/debugging.md, "A lost rank")."""
     procs = _start(3, "storeget")
     try:
         outs = [p.communicate(timeout=150)[0] for p in procs]  # 3 starts: ~90 s at load 35
@@ -105,6 +106,10 @@ def test_store_get_waiting_on_a_lost_rank_names_it():
                              r": lost ranks \[1\]", out), out[-3000:]
         assert re.search(r"DistNetworkError: TCPStore.get\('set by rank 1'\): lost ranks \[1\]",
                          out), out[-3000:]
+        assert re.search(r"CAUGHT new_group DistNetworkError: new_group 'group1' \(store "
+                         r"barrier 'barrier/created'\): lost ranks \[1\]", out), out[-3000:]
+        assert re.search(r"CAUGHT save_checkpoint DistNetworkError: save_checkpoint #1 on group "
+                         r"'WORLD' \(store barrier .*\): lost ranks \[1\]", out), out[-3000:]
         assert not any(a in out for a in CPP_ABORTS), out[-3000:]
 
 

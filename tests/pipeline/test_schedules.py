@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from _require import import_or_skip
 
 from jaxpg.pipeline.checker import check_timetable, default_in_flight_limits, peak_in_flight
 from jaxpg.pipeline.schedules import (
@@ -101,6 +102,31 @@ def test_zero_bubble_v_layout_and_order_follow_torch(p):
     # Each rank idles p - 1 half-stage ticks, against ZB-H1's p - 1 full-stage ticks.
     assert [tt.idle_ticks(r) for r in range(p)] == [p - 1] * p
     assert max(peak_in_flight(tt)) == 2 * p  # chunk activations: 1F1B's p stages
+
+
+@pytest.mark.parametrize("p, m", [(2, 3), (2, 4), (4, 7), (4, 12)])
+def test_zero_bubble_v_order_is_torchs_schedule(p, m):
+    """Every rank's ZB-V action order and the V layout, against torch's own
+    ``ScheduleZBVZeroBubble.pipeline_order`` (torch computes it in the constructor from the
+    stages' sizes alone: stand-in stages with those attributes need no process group)."""
+    import_or_skip("torch", "torch's ScheduleZBVZeroBubble is the reference for ZB-V's order")
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble as TorchZBV
+
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}  # torch's I is B
+    tt = zero_bubble_v(p, m)
+    for rank in range(p):
+        stages = [SimpleNamespace(group_size=p, group_rank=rank, num_stages=2 * p,
+                                  stage_index=s, submod=None, is_first=s == 0,
+                                  is_last=s == 2 * p - 1) for s in (rank, 2 * p - 1 - rank)]
+        torch_schedule = TorchZBV(stages, m)
+        assert torch_schedule.stage_index_to_group_rank == {
+            tt.stage_of(r, c): r for r in range(p) for c in (0, 1)}
+        want = [(kinds[a.computation_type.name], a.microbatch_index, a.stage_index)
+                for a in torch_schedule.pipeline_order[rank] if a is not None]
+        got = [(a.kind, a.microbatch, tt.stage_of(rank, a.chunk)) for _, a in tt.actions_of(rank)]
+        assert got == want, rank
 
 
 def test_interleaving_shrinks_the_bubble():

@@ -65,3 +65,22 @@ def test_library_set_after_jax_was_imported_is_refused(launcher_world, tmp_path)
     launcher_world.setenv("MPITRAMPOLINE_LIB", str(tmp_path / "missing.so"))
     with pytest.raises(DistBackendError, match="no such file"):
         jaxpg.init_process_group(backend="mpi")
+
+
+def test_mpis_world_and_one_device_per_process_are_checked_after_the_start(monkeypatch):
+    """What init_process_group(backend='mpi') checks once JAX's CPU client started
+    (docs/cluster.md): MPI started, MPI's world is the launcher's, one device per process."""
+    from jaxpg.rendezvous import mpi_collectives
+
+    monkeypatch.setattr(mpi_collectives, "_mpi_world", None)
+    with pytest.raises(DistBackendError, match="started without jaxpg's MPI collectives"):
+        mpi_collectives.check_started(0, 2, 1)
+    monkeypatch.setattr(mpi_collectives, "_mpi_world", (1, 2))  # rank 1 of 2 to MPI
+    mpi_collectives.check_started(1, 2, 1)  # mpirun's world, one device: accepted
+    with pytest.raises(DistBackendError, match=r"MPI sees this process as rank 1 of 2, but "
+                                               r"the world has 3 processes \(this one is 1\)"):
+        mpi_collectives.check_started(1, 3, 1)
+    with pytest.raises(DistBackendError, match=r"backend='mpi' runs one device per process "
+                                               r".*but this process has 8; start one process "
+                                               r"per device"):
+        mpi_collectives.check_started(1, 2, 8)

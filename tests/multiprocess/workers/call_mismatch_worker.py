@@ -2,7 +2,8 @@
 
 * ``shapes``: rank 0 all-reduces 3 floats, rank 1 four, then both call ``barrier()``;
 * ``checkpoint``: rank 0 calls ``save_checkpoint`` (torch's ``if rank == 0:`` habit),
-  rank 1 calls ``barrier()``.
+  rank 1 calls ``barrier()``; then rank 0 alone calls ``new_group([0, 1])`` with a 2 s
+  timeout and prints ``NEW_GROUP ERROR <type>: <text>`` (none: ``NEW_GROUP NO ERROR``).
 
 Each rank prints ``ERROR <type>: <text>`` for the error it gets (none: ``NO ERROR``)."""
 
@@ -35,6 +36,12 @@ try:
     print("NO ERROR", flush=True)
 except Exception as err:  # noqa: BLE001 (printed for the test)
     print(f"ERROR {type(err).__name__}: {' '.join(str(err).split())}", flush=True)
+if os.environ["JAXPG_TEST_CASE"] == "checkpoint" and rank == 0:
+    try:  # rank 1 never calls it: the creation's store barrier times out
+        jaxpg.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+        print("NEW_GROUP NO ERROR", flush=True)
+    except Exception as err:  # noqa: BLE001 (printed for the test)
+        print(f"NEW_GROUP ERROR {type(err).__name__}: {' '.join(str(err).split())}", flush=True)
 # leave only once both ranks have their answer (a peer that left would change the other's)
 done = os.path.join(sys.argv[1], f"done_{rank}")
 open(done, "w").close()

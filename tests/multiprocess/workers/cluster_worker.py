@@ -7,7 +7,8 @@ world comes from the launcher's variables alone. Then, by ``PARTS`` (comma-separ
 default ``collectives,ddp,pipeline``; ``world`` is one all_reduce): every collective
 against numpy over all ranks' inputs, a DDP step against one-process training on the
 whole batch, a pipeline step against the un-pipelined model. Prints ``WORLD <rank> <size>
-<backend>``, ``CHECK <name> ok`` per check, ``UNSUPPORTED <name>`` where the backend raised
+<backend>``, ``CHECK <name> ok`` per check (with MPI also ``mpi_wrong_thread``: a collective
+from another thread raises ``DistError``), ``UNSUPPORTED <name>`` where the backend raised
 the NotImplementedError it must raise, ``TIME <part>`` and ``DONE``; any mismatch raises
 (the process exits non-zero).
 """
@@ -35,6 +36,30 @@ def expect_unsupported(name, fn):
         print(f"UNSUPPORTED {name}: {str(err)[:80]}", flush=True)
         return
     raise AssertionError(f"{name} should raise NotImplementedError with backend='mpi'")
+
+
+def wrong_thread_error(me: int) -> "jaxpg.DistError | None":
+    """backend='mpi': an all_reduce called from another thread than init_process_group's
+    raises ``DistError`` naming that thread before anything runs; returns it (else None)."""
+    import threading
+
+    caught = []
+
+    def call():
+        try:
+            jaxpg.all_reduce(data(me))
+        except jaxpg.DistError as err:
+            caught.append(err)
+
+    thread = threading.Thread(target=call, name="not-mpis-thread", daemon=True)
+    thread.start()
+    thread.join(60)
+    if len(caught) != 1 or type(caught[0]) is not jaxpg.DistError:
+        return None
+    text = str(caught[0])
+    ok = "must be called from the thread that called init_process_group" in text and \
+        "'not-mpis-thread'" in text and text.startswith("all_reduce: with backend='mpi'")
+    return caught[0] if ok else None
 
 
 def world_sum(me: int, n: int, mpi: bool) -> None:
@@ -103,6 +128,8 @@ def collectives(me: int, n: int, mpi: bool) -> None:
     jaxpg.barrier()
     jaxpg.monitored_barrier(wait_all_ranks=True)
     check("barriers", True)
+    if mpi:  # XLA's MPI collectives serve only the thread that started MPI
+        check("mpi_wrong_thread", wrong_thread_error(me) is not None)
 
     if n % 2 == 0:  # a family of subgroups that covers every process
         sub, _ = jaxpg.new_subgroups(2)

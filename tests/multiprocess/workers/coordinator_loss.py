@@ -8,8 +8,9 @@ Every rank runs one all_reduce (the world works), then CASE:
 * ``killduring``: rank 0 waits 1 s (the others are inside the second all_reduce), then dies;
 * ``stop``: rank 0 SIGSTOPs itself before the second all_reduce;
 * ``raise``: rank 1 raises before the second all_reduce (a Python error, exit code 1);
-* ``storeget``: rank 1 dies (SIGKILL); the others wait in ``TCPStore.get`` for a key only
-  rank 1 would set (store timeout 300 s): ``wait`` and ``multi_get`` (caught), then ``get``,
+* ``storeget``: every rank makes a DDP, then rank 1 dies (SIGKILL); the others wait in
+  ``TCPStore.get`` for a key only rank 1 would set (store timeout 300 s): ``wait`` and
+  ``multi_get``, then ``new_group`` and ``save_checkpoint`` (each caught), then ``get``,
   instead of the second all_reduce;
 * ``exit3``: rank 1 SIGSTOPs itself; rank 0 catches the second all_reduce's error (its
   collective thread stays stuck in XLA) and calls ``sys.exit(3)``;
@@ -56,11 +57,22 @@ if case == "exit3":
         print(f"CAUGHT {type(err).__name__}: {err}", flush=True)
         sys.exit(3)
 if case == "storeget":
+    import tempfile
+
+    import optax
+    from flax import nnx
+
+    from jaxpg.ddp import DistributedDataParallel, save_checkpoint
+
+    ddp = DistributedDataParallel(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     store = jaxpg.TCPStore(timeout=300, namespace="user")
+    scratch = tempfile.TemporaryDirectory()  # removed at exit; nothing is written into it
     for name, call in (("wait", lambda: store.wait(["set by rank 1"])),
-                       ("multi_get", lambda: store.multi_get(["set by rank 1"]))):
+                       ("multi_get", lambda: store.multi_get(["set by rank 1"])),
+                       ("new_group", lambda: jaxpg.new_group([0, 2])),
+                       ("save_checkpoint", lambda: save_checkpoint(scratch.name, ddp))):
         try:
             call()
         except jaxpg.DistNetworkError as err:
