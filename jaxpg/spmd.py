@@ -130,6 +130,9 @@ def spmd(
     * ``spmd(fn, group=g)`` (a ProcessGroup or a 1-D DeviceMesh; the world for None): every
       argument and result is a pytree whose leaves are stacked along a leading axis of size
       ``g.size()`` in group-rank order; ``fn`` sees one rank's slice (without the leading axis).
+      A group with sibling subgroups (one dimension of a mesh, such as ``mesh["ep"]`` of a
+      2-D mesh, or one of ``new_subgroups``') runs every sibling at once: the leading axis
+      then has one row per rank of the family, in global-rank order (``g.members``).
     * ``spmd(fn, mesh=m, in_specs=..., out_specs=...)``: a thin wrapper over ``jax.shard_map``
       on a ``DeviceMesh``, ``ParallelDims``, ``HybridCommunicateGroup`` or
       ``jax.sharding.Mesh``; groups that are mesh axes (``m["dp"]``)
