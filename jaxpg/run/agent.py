@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from jaxpg.run.cli import parse_args
 from jaxpg.run.coordination import LocalNodes, NodeChannel, PortInUseError, WorkerCoordinator
@@ -163,6 +164,40 @@ def _quiet_services() -> None:
     threading.Thread(target=drain, daemon=True).start()
 
 
+def run_attempt(args: argparse.Namespace, nodes: Any, attempt: int, port: int,
+                **where: Any) -> tuple[str | None, int]:
+    """Starts this node's workers of ``attempt``, watches them until they end, a worker fails
+    or a node is lost, and stops them (on an exception too); names the failed ranks'
+    diagnoses.
+
+    Args:
+        args: the parsed flags.
+        nodes: the launchers' channel (fixed, local or elastic).
+        attempt: the attempt's number.
+        port: the workers' coordination port.
+        **where: ``_start``'s node_rank, nnodes and master_addr for an elastic attempt.
+
+    Returns:
+        ``(failure, exit code)``; failure is None when every worker ended with 0.
+    """
+    lobby = tempfile.mkdtemp(prefix="jaxpg-lobby-")
+    try:
+        group = _start(args, attempt, port, nodes.run_id, lobby, **where)
+        try:
+            failure, code, failed_ranks = _watch(group, nodes, attempt, lobby)
+            if failure is not None:
+                _say(f"{failure}; stopping the other workers")
+        finally:
+            group.stop(args.grace_period)
+            group.join_output()
+        for rank in failed_ranks[:8]:
+            if (diagnosis := group.diagnosis(rank)) is not None:
+                _say(f"rank {rank}: {diagnosis}")
+    finally:
+        shutil.rmtree(lobby, ignore_errors=True)
+    return failure, code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the launcher; returns its exit code (see :mod:`jaxpg.run`)."""
     args = parse_args(argv)
@@ -180,14 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jaxpg.run.elastic_agent import run_elastic
 
         try:
-            return run_elastic(args, start=_start, watch=_watch, say=_say,
-                               free_port=_free_port)
+            return run_elastic(args, run_attempt=run_attempt, say=_say, free_port=_free_port)
         except _Terminated:
             _say("got SIGTERM; stopping all workers")
             return 143
         finally:
             signal.signal(signal.SIGTERM, previous)
-    group: WorkerGroup | None = None
     coordinator: WorkerCoordinator | None = None
     nodes: LocalNodes | NodeChannel | None = None
     try:
@@ -207,20 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 nodes.publish_port(attempt, port)
             else:
                 port = nodes.port(attempt)
-            lobby = tempfile.mkdtemp(prefix="jaxpg-lobby-")
-            try:
-                group = _start(args, attempt, port, nodes.run_id, lobby)
-                failure, code, failed_ranks = _watch(group, nodes, attempt, lobby)
-                if failure is not None:
-                    _say(f"{failure}; stopping the other workers")
-                group.stop(args.grace_period)
-                group.join_output()
-                for rank in failed_ranks[:8]:
-                    if (diagnosis := group.diagnosis(rank)) is not None:
-                        _say(f"rank {rank}: {diagnosis}")
-            finally:
-                shutil.rmtree(lobby, ignore_errors=True)
-            group = None
+            failure, code = run_attempt(args, nodes, attempt, port)
             nodes.barrier(f"stopped/{attempt}")
             if coordinator is not None:
                 coordinator.shutdown()
@@ -260,9 +280,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if group is not None:
-        group.stop(args.grace_period)
-        group.join_output()
     if coordinator is not None:
         coordinator.shutdown()
     return code

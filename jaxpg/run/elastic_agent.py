@@ -10,33 +10,28 @@ and all watch until the workers end, a worker fails, or a node leaves or joins.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 from collections.abc import Callable
 
 from jaxpg.run.coordination import WorkerCoordinator
 from jaxpg.run.elastic import ElasticNodes, ElasticSettings, RendezvousHostLost, _JobEnded
-from jaxpg.run.workers import WorkerGroup
 
 __all__ = ["run_elastic"]
 
 
-def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
-                watch: Callable[..., tuple], say: Callable[[str], None],
-                free_port: Callable[[str], int]) -> int:
+def run_elastic(args: argparse.Namespace, *, run_attempt: Callable[..., tuple],
+                say: Callable[[str], None], free_port: Callable[[str], int]) -> int:
     """Runs this node's launcher of an elastic job; returns its exit code.
 
     Args:
         args: the parsed flags.
-        start, watch, say, free_port: the launcher's own (``jaxpg.run.agent``): start an
-            attempt's workers, watch them, print a message, pick a free port.
+        run_attempt, say, free_port: the launcher's own (``jaxpg.run.agent``): run one
+            attempt's workers to their end, print a message, pick a free port.
     """
-    _free_port, _say, _start, _watch = free_port, say, start, watch
+    _free_port, _say = free_port, say
 
     settings = ElasticSettings(args.min_nodes, args.nnodes, **args.rdzv_conf,
                                max_restarts=args.max_restarts)
     etcd = args.rdzv_backend == "etcd"
-    group: WorkerGroup | None = None
     coordinator: WorkerCoordinator | None = None
     nodes: ElasticNodes | None = None
     code = 1
@@ -65,18 +60,8 @@ def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
                 continue
             members, addr, port = joined
             group_rank = members.index(args.node_rank)
-            lobby = tempfile.mkdtemp(prefix="jaxpg-lobby-")
-            try:
-                group = _start(args, attempt, port, nodes.run_id, lobby,
-                               node_rank=group_rank, nnodes=len(members), master_addr=addr)
-                failure, code, _ = _watch(group, nodes, attempt, lobby)
-                if failure is not None:
-                    _say(f"{failure}; stopping the other workers")
-                group.stop(args.grace_period)
-                group.join_output()
-            finally:
-                shutil.rmtree(lobby, ignore_errors=True)
-            group = None
+            failure, code = run_attempt(args, nodes, attempt, port, node_rank=group_rank,
+                                        nnodes=len(members), master_addr=addr)
             nodes.barrier(f"stopped/{attempt}")
             if coordinator is not None:
                 coordinator.shutdown()
@@ -110,9 +95,6 @@ def run_elastic(args: argparse.Namespace, *, start: Callable[..., WorkerGroup],
         _say("interrupted; stopping all workers")
         code = 130
     finally:
-        if group is not None:
-            group.stop(args.grace_period)
-            group.join_output()
         if coordinator is not None:
             coordinator.shutdown()
     return code
