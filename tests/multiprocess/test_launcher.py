@@ -209,7 +209,7 @@ def test_a_failing_worker_stops_the_others_and_sets_the_exit_code():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_sigint_stops_every_worker_and_exits_130():
     command = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2"]
     pids: list[int] = []
@@ -233,7 +233,8 @@ def test_sigint_stops_every_worker_and_exits_130():
         try:
             assert done.wait(timeout=30), "the workers did not start"
             launcher.send_signal(signal.SIGINT)
-            assert launcher.wait(timeout=30) == 130
+            # 90 s: once, beside both CI legs and other tests (load 6), 30 s did not suffice
+            assert launcher.wait(timeout=90) == 130
         finally:
             launcher.kill()
         reader.join(timeout=10)
