@@ -211,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # SIGINT stops the workers even where the launcher inherited it ignored (a background
+    # job of a non-interactive shell, as CI's legs are), as torchrun handles it explicitly.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.min_nodes is not None:  # --nnodes MIN:MAX
         from jaxpg.run.elastic_agent import run_elastic
 
@@ -221,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 143
         finally:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
     coordinator: WorkerCoordinator | None = None
     nodes: LocalNodes | NodeChannel | None = None
     try:
@@ -280,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     if coordinator is not None:
         coordinator.shutdown()
     return code
