@@ -154,11 +154,6 @@ class EtcdStore:
         skip = len(self._root)
         return {_unb64(kv["key"])[skip:]: _unb64(kv.get("value", "")) for kv in kvs}
 
-    def delete_all(self) -> None:
-        """Deletes every key of this run."""
-        self._call("/kv/deleterange", {"key": _b64(self._root),
-                                       "range_end": _prefix_end(self._root)})
-
     def keepalive(self) -> None:
         """Renews this launcher's lease; raises RendezvousHostLost if it has expired (the
         others have counted this launcher as lost)."""
