@@ -11,6 +11,7 @@ stuck in a collective has published both long before a peer's timeout reads them
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
 import time
@@ -43,7 +44,9 @@ class _Progress:
         self._latest: dict[Any, list[Any]] = {}
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._discards: collections.deque = collections.deque()
+        self._registered = False
 
     def note(self, group: Any, seq: int, fingerprint: Any = None) -> None:
         entry = self._latest.get(group)
@@ -51,9 +54,15 @@ class _Progress:
             with self._lock:
                 entry = self._latest.setdefault(group, [0, 0, (0, None), 0])
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name="jaxpg-progress",
-                                                    daemon=True)
+                    self._stopping = threading.Event()
+                    self._thread = threading.Thread(target=self._loop, args=(self._stopping,),
+                                                    name="jaxpg-progress", daemon=True)
                     self._thread.start()
+                    if not self._registered:
+                        # Out of its RPCs before the interpreter ends: a daemon thread
+                        # inside the store client then aborts the process (std::terminate).
+                        atexit.register(self.stop)
+                        self._registered = True
         if seq > entry[0]:
             entry[2] = (seq, fingerprint)
             entry[0] = seq
@@ -96,14 +105,27 @@ class _Progress:
         self._wake.set()
 
     def forget(self) -> None:
+        """Stops the thread and drops every record (the world ends)."""
+        self.stop()
         with self._lock:
             self._latest.clear()
             self._discards.clear()
 
-    def _loop(self) -> None:
-        while True:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops the background thread after its current write (at exit, or as the world ends)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stopping.set()
+        if thread is not None:
+            self._wake.set()
+            thread.join(timeout)
+
+    def _loop(self, stopping: threading.Event) -> None:
+        while not stopping.is_set():
             self._wake.wait(None if self._settled() else self._PERIOD)
             self._wake.clear()
+            if stopping.is_set():
+                return
             self.publish_now()
             while self._discards:
                 group, key = self._discards.popleft()
