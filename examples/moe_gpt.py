@@ -1,7 +1,8 @@
 """A small mixture-of-experts GPT trained with expert parallelism × data parallelism.
 
 Every block's MLP is a ``jaxpg.expert_parallel.MoELayer`` whose experts are split over the
-``ep`` axis of a ``("dp", "ep")`` mesh; the batch is split over both axes. Each rank
+``ep`` axis of a ``("dp", "ep")`` mesh, and ``jaxpg.DistributedDataParallel`` runs over the
+whole mesh with ``expert_axes=("ep",)``: the batch is split over both axes, each rank
 computes its gradients (the all_to_all's backward brings its experts the gradients of
 every token of its ep group), then the dense parameters are averaged over ``("dp", "ep")``
 (every rank saw different tokens) and the experts' over ``"dp"`` only (the ranks that
@@ -28,13 +29,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpg  # noqa: E402
+from jaxpg.ddp import DistributedDataParallel  # noqa: E402
 from jaxpg.expert_parallel import MoELayer  # noqa: E402
-from jaxpg.tensor_parallel import param_specs  # noqa: E402
 
 AUX_WEIGHT = 0.01
 TOL = 1e-4
@@ -95,51 +93,18 @@ def batches(args):
         yield ((start + step * np.arange(args.seq + 1)) % args.vocab).astype(np.int32)
 
 
-def place(tree, mesh, specs):
-    """Global arrays on ``mesh`` from values every process holds in full."""
-    def put(x, spec):
-        full = np.asarray(jax.device_get(x)) if not isinstance(x, jax.Array) or \
-            x.is_fully_addressable else None
-        if full is None:
-            return x  # already a global array laid out on the mesh
-        return jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec),
-                                            lambda idx: full[idx])
-    return jax.tree.map(put, tree, specs, is_leaf=lambda s: isinstance(s, P))
-
-
 def parallel_trainer(args, optimizer):
     mesh = jaxpg.init_device_mesh((args.dp, args.ep), ("dp", "ep"))
     model = MoEGPT(args, mesh.get_group("ep"), nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    specs = param_specs(state)
-    state = place(state, mesh.jax_mesh, specs)
-    data = P(("dp", "ep"))
-
-    def rank_grads(state, ids):
-        (_, ce), grads = jax.value_and_grad(
-            lambda s: loss_of(nnx.merge(graphdef, s), ids), has_aux=True)(state)
-        n = args.dp * args.ep
-
-        def reduce(g, spec):  # experts (split over ep): over dp, which replicates them;
-            return lax.psum(g, "dp" if "ep" in spec else ("dp", "ep")) / n  # dense: over all
-        return lax.pmean(ce, ("dp", "ep")), jax.tree.map(reduce, grads, specs,
-                                                         is_leaf=lambda s: isinstance(s, P))
-
-    grads_of = jaxpg.spmd(rank_grads, mesh=mesh, in_specs=(specs, data),
-                          out_specs=(P(), specs))
-    opt_state = jax.jit(optimizer.init)(state)
-
-    @jax.jit
-    def step(state, opt_state, ids):
-        ce, grads = grads_of(state, ids)
-        updates, opt_state = optimizer.update(grads, opt_state, state)
-        return optax.apply_updates(state, updates), opt_state, ce
+    # DDP over the whole mesh (the world): the batch is split over dp and ep; the experts,
+    # split over "ep", are averaged over "dp" only, every other parameter over both.
+    ddp = DistributedDataParallel(model, optimizer, expert_axes=("ep",))
+    rows = args.batch // jax.process_count()  # this process's ranks' rows (process-major)
 
     def run(ids):
-        nonlocal state, opt_state
-        ids = place(ids, mesh.jax_mesh, data)
-        state, opt_state, ce = step(state, opt_state, ids)
-        return float(ce)
+        mine = ids[jax.process_index() * rows:(jax.process_index() + 1) * rows]
+        metrics = ddp.train_step(loss_of, mine, has_aux=True)
+        return float(metrics["aux"])
     return run, model
 
 
@@ -182,7 +147,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
     jaxpg.init_process_group()
-    optimizer = optax.adam(3e-3)
+    optimizer = optax.sgd(0.5)  # plain SGD: a wrongly scaled gradient shows (Adam hides it)
     parallel, model = parallel_trainer(args, optimizer)
     reference = one_device_trainer(args, optimizer)
     rank = jaxpg.get_rank()

@@ -54,6 +54,7 @@ from jaxpg.ddp.comm_hooks import make_comm_hook
 from jaxpg.ddp.join import Join
 from jaxpg.ddp.step_layout import (
     StepLayout,
+    dense_leaves,
     layout_batch,
     layout_per_rank,
     place_on_layout,
@@ -92,6 +93,14 @@ class DistributedDataParallel:
             rank count, :mod:`jaxpg.data_parallel.zero`), the gradients are still reduced by the
             bucketed reducer and its hook, each rank steps its shard, and the new
             parameters are all-gathered. ``opt_state`` then holds sharded global arrays.
+        expert_axes: expert parallelism (``jaxpg.expert_parallel.MoELayer`` on a
+            ``("dp", "ep")`` mesh, DDP over the whole mesh: ``expert_axes=("ep",)``): the
+            data-parallel axes that parameters (the experts) may be split over. The batch
+            is split over every data-parallel axis; an expert's gradient is summed over
+            the data-parallel axes that replicate it only (its ``all_to_all`` already
+            brought it the gradients of every token of its ep group) and divided by the
+            group's size, like every other gradient. The experts' gradients skip the
+            buckets and the hook (one ``psum``); ZeRO-1 does not take expert parameters.
 
     Raises:
         TypeError: for a module or optimizer of the wrong kind.
@@ -113,6 +122,7 @@ class DistributedDataParallel:
         donate: bool = True,
         shard_optimizer_state: bool = False,
         device_mesh: Any = None,
+        expert_axes: tuple[str, ...] = (),
     ) -> None:
         from jaxpg.groups.resolve import one_of, resolve_group
 
@@ -140,11 +150,21 @@ class DistributedDataParallel:
         self.reduction = reduction
         self.donate = donate
         self._graphdef, params, rest = param_sync.split_model(module)
-        self.layout: StepLayout = step_layout(self.group, params, rest)
+        if isinstance(expert_axes, str) or not all(isinstance(a, str) for a in expert_axes):
+            raise TypeError(f"DistributedDataParallel: {expert_axes=} must be a tuple of axis "
+                            "names, e.g. expert_axes=('ep',).")
+        self.layout: StepLayout = step_layout(self.group, params, rest,
+                                              expert_axes=tuple(expert_axes))
         signatures = param_sync.gather_param_signatures(params, self.group)
         param_sync.verify_param_shapes(signatures, list(self.group.ranks))
         local = self.layout.local_struct(params, self.layout.param_specs)
-        self.bucket_plan: BucketPlan = make_bucket_plan(local, bucket_cap_mb, first_bucket_mb)
+        self.bucket_plan: BucketPlan = make_bucket_plan(dense_leaves(local, self.layout),
+                                                        bucket_cap_mb, first_bucket_mb)
+        if shard_optimizer_state and dense_leaves(local, self.layout) is not local:
+            raise ValueError(
+                "DistributedDataParallel: shard_optimizer_state=True (ZeRO-1) does not take "
+                f"expert parameters (split over expert_axes={tuple(expert_axes)}); leave it "
+                "False, or use FullyShardedDataParallel for the dense part.")
         self._opt_specs: Any = None
         if self.layout.sharded:  # laid out on a larger mesh (tensor parallel)
             self.params = place_on_layout(params, self.layout.param_specs, self.layout,

@@ -12,7 +12,11 @@ over the *whole* mesh:
   rank of a replica trains on the same samples);
 * per-rank state (hook state, ``no_sync`` accumulators) has one row per device;
 * bucket plans are made from each device's local shapes, and gradients are reduced over
-  the data-parallel axes only.
+  the data-parallel axes only;
+* with ``expert_axes`` (expert parallelism: experts split over ``"ep"``, which is also a
+  data-parallel axis, since ep ranks see different tokens), a parameter split over those
+  axes is reduced over the other data-parallel axes only: the ``all_to_all`` that used it
+  already brought it the gradients of every token of its ep group.
 
 Values are taken from data-parallel rank 0 for each leaf, over the axes it is replicated on
 (torch's ``broadcast_params``).
@@ -33,7 +37,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.data_parallel.batch_placement import place_batch
 from jaxpg.data_parallel.prng_keys import is_key
 
-__all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank"]
+__all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank",
+           "dense_leaves", "with_experts_reduced"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,8 @@ class StepLayout:
         param_specs: a ``PartitionSpec`` per parameter leaf.
         rest_specs: a ``PartitionSpec`` per leaf of the rest of the module state.
         sharded: whether the state lives on a larger mesh than the group's (tensor parallel).
+        reduce_axes: per parameter leaf, the data-parallel axes its gradient is summed over:
+            all of them, but for an expert parameter (split over ``expert_axes``) the others.
     """
 
     mesh: Mesh
@@ -53,6 +60,11 @@ class StepLayout:
     param_specs: Any
     rest_specs: Any
     sharded: bool
+    reduce_axes: Any = None
+
+    def is_expert(self, leaf_axes: tuple[str, ...]) -> bool:
+        """Whether a leaf reduced over ``leaf_axes`` is split over data-parallel axes."""
+        return tuple(leaf_axes) != tuple(self.dp_axes)
 
     @property
     def axis(self) -> Any:
@@ -97,14 +109,26 @@ def _group_axes(mesh: Mesh, pg: Any) -> tuple[str, ...] | None:
     return None
 
 
-def step_layout(pg: Any, params: Any, rest: Any, *,
-                api: str = "DistributedDataParallel") -> StepLayout:
+def _named(spec: P) -> set[str]:
+    return {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+
+
+def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataParallel",
+                expert_axes: tuple[str, ...] = ()) -> StepLayout:
     """The layout of DDP's (or FSDP's, ``api``) step for a model whose state is ``params``
     and ``rest``.
 
+    Args:
+        pg: the data-parallel group.
+        params, rest: the model's parameters and the rest of its state.
+        api: the caller's name, for errors.
+        expert_axes: data-parallel axes that parameters may be split over (expert
+            parallelism's ``"ep"``); such a parameter is reduced over the other ones.
+
     Raises:
         ValueError: if the state lives on several larger meshes, on one the group is not a
-            dimension of, or is split over the data-parallel axes themselves.
+            dimension of, or is split over the data-parallel axes themselves (other than
+            ``expert_axes``, for parameters).
     """
     leaves = jax.tree.leaves((params, rest))
     def elsewhere(x):  # laid out on another mesh than the group's: larger, or split on it
@@ -129,25 +153,78 @@ def step_layout(pg: Any, params: Any, rest: Any, *,
             f"{dict(mesh.shape)} (tensor parallel), but group {pg!r} is not one dimension of "
             "it; pass the data-parallel dimension's group, e.g. group=mesh.get_group('dp')."
         )
+    unknown = [a for a in expert_axes if a not in axes]
+    if unknown:
+        raise ValueError(
+            f"{api}: expert_axes={tuple(expert_axes)} names {unknown}, which are not "
+            f"data-parallel axes of the group ({list(axes)}); name the expert-parallel axis "
+            "the batch is also split over, e.g. expert_axes=('ep',).")
 
-    def spec(path, x):
+    def spec(path, x, allowed=()):
         if _leaf_mesh(x) != mesh:
             return P()
         s = x.sharding.spec
-        named = {a for e in s if e is not None for a in (e if isinstance(e, tuple) else (e,))}
-        if named & set(axes):
-            why = ("DDP replicates parameters over them (sharded data parallelism is FSDP's)"
+        split = _named(s) & set(axes) - set(allowed)
+        if split:
+            why = ("DDP replicates parameters over them (sharded data parallelism is FSDP's; "
+                   "experts split over an expert-parallel axis: name it in expert_axes)"
                    if api == "DistributedDataParallel" else
                    f"{api} shards them over those axes itself; pass the data-parallel "
                    "dimension's group, e.g. group=mesh.get_group('dp')")
             raise ValueError(
                 f"{api}: {jax.tree_util.keystr(path)} is split over the "
-                f"data-parallel axes {sorted(named & set(axes))} ({s}); {why}."
+                f"data-parallel axes {sorted(split)} ({s}); {why}."
             )
         return s
 
     with_path = jax.tree_util.tree_map_with_path
-    return StepLayout(mesh, axes, with_path(spec, params), with_path(spec, rest), True)
+    param_specs = with_path(lambda p, x: spec(p, x, expert_axes), params)
+    reduce_axes = jax.tree.map(lambda s: tuple(a for a in axes if a not in _named(s)),
+                               param_specs, is_leaf=lambda s: isinstance(s, P))
+    return StepLayout(mesh, axes, param_specs, with_path(spec, rest), True, reduce_axes)
+
+
+def _expert_flags(tree: Any, layout: StepLayout | None) -> tuple[list, Any, list] | None:
+    """``(leaves, treedef, reduce axes per leaf)`` of a parameter-shaped tree, or None when
+    no leaf is an expert parameter."""
+    if layout is None or layout.reduce_axes is None:
+        return None
+    leaves, treedef = jax.tree.flatten(tree)
+    axes = treedef.flatten_up_to(layout.reduce_axes)
+    if not any(layout.is_expert(a) for a in axes):
+        return None
+    return leaves, treedef, axes
+
+
+def dense_leaves(tree: Any, layout: StepLayout | None) -> Any:
+    """``tree`` (parameter-shaped) with its expert leaves replaced by None: the part the
+    bucketed reducer takes. ``tree`` itself when it has no expert leaf."""
+    flags = _expert_flags(tree, layout)
+    if flags is None:
+        return tree
+    leaves, treedef, axes = flags
+    return treedef.unflatten([None if layout.is_expert(a) else x
+                              for x, a in zip(leaves, axes, strict=True)])
+
+
+def with_experts_reduced(grads: Any, reduced_dense: Any, layout: StepLayout | None,
+                         n: int) -> Any:
+    """The reduced gradients: ``reduced_dense`` (from :func:`dense_leaves`'s part) with
+    each expert leaf of ``grads`` summed over the data-parallel axes that replicate it and
+    divided by ``n``, the group's size (inside the step's ``shard_map``)."""
+    flags = _expert_flags(grads, layout)
+    if flags is None:
+        return reduced_dense
+    leaves, treedef, axes = flags
+    dense = iter(jax.tree.leaves(reduced_dense))
+    out = []
+    for g, a in zip(leaves, axes, strict=True):
+        if layout.is_expert(a):
+            total = jax.lax.psum(g, a) if a else g
+            out.append(total / jnp.asarray(n, g.dtype))
+        else:
+            out.append(next(dense))
+    return treedef.unflatten(out)
 
 
 def _all_local(mesh: Mesh) -> bool:

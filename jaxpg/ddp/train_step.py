@@ -52,6 +52,7 @@ from jaxpg.ddp._axis import axis_size
 from jaxpg.ddp.bucket_plan import BucketPlan
 from jaxpg.ddp.comm_hooks import CommHook
 from jaxpg.ddp.reducer import fused_pmean, reduce_gradients
+from jaxpg.ddp.step_layout import dense_leaves, with_experts_reduced
 
 __all__ = ["StepMode", "ZeroSharding", "build_train_step", "REDUCTIONS"]
 
@@ -146,8 +147,9 @@ def build_train_step(
             update can write in place (docs/design.md, "CPU all_reduce: where the time goes").
         layout: a :class:`~jaxpg.ddp.step_layout.StepLayout` for state laid out on a larger
             mesh (tensor parallelism): the step runs over that mesh, parameters keep their
-            specs, and gradients are reduced over its data-parallel axes. None: the group's
-            own mesh, everything replicated.
+            specs, and gradients are reduced over its data-parallel axes (an expert
+            parameter's over those that replicate it). None: the group's own mesh,
+            everything replicated.
         opt_specs: the optimizer state's ``PartitionSpec`` tree, with ``layout``.
         zero: ZeRO-1 (``shard_optimizer_state=True``): the optimizer state is split over
             the group (:mod:`jaxpg.data_parallel.zero`; with ``layout``, over its
@@ -200,11 +202,13 @@ def build_train_step(
             expand = jax.tree.map(lambda x: x[None], (hook_state, grads))
             return params, new_rest, opt_state, expand[0], expand[1], metrics
 
+        dense = dense_leaves(grads, layout)  # expert parameters go by their own axes
         if reduction == "fused_pmean":
-            reduced, new_hook = fused_pmean(grads, axis), hook_state
+            reduced, new_hook = fused_pmean(dense, axis), hook_state
         else:
-            reduced, new_hook = reduce_gradients(grads, plan, axis, comm_hook, hook_state,
+            reduced, new_hook = reduce_gradients(dense, plan, axis, comm_hook, hook_state,
                                                  flat_buffers=not on_cpu)
+        reduced = with_experts_reduced(grads, reduced, layout, n)
         if mode.join and not mode.divide_by_initial_world_size:
             scale = n / denom
             reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)

@@ -1,0 +1,132 @@
+"""Expert parallelism: ``moe``'s step time and memory by ep and E, the share of the exchange,
+dropless against a capacity, and jaxpg against a torch layer built on ``all_to_all_single``.
+
+* ``single`` (``bench/_expert_parallel_single.py``, one process, 4 simulated CPU devices):
+  step time and per-device memory at ep = 1, 2, 4 for E = 8 and 16; the exchange's share of
+  the step; dropless against capacity factor 1.25 at ep = 4.
+* ``torch`` (``bench/_expert_parallel_worker.py`` under jaxpg-run, one CPU process per
+  rank, ep = 2 and 4): jaxpg's ``moe`` and a torch MoE written with ``all_to_all_single`` in
+  the same processes on the same inputs, their losses and gradients checked equal first.
+
+    flock /tmp/jaxpg-bench.lock python bench/expert_parallel.py                 # ~5 min
+    flock /tmp/jaxpg-bench.lock python bench/expert_parallel.py --parts torch --eps 2
+
+Writes ``bench/results/expert_parallel.json`` and prints markdown tables. The machine is
+shared: read the ratios (interleaved round by round), and the load average beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "expert_parallel.json"
+SHAPE = ("--tokens", "--dim", "--ffn", "--top-k")
+
+
+def shape_args(args) -> list[str]:
+    return [str(a) for pair in zip(SHAPE, (args.tokens, args.dim, args.ffn, args.top_k),
+                                   strict=True) for a in pair]
+
+
+def run_single(args) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "_expert_parallel_single.py"),
+           "--rounds", str(args.rounds), *shape_args(args)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"single failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][5:])
+
+
+def run_torch(ep: int, experts: int, args, tmp: str) -> dict:
+    from jaxpg.rendezvous.init_method import free_port
+
+    out = os.path.join(tmp, f"ep{ep}_e{experts}.json")
+    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(ep),
+           str(ROOT / "bench" / "_expert_parallel_worker.py"), "--torch-port", str(free_port()),
+           "--rounds", str(args.rounds), "--experts", str(experts), "--out", out,
+           *shape_args(args)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    if proc.returncode != 0 or not os.path.exists(out) or "AGREE False" in proc.stdout:
+        raise SystemExit(f"ep={ep} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return json.loads(Path(out).read_text())
+
+
+def tables(single: dict | None, torch_rows: list[dict]) -> str:
+    out = []
+    if single and "sweep" in single:
+        out += ["| E | ep | step | tokens/s (all ranks) | memory per device (args + out + temp) |",
+                "|---:|---:|---:|---:|---:|"]
+        for r in single["sweep"]:
+            out.append(f"| {r['experts']} | {r['ep']} | {1e3 * r['median_s']:.1f} ms | "
+                       f"{r['tokens_per_s']:.0f} | {r['total_bytes'] / 2**20:.2f} MiB "
+                       f"({r['argument_bytes'] / 2**20:.2f} + {r['output_bytes'] / 2**20:.2f}"
+                       f" + {r['temp_bytes'] / 2**20:.2f}) |")
+        out.append("")
+    if single and "share" in single:
+        out += ["| E | ep | rows per pair | step | exchange alone | share |",
+                "|---:|---:|---:|---:|---:|---:|"]
+        for r in single["share"]:
+            out.append(f"| {r['experts']} | {r['ep']} | {r['rows_per_pair']} | "
+                       f"{1e3 * r['step']['median_s']:.1f} ms | "
+                       f"{1e3 * r['exchange']['median_s']:.1f} ms | {r['share']:.0%} |")
+        out.append("")
+    if single and "capacity" in single:
+        out += ["| E | ep | mode | rows per pair | step | memory per device |",
+                "|---:|---:|---|---:|---:|---:|"]
+        for r in single["capacity"]:
+            out.append(f"| {r['experts']} | {r['ep']} | {r['mode']} | {r['rows_per_pair']} | "
+                       f"{1e3 * r['median_s']:.1f} ms | {r['total_bytes'] / 2**20:.2f} MiB |")
+        out.append("")
+    if torch_rows:
+        out += ["| ep (processes) | E | torch step | jaxpg step | jaxpg time / torch (medians; "
+                "per round) | max grad difference (rank 0) |",
+                "|---:|---:|---:|---:|---:|---:|"]
+        for r in torch_rows:
+            out.append(f"| {r['ep']} | {r['experts']} | {r['step_ms']['torch']:.1f} ms | "
+                       f"{r['step_ms']['jaxpg']:.1f} ms | {r['jaxpg_over_torch_time']:.2f}x; "
+                       f"{r['jaxpg_over_torch_time_per_round_median']:.2f}x | "
+                       f"{max(r['rank0_max_abs_grad_difference'].values()):.1e} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", nargs="+", default=["single", "torch"])
+    p.add_argument("--eps", nargs="+", type=int, default=[2, 4], help="processes (torch)")
+    p.add_argument("--experts", nargs="+", type=int, default=[8], help="E (torch)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    load_before = os.getloadavg()
+    single = run_single(args) if "single" in args.parts else None
+    torch_rows = []
+    if "torch" in args.parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            torch_rows = [run_torch(ep, e, args, tmp) for ep in args.eps for e in args.experts]
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
+                          "loadavg_after": os.getloadavg()},
+              "single": single, "torch": torch_rows}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(tables(single, torch_rows))
+    print(f"\nload average before {load_before}, after {os.getloadavg()}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
