@@ -6,12 +6,16 @@
 * ``methods``: step time (forward + backward) of ring vs all_to_all vs all_gather, causal and
   load-balanced, at cp = 4.
 * ``balance``: causal ring with vs without load balancing at cp = 4.
+* ``torch``: across 2 processes (``bench/_context_parallel_mp_worker.py`` under jaxpg-run),
+  jaxpg's causal load-balanced ring forward against a ring written with torch.distributed
+  P2P on gloo, in the same processes on the same shards (both checked against numpy).
 
 Timings alternate the variants round by round (``bench/_timing.rotated``) and report the
 median; the machine is shared, so read the ratios, and the load average recorded beside them.
 
     flock /tmp/jaxpg-bench.lock python bench/context_parallel.py --seqs 4096 16384 65536
     flock /tmp/jaxpg-bench.lock python bench/context_parallel.py --parts methods balance
+    flock /tmp/jaxpg-bench.lock python bench/context_parallel.py --parts torch --seq 4096
 
 Writes ``bench/results/context_parallel.json`` and prints markdown tables.
 """
@@ -99,6 +103,29 @@ def timed(variants, args):
     return {v: {"median_s": statistics.median(t), "rounds": t} for v, t in times.items()}
 
 
+def against_torch(args):
+    """The 2-process comparison (a subprocess: each process holds one CPU device)."""
+    import subprocess
+    import tempfile
+
+    from jaxpg.rendezvous.init_method import free_port
+
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if "device_count" not in f)
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cp_torch.json")
+        cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2",
+               str(Path(__file__).resolve().parent / "_context_parallel_mp_worker.py"),
+               "--torch-port", str(free_port()), "--seq", str(args.seq), "--batch",
+               str(args.batch), "--heads", str(args.heads), "--dim", str(args.dim),
+               "--rounds", str(args.rounds), "--out", out]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0 or "AGREE False" in proc.stdout or not os.path.exists(out):
+            raise SystemExit(f"torch part failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return json.loads(Path(out).read_text())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", nargs="+", default=["memory", "methods", "balance"])
@@ -124,6 +151,11 @@ def main():
         out["balance"] = {"meta": meta, "seq": args.seq, "cp": 4, "times": timed({
             "balanced": (4, "ring", True, True), "contiguous": (4, "ring", True, False)},
             args)}
+    if "torch" in args.parts:
+        out["torch"] = {"meta": meta, **against_torch(args)}
+        t = out["torch"]
+        print(f"torch cp=2 forward: torch {t['forward_ms']['torch']:.1f} ms, jaxpg "
+              f"{t['forward_ms']['jaxpg']:.1f} ms ({t['jaxpg_over_torch_time']:.2f}x)", flush=True)
     for part in ("methods", "balance"):
         if part in out and part in args.parts:
             out[part]["meta"]["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
