@@ -271,12 +271,20 @@ def place_on_layout(tree: Any, specs: Any, layout: StepLayout, *, broadcast: boo
 
 def _from_first(xs: list, specs: list, axes: tuple[str, ...], mesh: Mesh,
                 broadcast: bool) -> list:
-    """Fresh copies of global arrays; with ``broadcast``, data-parallel rank 0's values."""
+    """Fresh copies of global arrays; with ``broadcast``, data-parallel rank 0's values over
+    the data-parallel axes each is replicated on (an expert keeps its own block over ep)."""
+    leaf_axes = [tuple(a for a in axes if a not in _named(P(*s))) for s in specs]
+
+    def first_of(v, over):
+        if not over:
+            return v * jnp.ones((), v.dtype)
+        first = jax.lax.axis_index(over) == 0
+        return jax.lax.psum(jnp.where(first, v, jnp.zeros_like(v)), over)
+
     def body(vs):
         if not broadcast:
             return [v * jnp.ones((), v.dtype) for v in vs]  # a computed (fresh) buffer
-        first = jax.lax.axis_index(axes) == 0
-        return [jax.lax.psum(jnp.where(first, v, jnp.zeros_like(v)), axes) for v in vs]
+        return [first_of(v, over) for v, over in zip(vs, leaf_axes, strict=True)]
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs, check_vma=False)
     return jax.jit(fn)(xs)

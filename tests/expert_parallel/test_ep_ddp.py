@@ -44,7 +44,7 @@ def one_device_params():
     opt = optax.sgd(0.5)
     opt_state = opt.init(state)
     for batch in batches():
-        grads = jax.grad(lambda s: loss_fn(nnx.merge(graphdef, s), batch))(state)
+        grads = jax.grad(lambda s, b=batch: loss_fn(nnx.merge(graphdef, s), b))(state)
         updates, opt_state = opt.update(grads, opt_state, state)
         state = optax.apply_updates(state, updates)
     return jax.tree.leaves(state)

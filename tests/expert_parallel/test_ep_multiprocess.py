@@ -3,7 +3,9 @@
 Against the one-device reference (output, the four gradients, aux loss, counts, drops):
 ep = 4 (the world) with top_k 2 dropless and top_k 1 with a capacity, ep = 2 (a ("dp", "ep")
 mesh's dimension) with top_k 1 dropless and top_k 2 with a capacity; also the host-code call
-with plain local arrays, and the error for expert shapes that differ across ranks.
+with plain local arrays, the error for expert shapes that differ across ranks, and
+``DistributedDataParallel(..., expert_axes=("ep",))`` over the (dp, ep) world against
+one-device SGD.
 """
 
 import re
@@ -16,7 +18,7 @@ from _child_env import child_env
 
 WORKER = Path(__file__).parent / "workers" / "moe_worker.py"
 CHECKS = {"ep4_top2_dropless", "ep4_top1_capacity", "ep2_top1_dropless", "ep2_top2_capacity",
-          "host_call", "mismatched_shapes_error"}
+          "host_call", "mismatched_shapes_error", "ddp_expert_axes"}
 
 
 @pytest.mark.slow

@@ -10,12 +10,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from _moe_reference import reference_loss_and_grads, reference_moe  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpg  # noqa: E402
-from jaxpg.expert_parallel import moe  # noqa: E402
+from jaxpg.ddp import DistributedDataParallel  # noqa: E402
+from jaxpg.expert_parallel import MoELayer, moe  # noqa: E402
 
 TOL = 1e-5
 T, D, F, E = 6, 8, 16, 8
@@ -87,6 +90,47 @@ def case(name, group, ep, top_k, capacity_factor, seed):
     check(name, ok and (capacity_factor is None or dropped_ref >= 0))
 
 
+class Net(nnx.Module):
+    """A dense layer, then a mixture of experts (as tests/expert_parallel/test_ep_ddp.py)."""
+
+    def __init__(self, group, rngs):
+        self.inp = nnx.Linear(D, D, rngs=rngs)
+        self.moe = MoELayer(D, F, E, top_k=2, group=group, rngs=rngs)
+
+    def __call__(self, x):
+        return self.moe(jnp.tanh(self.inp(x)))
+
+
+def ddp_case(mesh, ep2):
+    """DDP over the (dp, ep) world with expert_axes=("ep",), against one-device SGD. The
+    dp = 1 ranks (2, 3) build their model from another seed: DDP starts every rank from dp
+    rank 0's parameters, each ep position from its own experts (dp rank 0's of its column)."""
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+    rng = np.random.default_rng(7)
+    data = [(rng.normal(size=(8, D)).astype(np.float32),
+             rng.normal(size=(8, D)).astype(np.float32)) for _ in range(2)]
+    rank = jaxpg.get_rank()
+    ddp = DistributedDataParallel(Net(ep2, nnx.Rngs(0 if rank < 2 else 1)), optax.sgd(0.5),
+                                  expert_axes=("ep",))
+    for x, t in data:
+        ddp.train_step(loss_fn, (x[rank * 2:rank * 2 + 2], t[rank * 2:rank * 2 + 2]))
+    one, _ = jaxpg.new_subgroups(group_size=1)
+    graphdef, state = nnx.split(Net(one, nnx.Rngs(0)))
+    opt = optax.sgd(0.5)
+    opt_state = opt.init(state)
+    for batch in data:
+        grads = jax.grad(lambda s, b=batch: loss_fn(nnx.merge(graphdef, s), b))(state)
+        updates, opt_state = opt.update(grads, opt_state, state)
+        state = optax.apply_updates(state, updates)
+    whole = nnx.state(ddp.module)  # gathered: every process holds the full arrays
+    got, want = jax.tree.leaves(whole), jax.tree.leaves(state)
+    check("ddp_expert_axes", len(got) == len(want) and all(
+        np.allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+        for g, w in zip(got, want, strict=True)))
+
+
 def main():
     jaxpg.init_process_group()
     start = time.monotonic()
@@ -114,6 +158,7 @@ def main():
         check("mismatched_shapes_error", "different shapes" in str(err))
     else:
         raise AssertionError("mismatched expert shapes ran")
+    ddp_case(mesh, ep2)
     print(f"moe worker took {time.monotonic() - start:.1f}s", flush=True)
     jaxpg.destroy_process_group()
 
