@@ -3,31 +3,16 @@ experts averaged over dp only, the rest over both, against one-device SGD on the
 and the errors of the option."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _ep_ddp_net import D, Net, loss_fn
 from flax import nnx
 
 import jaxpg
 from jaxpg.ddp import DistributedDataParallel
-from jaxpg.expert_parallel import MoELayer
 
-D, F, E, ROWS, STEPS = 8, 16, 8, 16, 3
-
-
-class Net(nnx.Module):
-    def __init__(self, group, rngs):
-        self.inp = nnx.Linear(D, D, rngs=rngs)
-        self.moe = MoELayer(D, F, E, top_k=2, group=group, rngs=rngs)
-
-    def __call__(self, x):
-        return self.moe(jnp.tanh(self.inp(x)))
-
-
-def loss_fn(model, batch):
-    x, target = batch
-    return jnp.mean((model(x) - target) ** 2)
+ROWS, STEPS = 16, 3
 
 
 def batches():

@@ -11,6 +11,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _ep_ddp_net import Net, loss_fn  # noqa: E402
 from _moe_reference import reference_loss_and_grads, reference_moe  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -18,7 +19,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpg  # noqa: E402
 from jaxpg.ddp import DistributedDataParallel  # noqa: E402
-from jaxpg.expert_parallel import MoELayer, moe  # noqa: E402
+from jaxpg.expert_parallel import moe  # noqa: E402
 
 TOL = 1e-5
 T, D, F, E = 6, 8, 16, 8
@@ -90,24 +91,10 @@ def case(name, group, ep, top_k, capacity_factor, seed):
     check(name, ok and (capacity_factor is None or dropped_ref >= 0))
 
 
-class Net(nnx.Module):
-    """A dense layer, then a mixture of experts (as tests/expert_parallel/test_ep_ddp.py)."""
-
-    def __init__(self, group, rngs):
-        self.inp = nnx.Linear(D, D, rngs=rngs)
-        self.moe = MoELayer(D, F, E, top_k=2, group=group, rngs=rngs)
-
-    def __call__(self, x):
-        return self.moe(jnp.tanh(self.inp(x)))
-
-
 def ddp_case(mesh, ep2):
     """DDP over the (dp, ep) world with expert_axes=("ep",), against one-device SGD. The
     dp = 1 ranks (2, 3) build their model from another seed: DDP starts every rank from dp
     rank 0's parameters, each ep position from its own experts (dp rank 0's of its column)."""
-    def loss_fn(model, batch):
-        return jnp.mean((model(batch[0]) - batch[1]) ** 2)
-
     rng = np.random.default_rng(7)
     data = [(rng.normal(size=(8, D)).astype(np.float32),
              rng.normal(size=(8, D)).astype(np.float32)) for _ in range(2)]
