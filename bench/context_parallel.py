@@ -108,7 +108,7 @@ def against_torch(args):
     import subprocess
     import tempfile
 
-    from jaxpg.rendezvous.init_method import free_port
+    from jaxpg.internal import free_port
 
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                      if "device_count" not in f)

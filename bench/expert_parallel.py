@@ -48,7 +48,7 @@ def run_single(args) -> dict:
 
 
 def run_torch(ep: int, experts: int, args, tmp: str) -> dict:
-    from jaxpg.rendezvous.init_method import free_port
+    from jaxpg.internal import free_port
 
     out = os.path.join(tmp, f"ep{ep}_e{experts}.json")
     cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(ep),

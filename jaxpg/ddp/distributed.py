@@ -158,9 +158,9 @@ class DistributedDataParallel:
         signatures = param_sync.gather_param_signatures(params, self.group)
         param_sync.verify_param_shapes(signatures, list(self.group.ranks))
         local = self.layout.local_struct(params, self.layout.param_specs)
-        self.bucket_plan: BucketPlan = make_bucket_plan(dense_leaves(local, self.layout),
-                                                        bucket_cap_mb, first_bucket_mb)
-        if shard_optimizer_state and dense_leaves(local, self.layout) is not local:
+        dense = dense_leaves(local, self.layout)  # the experts go by their own axes
+        self.bucket_plan: BucketPlan = make_bucket_plan(dense, bucket_cap_mb, first_bucket_mb)
+        if shard_optimizer_state and dense is not local:
             raise ValueError(
                 "DistributedDataParallel: shard_optimizer_state=True (ZeRO-1) does not take "
                 f"expert parameters (split over expert_axes={tuple(expert_axes)}); leave it "

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from _child_env import child_env
 from _procs import finish
+from _require import import_or_skip
 
 from jaxpg.internal import free_port
 
@@ -53,7 +54,7 @@ def results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tutorial_model_matches_torch_pipelining(results):
-    pytest.importorskip("torch")
+    import_or_skip("torch", "torch pipelining is the reference of this comparison")
     for r, got in enumerate(results):
         torch_keys = [k for k in got if k.startswith("torch/")]
         assert torch_keys, f"rank {r} ran no torch pipeline"
