@@ -1,7 +1,14 @@
 """Two "hosts" on one machine: network namespaces joined by a veth pair.
 
 Only the documentation addresses 192.0.2.1 and 192.0.2.2 (RFC 5737) are used, and only
-inside the namespaces; everything made is deleted again, even when a test fails.
+inside the namespaces; everything made is deleted again, even when a test fails: processes
+still running inside a namespace are killed, the namespaces, the veth pair and the
+namespaces' ``/etc/netns/NS/hosts`` files are removed.
+
+Host names, where a test gives them, resolve only inside the namespaces: they are written to
+``/etc/netns/NS/hosts`` (iproute2's per-namespace files), which ``ip netns exec NS`` and
+:func:`inside` bind-mount over ``/etc/hosts`` in a mount namespace of their own, so this
+machine's ``/etc/hosts`` is never touched.
 """
 
 from __future__ import annotations
@@ -9,11 +16,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 HOST_ADDRESSES = ("192.0.2.1", "192.0.2.2")
+NETNS_ETC = Path("/etc/netns")  # iproute2's per-namespace files (ip-netns(8))
+NETNS_RUN = Path("/run/netns")  # where `ip netns add` mounts the namespaces
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -35,8 +47,15 @@ def why_no_namespaces() -> str | None:
 
 
 @contextlib.contextmanager
-def two_hosts() -> Iterator[tuple[str, str]]:
-    """Yields the names of two namespaces, 192.0.2.1 and 192.0.2.2, joined by a veth pair."""
+def two_hosts(host_names: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
+    """Yields the names of two namespaces, 192.0.2.1 and 192.0.2.2, joined by a veth pair.
+
+    Args:
+        host_names: two names that resolve, inside both namespaces, to 192.0.2.1 and
+            192.0.2.2; this machine's hostname then resolves in each namespace to that
+            namespace's own address, as a cluster node's hostname does. Empty: no hosts
+            files (the namespaces see this machine's ``/etc/hosts``).
+    """
     tag = uuid.uuid4().hex[:6]
     names = (f"jpg{tag}h0", f"jpg{tag}h1")
     veths = (f"jv{tag}a", f"jv{tag}b")
@@ -49,13 +68,56 @@ def two_hosts() -> Iterator[tuple[str, str]]:
             _check(_ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth))
             _check(_ip("-n", ns, "link", "set", veth, "up"))
             _check(_ip("-n", ns, "link", "set", "lo", "up"))
+        if host_names:
+            _write_hosts_files(names, host_names)
         yield names
     finally:
         for ns in names:
+            _kill_inside(ns)
             _ip("netns", "del", ns)  # deletes the veth end inside it, and so the pair
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            NETNS_ETC.rmdir()  # only if empty: another test's namespace may still use it
         for veth in veths:  # in case a failure left one outside the namespaces
             if _ip("link", "show", veth).returncode == 0:
                 _ip("link", "del", veth)
+
+
+def inside(ns: str) -> list[str]:
+    """The command prefix that runs a program in namespace ``ns``'s network, with its hosts
+    file (if any) as ``/etc/hosts``.
+
+    Unlike ``ip netns exec``, which also mounts a fresh ``/sys`` (hiding the cgroup
+    hierarchy that slurmd needs), this keeps every other mount: ``nsenter --net`` enters
+    the network namespace, ``unshare --mount`` makes a private mount namespace for the
+    bind mount; each execs the next, so the program keeps the process id the caller sees.
+    """
+    run = NETNS_RUN if NETNS_RUN.is_dir() else Path("/var/run/netns")
+    enter = ["nsenter", f"--net={run / ns}"]
+    hosts = NETNS_ETC / ns / "hosts"
+    if not hosts.is_file():
+        return enter
+    return [*enter, "unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
+            str(hosts)]
+
+
+def _write_hosts_files(namespaces: Sequence[str], host_names: Sequence[str]) -> None:
+    if len(host_names) != len(HOST_ADDRESSES):
+        raise ValueError(f"two host names, not {list(host_names)}")
+    nodes = "".join(f"{a} {n}\n" for a, n in zip(HOST_ADDRESSES, host_names))
+    for ns, own in zip(namespaces, HOST_ADDRESSES):
+        folder = NETNS_ETC / ns
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text(
+            f"127.0.0.1 localhost\n{nodes}{own} {socket.gethostname()}\n")
+
+
+def _kill_inside(ns: str) -> None:
+    """Kills what still runs inside namespace ``ns`` (started by the test), by pid."""
+    listed = _ip("netns", "pids", ns)
+    for pid in listed.stdout.split() if listed.returncode == 0 else []:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def _check(result: subprocess.CompletedProcess) -> None:
