@@ -1,5 +1,6 @@
 """Real cluster software for the tests: a one-node Slurm (munged, slurmctld, slurmd) in a
-temporary directory, and MPIwrapper built for this machine's Open MPI.
+temporary directory, a two-node one (a slurmd in each of two network namespaces), and
+MPIwrapper built for this machine's Open MPI.
 
 Both need Debian packages (``.ci/install_cluster_deps.sh`` installs them and builds
 MPIwrapper into the cache this module reads). Where something is missing, the fixtures skip
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -124,7 +126,7 @@ def mpirun_command(n: int, *, env: dict[str, str], forward: list[str]) -> list[s
 # --------------------------------------------------------------------------------- Slurm
 _SLURM_CONF = """\
 ClusterName=jaxpgtest
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={ctld_host}({ctld_addr})
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 SlurmUser=root
@@ -133,76 +135,115 @@ AuthType=auth/munge
 AuthInfo=socket={munge_socket}
 CredType=cred/munge
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
 ReturnToService=2
+# sbatch --wait polls every 2 s, then 8 s, then 32 s while the wait is under MinJobAge / 2;
+# 0 (job records never purged: a test cluster runs few jobs) keeps it at 2 s
+MinJobAge=0
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SlurmdParameters=config_overrides
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+{nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 """
 
+TWO_NODES = ("jpgnode0", "jpgnode1")  # resolve to 192.0.2.1 and 192.0.2.2 in the namespaces
+
 
 class Slurm:
-    """A running one-node Slurm: ``env`` is what ``srun``/``sbatch`` need (``SLURM_CONF``)."""
+    """A running Slurm: ``env`` is what ``srun``/``sbatch`` need (``SLURM_CONF``), and
+    :meth:`command` puts a client command where the controller is reachable (inside the
+    first node's network namespace for :func:`two_node_slurm`)."""
 
-    def __init__(self, root: Path, env: dict[str, str], daemons: list[subprocess.Popen]):
+    def __init__(self, root: Path, env: dict[str, str], daemons: list[subprocess.Popen],
+                 prefix: list[str], nodes: list[str]):
         self.root, self.env, self.daemons = root, env, daemons
+        self.prefix, self.nodes = prefix, nodes
+
+    def command(self, *args: str) -> list[str]:
+        return [*self.prefix, *args]
+
+    def srun(self, args: list[str], timeout: float = 300, **extra: str) -> str:
+        """``srun --label ARGS`` to its end; its output (stdout then stderr), which must
+        exit 0 (else the assertion shows the output and the daemons' logs)."""
+        env = dict(self.env, **extra)
+        cmd = self.command("srun", "--overcommit", "--label", "--kill-on-bad-exit=1", *args)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output[-5000:] + "\n" + self.logs()
+        return output
 
     def logs(self) -> str:
         out = []
-        for name in ("slurmctld.log", "slurmd.log", "munged.log"):
-            path = self.root / name
-            if path.is_file():
-                out.append(f"--- {name}\n" + path.read_text(errors="replace")[-2000:])
+        for path in sorted(self.root.glob("*.log")):
+            out.append(f"--- {path.name}\n" + path.read_text(errors="replace")[-2000:])
         return "\n".join(out)
 
 
-def _wait_until_idle(env: dict[str, str], root: Path, timeout: float) -> None:
+def by_label(output: str) -> dict[int, list[str]]:
+    """srun --label's lines, per task: ``3: text``."""
+    lines: dict[int, list[str]] = {}
+    for m in re.finditer(r"^\s*(\d+): (.*)$", output, re.M):
+        lines.setdefault(int(m.group(1)), []).append(m.group(2))
+    return lines
+
+
+def _wait_until_idle(slurm: Slurm, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    state = ""
+    states: list[str] = []
+    done = None
     while time.monotonic() < deadline:
-        done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
-                              env=env, timeout=30)
-        state = done.stdout.strip()
-        if state.startswith("idle"):
+        done = subprocess.run(slurm.command("sinfo", "-h", "-N", "-o", "%N %T"),
+                              capture_output=True, text=True, env=slurm.env, timeout=30)
+        states = sorted(done.stdout.split("\n")[:-1])
+        if states == sorted(f"{n} idle" for n in slurm.nodes):
             return
         time.sleep(0.5)
-    raise RuntimeError(f"Slurm's node did not become idle within {timeout} s (state "
-                       f"{state!r}); logs in {root}")
+    why = done.stderr.strip()[-500:] if done else ""
+    raise RuntimeError(f"Slurm's nodes did not become idle within {timeout} s ({states}; "
+                       f"{why}); logs in {slurm.root}\n{slurm.logs()}")
 
 
 @contextlib.contextmanager
-def one_node_slurm(root: Path) -> Iterator[Slurm]:
-    """Starts munged, slurmctld and slurmd (foreground, as children) in ``root``; stops them."""
+def _slurm(root: Path, nodes: list[tuple[str, str, list[str]]],
+           ctld: tuple[str, list[str]]) -> Iterator[Slurm]:
+    """munged, slurmctld and one slurmd per node (foreground, as children) in ``root``.
+
+    ``nodes``: (name, address, prefix) per node, ``prefix`` the command that puts its slurmd
+    where ``address`` is its own (:func:`_netns.inside`, or nothing); ``ctld``: the
+    controller's (address, prefix), the clients' prefix too. munged's socket is a file, so
+    one munged serves every namespace.
+    """
     missing = missing_programs("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo")
     if missing:
-        unavailable(f"a one-node Slurm needs {missing} (apt-get install slurm-wlm munge)")
+        unavailable(f"a Slurm needs {missing} (apt-get install slurm-wlm munge)")
     if os.geteuid() != 0:
         unavailable("slurmd must run as root to start job steps")
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o755)
-    for sub in ("state", "spool", "munge"):
+    for sub in ["state", "munge", *(f"spool-{name}" for name, _, _ in nodes)]:
         (root / sub).mkdir(exist_ok=True)
     os.chmod(root / "munge", 0o700)
     key = root / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     os.chmod(key, 0o400)
     socket_path = root / "munge" / "munge.sock"
-    host = socket.gethostname()
+    cpus = os.cpu_count() or 1
     conf = root / "slurm.conf"
-    conf.write_text(_SLURM_CONF.format(host=host, ctld_port=free_port(), d_port=free_port(),
-                                       munge_socket=socket_path, root=root,
-                                       cpus=os.cpu_count() or 1))
+    conf.write_text(_SLURM_CONF.format(
+        ctld_host=socket.gethostname(), ctld_addr=ctld[0], ctld_port=free_port(),
+        d_port=free_port(), munge_socket=socket_path, root=root,
+        nodes="\n".join(f"NodeName={name} NodeAddr={addr} CPUs={cpus} State=UNKNOWN"
+                        for name, addr, _ in nodes)))
     env = clean_env(SLURM_CONF=str(conf))
     daemons: list[subprocess.Popen] = []
 
@@ -219,12 +260,14 @@ def one_node_slurm(root: Path) -> Iterator[Slurm]:
         deadline = time.monotonic() + 30
         while not socket_path.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        start(["slurmctld", "-D", "-f", str(conf)], "slurmctld.out")
-        start(["slurmd", "-D", "-f", str(conf), "-N", host], "slurmd.out")
-        _wait_until_idle(env, root, 90)
-        yield Slurm(root, env, daemons)
+        start([*ctld[1], "slurmctld", "-D", "-f", str(conf)], "slurmctld.out")
+        for name, _, prefix in nodes:
+            start([*prefix, "slurmd", "-D", "-f", str(conf), "-N", name], f"slurmd-{name}.out")
+        slurm = Slurm(root, env, daemons, ctld[1], [name for name, _, _ in nodes])
+        _wait_until_idle(slurm, 90)
+        yield slurm
     finally:
-        for proc in reversed(daemons):  # slurmd, slurmctld, munged
+        for proc in reversed(daemons):  # the slurmds, slurmctld, munged
             if proc.poll() is None:
                 proc.terminate()
                 try:
@@ -232,3 +275,31 @@ def one_node_slurm(root: Path) -> Iterator[Slurm]:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+@contextlib.contextmanager
+def one_node_slurm(root: Path) -> Iterator[Slurm]:
+    """A one-node Slurm on 127.0.0.1 (the node is this machine's hostname); stopped after."""
+    with _slurm(root, [(socket.gethostname(), "127.0.0.1", [])], ("127.0.0.1", [])) as slurm:
+        yield slurm
+
+
+@contextlib.contextmanager
+def two_node_slurm(root: Path) -> Iterator[Slurm]:
+    """A two-node Slurm: nodes ``jpgnode0`` (192.0.2.1) and ``jpgnode1`` (192.0.2.2), each
+    slurmd in its own network namespace (:func:`_netns.two_hosts`, where the node names
+    resolve), slurmctld in the first; clients run there too (:meth:`Slurm.command`).
+    Everything is stopped and deleted after, even on failure."""
+    from _netns import HOST_ADDRESSES, inside, two_hosts, why_no_namespaces
+
+    reason = why_no_namespaces()
+    if reason is not None:
+        unavailable(f"a two-node Slurm needs network namespaces: {reason}")
+    missing = missing_programs("nsenter", "unshare")
+    if missing:
+        unavailable(f"a two-node Slurm needs {missing} (apt-get install util-linux)")
+    with two_hosts(TWO_NODES) as namespaces:
+        prefixes = [inside(ns) for ns in namespaces]
+        nodes = list(zip(TWO_NODES, HOST_ADDRESSES, prefixes))
+        with _slurm(root, nodes, (HOST_ADDRESSES[0], prefixes[0])) as slurm:
+            yield slurm

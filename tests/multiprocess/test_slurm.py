@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _cluster import unavailable
+from _cluster import by_label, unavailable
 
 WORKER = Path(__file__).parent / "workers" / "cluster_worker.py"
 pytestmark = pytest.mark.slow
@@ -26,27 +26,9 @@ COLLECTIVES = {
 }
 
 
-def by_label(output: str) -> dict[int, list[str]]:
-    """srun --label's lines, per task: ``3: text``."""
-    lines: dict[int, list[str]] = {}
-    for m in re.finditer(r"^\s*(\d+): (.*)$", output, re.M):
-        lines.setdefault(int(m.group(1)), []).append(m.group(2))
-    return lines
-
-
-def srun(slurm, args: list[str], timeout: float = 300, **extra: str):
-    env = dict(slurm.env, **extra)
-    cmd = ["srun", "--overcommit", "--label", "--kill-on-bad-exit=1", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-5000:] + "\n" + slurm.logs()
-    return output
-
-
 @pytest.mark.timeout(400)
 def test_srun_tasks_are_the_world_collectives_and_ddp(slurm):
-    output = srun(slurm, ["-n", "4", sys.executable, str(WORKER), "default",
-                          "collectives,ddp"])
+    output = slurm.srun(["-n", "4", sys.executable, str(WORKER), "default", "collectives,ddp"])
     lines = by_label(output)
     assert sorted(lines) == [0, 1, 2, 3], output[-3000:]
     for task, text in lines.items():
@@ -65,8 +47,8 @@ def test_srun_tasks_are_the_world_collectives_and_ddp(slurm):
 def test_jaxpg_run_per_node_under_srun(slurm):
     """srun -n 2 jaxpg-run --nproc-per-node 2: two launchers (two "nodes" here), one world
     of four; node n's workers are ranks 2n and 2n + 1."""
-    output = srun(slurm, ["-n", "2", sys.executable, "-m", "jaxpg.run", "--nproc-per-node",
-                          "2", str(WORKER), "default", "world"])
+    output = slurm.srun(["-n", "2", sys.executable, "-m", "jaxpg.run", "--nproc-per-node",
+                         "2", str(WORKER), "default", "world"])
     lines = by_label(output)
     for node in (0, 1):
         text = "\n".join(lines[node])
@@ -92,7 +74,7 @@ def test_sbatch_script_is_one_process_and_its_srun_step_is_the_world(slurm, tmp_
     script = tmp_path / "job.sh"
     script.write_text(SCRIPT.format(python=sys.executable))
     out = tmp_path / "job.out"
-    done = subprocess.run(["sbatch", "--wait", f"--output={out}", str(script)],
+    done = subprocess.run(slurm.command("sbatch", "--wait", f"--output={out}", str(script)),
                           capture_output=True, text=True, timeout=200, env=slurm.env)
     text = out.read_text() if out.exists() else ""
     assert done.returncode == 0, done.stdout + done.stderr + text + slurm.logs()
@@ -102,12 +84,12 @@ def test_sbatch_script_is_one_process_and_its_srun_step_is_the_world(slurm, tmp_
 
 @pytest.mark.timeout(300)
 def test_mpi_backend_under_srun_pmix(slurm, mpiwrapper):
-    plugins = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True,
-                             env=slurm.env, timeout=60)
+    plugins = subprocess.run(slurm.command("srun", "--mpi=list"), capture_output=True,
+                             text=True, env=slurm.env, timeout=60)
     if "pmix" not in plugins.stdout + plugins.stderr:
         unavailable("this Slurm has no mpi/pmix plugin (srun --mpi=list)")
-    output = srun(slurm, ["--mpi=pmix", "-n", "2", sys.executable, str(WORKER), "mpi", "world"],
-                  MPITRAMPOLINE_LIB=mpiwrapper)
+    output = slurm.srun(["--mpi=pmix", "-n", "2", sys.executable, str(WORKER), "mpi", "world"],
+                        MPITRAMPOLINE_LIB=mpiwrapper)
     lines = by_label(output)
     for task in (0, 1):
         assert f"WORLD {task} 2 mpi local_rank={task}" in lines[task]
