@@ -101,7 +101,7 @@ def _main(args: argparse.Namespace) -> None:
                "torch": lambda tensor=tensor: dist.all_reduce(tensor)}
         for f in fns.values():  # compile and warm up
             f()
-        times = slowest_rank(time_rounds(fns, args.rounds, args.iters), args.rounds)
+        times = slowest_rank(time_rounds(fns, args.rounds, args.iters))
         result["sizes"][str(mb)] = times
     # DDP: the same model and optimizer in both frameworks
     batch = make_batch(32 * n, seed=1)
@@ -120,7 +120,7 @@ def _main(args: argparse.Namespace) -> None:
     steps = {"jaxpg_ddp": lambda: ddp.train_step(loss_fn, mine)["loss"], "torch_ddp": torch_step}
     for f in steps.values():
         f()
-    result["ddp"] = slowest_rank(time_rounds(steps, args.ddp_rounds), args.ddp_rounds)
+    result["ddp"] = slowest_rank(time_rounds(steps, args.ddp_rounds))
     leave_both_worlds()
     if rank == 0:
         with open(args.out, "w") as f:

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.distributed as dist
-from _timing import block, join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
+from _rounds import block, medians
+from _timing import join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -191,9 +192,9 @@ def main() -> None:
             iters = iters_for(size, args.iter_bytes)
             times = time_rounds(fns, args.rounds, iters)
             del fns
-            per_round = slowest_rank(times, args.rounds)
+            per_round = slowest_rank(times)
             if rank == 0:
-                med = {v: statistics.median(ts) for v, ts in per_round.items()}
+                med = medians(per_round)
                 row = {"n": n, "op": op, "size_bytes": size, "iters": iters,
                        "rounds": args.rounds, "warmup_s": warm_s,
                        "time_us": {v: t * 1e6 for v, t in med.items()},
@@ -201,7 +202,7 @@ def main() -> None:
                                           for v, ts in per_round.items()},
                        "algbw_GBps": {v: size / t / 1e9 for v, t in med.items()},
                        "busbw_GBps": {v: size / t / 1e9 * bus_factor(op, n)
-                                      for v, t in med.items()}}
+                                      for v, t in med.items()}, **times.loads()}
                 rows.append(row)
                 print(f"N={n} {op:15s} {size:>10d} B  " + "  ".join(
                     f"{v}={t * 1e6:10.1f}us" for v, t in med.items()), flush=True)

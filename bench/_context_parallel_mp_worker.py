@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import jax
 import numpy as np
 import torch
 import torch.distributed as dist
+from _rounds import medians, ratio_median
 from _timing import join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -135,16 +135,17 @@ def main():
     errors = {"jaxpg": float(np.max(np.abs(np.asarray(jx().addressable_shards[0].data[0])
                                            - want))),
               "torch": float(np.max(np.abs(th().numpy() - want)))}
-    times = slowest_rank(time_rounds({"torch": th, "jaxpg": jx}, args.rounds), args.rounds)
+    timed = time_rounds({"torch": th, "jaxpg": jx}, args.rounds)
+    times = slowest_rank(timed)
     if rank == 0:
-        med = {k_: statistics.median(t) for k_, t in times.items()}
-        ratio = [j / t for j, t in zip(times["jaxpg"], times["torch"], strict=True)]
+        med = medians(times)
         with open(args.out, "w") as fh:
             json.dump({"cp": cp, "seq": args.seq, "batch": args.batch, "heads": args.heads,
                        "head_dim": args.dim, "torch_threads": 1,
                        "forward_ms": {k_: 1e3 * t for k_, t in med.items()},
                        "jaxpg_over_torch_time": med["jaxpg"] / med["torch"],
-                       "jaxpg_over_torch_time_per_round_median": statistics.median(ratio),
+                       "jaxpg_over_torch_time_per_round_median": ratio_median(
+                           times["jaxpg"], times["torch"]), **timed.loads(),
                        "rounds_ms": {k_: [1e3 * x for x in t] for k_, t in times.items()},
                        "rank0_max_abs_error_vs_full_attention": errors}, fh)
     print(f"AGREE {max(errors.values()) < 1e-4} {errors}", flush=True)

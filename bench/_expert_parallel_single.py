@@ -24,22 +24,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _rounds import run_rounds  # noqa: E402  (bench/ is sys.path[0])
 
 import jaxpg  # noqa: E402
 from jaxpg.expert_parallel import moe  # noqa: E402
 
 AUX_WEIGHT = 0.01
-
-
-def rotated(keys, r):  # as bench/_timing.rotated (which imports torch)
-    k = r % len(keys)
-    return list(keys[k:]) + list(keys[:k])
 
 
 def inputs(ep, experts, args, seed=0):
@@ -94,17 +88,12 @@ def per_device_bytes(step, args_):
 
 
 def timed(variants, rounds):
-    """``{name: (fn, args)}`` -> ``{name: {"median_s", "rounds"}}``, compiled first."""
-    for f, a in variants.values():
-        jax.block_until_ready(f(*a))
-    times = {v: [] for v in variants}
-    for r in range(rounds):
-        for v in rotated(list(variants), r):
-            f, a = variants[v]
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            times[v].append(time.perf_counter() - t0)
-    return {v: {"median_s": statistics.median(t), "rounds": t} for v, t in times.items()}
+    """``{name: (fn, args)}`` -> ``{name: {"median_s", "rounds", load averages}}``,
+    compiled first (``bench/_rounds.py``)."""
+    r = run_rounds({v: (lambda f=f, a=a: f(*a)) for v, (f, a) in variants.items()}, rounds,
+                   warmup=1)
+    return {v: {"median_s": m, "rounds": r.wall[v], **r.loads()}
+            for v, m in r.medians().items()}
 
 
 def rows_per_rank(ep, experts, top_k, tokens, capacity_factor=None):

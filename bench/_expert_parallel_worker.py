@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
+from _rounds import medians, ratio_median
 from _timing import join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -149,15 +149,17 @@ def main():
     errors = {n: float(np.max(np.abs(m - t.grad.numpy())))
               for n, m, t in zip(("x", "gate_w", "w1", "w2"), mine, th_args[:4], strict=True)}
     loss_diff = abs(float(np.asarray(jl.addressable_shards[0].data[0])) - float(tl))
-    times = slowest_rank(time_rounds({"torch": th, "jaxpg": jx}, args.rounds), args.rounds)
+    timed = time_rounds({"torch": th, "jaxpg": jx}, args.rounds)
+    times = slowest_rank(timed)
     if rank == 0:
-        med = {k: statistics.median(v) for k, v in times.items()}
-        ratio = [j / t for j, t in zip(times["jaxpg"], times["torch"], strict=True)]
+        med = medians(times)
         result = {"ep": ep, "experts": args.experts, "tokens_per_rank": args.tokens,
                   "dim": args.dim, "ffn": args.ffn, "top_k": args.top_k,
                   "step_ms": {k: 1e3 * v for k, v in med.items()},
                   "jaxpg_over_torch_time": med["jaxpg"] / med["torch"],
-                  "jaxpg_over_torch_time_per_round_median": statistics.median(ratio),
+                  "jaxpg_over_torch_time_per_round_median": ratio_median(times["jaxpg"],
+                                                                       times["torch"]),
+                  **timed.loads(),
                   "rounds_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
                   "rank0_max_abs_grad_difference": errors,
                   "rank0_loss_difference": loss_diff}

@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import jax
 import numpy as np
 import optax
 import torch
-import torch.distributed as dist
+from _rounds import medians
 from _timing import join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from flax import nnx
 from torch.distributed.device_mesh import init_device_mesh
@@ -158,11 +157,8 @@ def main() -> None:
 
     fns = {"torch_fsdp2": torch_step} if want is None or "torch_fsdp2" in want else {}
     fns.update({k: (lambda w=w: jaxpg_step(w)) for k, w in wrappers.items()})
-    for f in fns.values():
-        for _ in range(args.warmup):
-            dist.barrier()
-            f()
-    per_round = slowest_rank(time_rounds(fns, args.rounds), args.rounds)
+    timed = time_rounds(fns, args.rounds, warmup=args.warmup)
+    per_round = slowest_rank(timed)
     memory = {k: step_memory(w, loss_fn, batch).as_dict() for k, w in wrappers.items()}
     if "torch_fsdp2" in fns:
         memory["torch_fsdp2"] = {"state": torch_state_bytes(tmodel, topt)}
@@ -184,13 +180,13 @@ def main() -> None:
             weight, bias = (t.full_tensor().detach().numpy() for t in list(tmodel.parameters())[:2])
             agree["torch_fsdp2"] = diff([weight.T, bias])
     if rank == 0:
-        med = {v: statistics.median(x) * 1e3 for v, x in per_round.items()}
+        med = {v: t * 1e3 for v, t in medians(per_round).items()}
         out = {
             "n": n, "depth": args.depth, "batch_per_rank": args.batch, "rounds": args.rounds,
             "params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
             "step_ms": med, "round_ms": {v: [1e3 * t for t in x] for v, x in per_round.items()},
             "memory_bytes": memory, "first_layer_rel_diff_vs_jaxpg_ddp": agree,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **timed.loads(),
         }
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

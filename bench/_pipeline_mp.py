@@ -9,24 +9,17 @@ Import this module before JAX: it asks for ``p`` simulated CPU devices in this p
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "bench" / "_pipeline_mp_worker.py"
-_WORKER_ENV = dict(os.environ)  # before the flag below: the workers get their own devices
+from _launch import BENCH, free_port
+from _launch import launch as _launch
+
+WORKER = BENCH / "_pipeline_mp_worker.py"
+# the workers do not inherit this flag (bench/_launch.py drops it): one device each
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def single_process_reference(path, schedules, p, m, blocks, dim, microbatch) -> None:
@@ -55,12 +48,8 @@ def launch(nproc: int, worker_args: list[str], timeout: int = 3000,
     """Runs ``worker`` (default ``_pipeline_mp_worker.py``) as ``nproc`` processes under
     ``jaxpg-run`` (each pinned to its own core when there are enough, several to a core
     round-robin when not), streaming rank 0's output; raises on failure."""
-    env = dict(_WORKER_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    )
-    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(nproc),
-           "--local-ranks-filter", "0", str(worker), "--torch-port", str(free_port()),
-           *worker_args]  # fmt: skip
-    print(" ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=timeout)
+    args = ["--torch-port", free_port(), *worker_args]
+    print(f"jaxpg.run --nproc-per-node {nproc} {worker.name} {' '.join(map(str, args))}",
+          flush=True)
+    _launch(worker, args, nproc=nproc, launcher_args=["--local-ranks-filter", "0"],
+            timeout=timeout, capture=False)

@@ -28,7 +28,6 @@ import functools
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -237,7 +236,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch.distributed as dist
-    from _timing import join_both_worlds, leave_both_worlds, rotated
+    from _timing import join_both_worlds, leave_both_worlds, time_rounds
 
     from jaxpg.pipeline import get_schedule, to_model_order, to_rank_order
 
@@ -317,25 +316,16 @@ def main() -> None:
         assert c["vs_un_pipelined"] <= 1e-4, (key, c)
         assert c.get("vs_single_process", 0.0) <= 1e-5, (key, c)
 
-    def timed(fn):
-        dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
-        jax.block_until_ready(fn())
-        mine = (time.perf_counter() - start, time.process_time() - cpu)
-        dist.barrier()
-        return mine
-
-    keys = list(fns)
-    for key in keys:  # warm-up: every program compiled and run once more
-        timed(fns[key])
-    samples = {key: [] for key in keys}
-    loads = []
-    for r in range(args.rounds):
-        for key in rotated(keys, r):
-            samples[key].append(timed(fns[key]))
-        loads.append(os.getloadavg()[0])
+    def progress(r, so_far):
         if rank == 0:
-            print(f"round {r + 1}/{args.rounds} done, load {loads[-1]:.1f}", flush=True)
+            print(f"round {r + 1}/{args.rounds} done, load {so_far.load[-1]:.1f}", flush=True)
+
+    # warm-up: every program compiled and run once more; then the rounds, each sample
+    # between two barriers (so no rank starts the next variant while another runs this one)
+    timed = time_rounds(fns, args.rounds, warmup=1, after=dist.barrier, progress=progress)
+    keys = list(fns)
+    samples = {k: list(zip(timed.wall[k], timed.cpu[k], strict=True)) for k in keys}
+    loads = timed.load[1:]
     everyone = [None] * p
     dist.all_gather_object(everyone, (samples, sorted(os.sched_getaffinity(0))))
     affinity = [a for _, a in everyone]
@@ -349,7 +339,7 @@ def main() -> None:
             rows[key] = {"wall_s": wall, "cpu_s_per_rank": cpu,
                          "median_ms": 1e3 * statistics.median(wall)}  # fmt: skip
         result = {"p": p, "affinity_per_rank": affinity, "load_1min": loads,
-                  "checks": checks, "times": rows}  # fmt: skip
+                  **timed.loads(), "checks": checks, "times": rows}  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(result, f)
     leave_both_worlds()

@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 from typing import Any
 
 import jax
@@ -30,6 +29,7 @@ import optax
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _rounds import medians, ratio_median
 from _timing import join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -269,18 +269,16 @@ def run_model(name: str, args, rank: int, n: int) -> dict:
         fns["jaxpg_allreduce_activation"] = lambda: jax.block_until_ready(psum(jact))
     if args.compose and not sp:  # the same model through DDP on a (dp=1, tp=n) mesh
         fns["jaxpg_ddp"] = ddp_step(name, args, n, x, jx.sharding)
-    for f in fns.values():
-        for _ in range(args.warmup):
-            dist.barrier()
-            f()
-    per_round = slowest_rank(time_rounds(fns, args.rounds), args.rounds)
-    med = {v: statistics.median(t) for v, t in per_round.items()}
+    timed = time_rounds(fns, args.rounds, warmup=args.warmup)
+    per_round = slowest_rank(timed)
+    med = medians(per_round)
     return {
         "step_ms": {v: 1e3 * t for v, t in med.items()},
         "round_ms": {v: [1e3 * t for t in ts] for v, ts in per_round.items()},
         "jaxpg_over_torch_speed": med["torch"] / med["jaxpg"],
-        "jaxpg_over_torch_speed_per_round_median": statistics.median(
-            t / j for t, j in zip(per_round["torch"], per_round["jaxpg"], strict=True)),
+        "jaxpg_over_torch_speed_per_round_median": ratio_median(per_round["torch"],
+                                                               per_round["jaxpg"]),
+        **timed.loads(),
         "first_loss": first,
         "collectives": collective_counts(compiled),
         "collective_bytes": collective_bytes(compiled),

@@ -36,7 +36,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +44,7 @@ import optax
 import torch
 import torch.distributed as dist
 from _models import MLP, local_step, loss_fn, make_batch, n_params, torch_mlp  # bench/ is path[0]
+from _rounds import medians
 from _timing import join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from flax import nnx
 
@@ -157,13 +157,10 @@ def main() -> None:
     fns.update({"jax_compute": compute_step, "jaxpg_allreduce_100MB": comm_step})
     if want is not None:
         fns = {k: fns[k] for k in fns if k in want}
-    for f in fns.values():
-        for _ in range(args.warmup):
-            dist.barrier()
-            f()
-    per_round = slowest_rank(time_rounds(fns, args.steps), args.steps)
+    timed = time_rounds(fns, args.steps, warmup=args.warmup)
+    per_round = slowest_rank(timed)
     if rank == 0:
-        med = {v: statistics.median(x) for v, x in per_round.items()}
+        med = medians(per_round)
         ms = {v: 1e3 * t for v, t in med.items()}
         steps = [v for v in ms if v in ("torch", "torch_no_comm", "jax_compute")
                  or (v.startswith("jaxpg") and not v.endswith("_100MB"))]
@@ -174,7 +171,7 @@ def main() -> None:
             "xla_threads": len(os.listdir("/proc/self/task")),
             "step_ms": ms,
             "round_ms": {v: [1e3 * t for t in x] for v, x in per_round.items()},
-            "samples_per_s": {v: n * args.batch / med[v] for v in steps},
+            "samples_per_s": {v: n * args.batch / med[v] for v in steps}, **timed.loads(),
         }
         if "torch" in ms:
             out["over_torch_samples"] = {v: ms["torch"] / ms[v] for v in steps}

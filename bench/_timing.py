@@ -1,22 +1,21 @@
-"""Shared pieces of the workers that time jaxpg beside torch.distributed in one process.
+"""The torch side of the workers that time jaxpg beside torch.distributed in one process.
 
-``bench/_collectives_mp_worker.py``, ``bench/_throughput_ddp_worker.py`` and
-``bench/_pipeline_mp_worker.py`` (each started by ``jaxpg.run``, one process per rank)
-join jaxpg's world and a torch gloo world of the same ranks, time their variants round by
-round in a rotating order with a torch barrier before each, and keep the slowest rank's
-time of every round. Imports torch; the workers import this module where they import
-torch.
+``bench/_collectives_mp_worker.py``, ``bench/_throughput_ddp_worker.py``,
+``bench/_pipeline_mp_worker.py`` and the other torch workers (each started by ``jaxpg.run``,
+one process per rank) join jaxpg's world and a torch gloo world of the same ranks, time
+their variants with ``bench/_rounds.py``'s loop, a torch barrier before each sample, and
+keep the slowest rank's time of every round. Imports torch; the workers import this module
+where they import torch.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import jax
 import torch
 import torch.distributed as dist
+from _rounds import Rounds, run_rounds
 
 import jaxpg
 
@@ -46,45 +45,17 @@ def leave_both_worlds() -> None:
     jaxpg.destroy_process_group()
 
 
-def rotated(keys: Sequence[str], r: int) -> list[str]:
-    """``keys`` in round ``r``'s order: starting at ``keys[r % len(keys)]``, wrapping."""
-    k = r % len(keys)
-    return list(keys[k:]) + list(keys[:k])
+def time_rounds(fns: dict[str, Callable[[], Any]], rounds: int, iters: int = 1,
+                **kwargs: Any) -> Rounds:
+    """``bench/_rounds.run_rounds`` with a torch barrier before every sample: this rank's
+    seconds per call of every variant, one sample a round (``kwargs``: run_rounds')."""
+    return run_rounds(fns, rounds, iters=iters, barrier=dist.barrier, **kwargs)
 
 
-def block(out: Any) -> None:
-    """Waits for every ``jax.Array`` in ``out`` (any pytree; other leaves are ignored)."""
-    for leaf in jax.tree.leaves(out):
-        if isinstance(leaf, jax.Array):
-            leaf.block_until_ready()
-
-
-def time_rounds(fns: dict[str, Callable[[], Any]], rounds: int,
-                iters: int = 1) -> dict[str, list[float]]:
-    """This rank's seconds per call of every variant, one sample a round.
-
-    In each round every variant runs once, in the order :func:`rotated` gives; a variant's
-    sample is a torch barrier, then ``iters`` back-to-back calls, each blocked on its
-    result, timed together and divided by ``iters``.
-
-    Returns:
-        ``{variant: [seconds per call in round 0, round 1, ...]}``.
-    """
-    times: dict[str, list[float]] = {v: [] for v in fns}
-    for r in range(rounds):
-        for v in rotated(list(fns), r):
-            f = fns[v]
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                block(f())  # every call blocks, as torch's do (jaxpg's block anyway)
-            times[v].append((time.perf_counter() - t0) / iters)
-    return times
-
-
-def slowest_rank(times: dict[str, list[float]], rounds: int) -> dict[str, list[float]]:
-    """Every rank's :func:`time_rounds` result gathered (a collective: every rank calls
+def slowest_rank(times: Rounds | dict[str, list[float]]) -> dict[str, list[float]]:
+    """Every rank's :func:`time_rounds` samples gathered (a collective: every rank calls
     it); returns, for each variant and round, the slowest rank's time."""
+    mine = times.wall if isinstance(times, Rounds) else times
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, times)
-    return {v: [max(t[v][r] for t in everyone) for r in range(rounds)] for v in times}
+    dist.all_gather_object(everyone, mine)
+    return {v: [max(t[v][r] for t in everyone) for r in range(len(mine[v]))] for v in mine}
