@@ -10,7 +10,7 @@ else every rank skips it and the host raises. Both programs agree on the first
 collective (an int32 all-gather of the group's size), so a mismatch cannot abort.
 
 Variants, timed in the same two processes (``jaxpg-run --nproc-per-node 2``), in rounds
-that alternate their order, each call blocking on its result:
+that rotate their order (``bench/_rounds.py``), each call blocking on its result:
 
 * ``plain``: ``jit(shard_map(psum))`` on a global array (XLA alone);
 * ``guarded``: the same with the hash all-gather and the ``cond`` in front;
@@ -19,8 +19,8 @@ that alternate their order, each call blocking on its result:
 ``--check-mismatch`` runs the guard with different shapes on the two ranks and prints what
 each rank saw (the guard must skip on both, and nothing may abort).
 
-    flock /tmp/jaxpg-bench.lock python bench/shape_guard.py            # about 2 minutes
-    python bench/shape_guard.py --check-mismatch
+    flock /tmp/jaxpg-bench.lock python bench/experiments/shape_guard.py     # ~2 minutes
+    python bench/experiments/shape_guard.py --check-mismatch
 
 Writes ``bench/results/shape_guard.json`` and prints a markdown table.
 """
@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+from _launch import RESULTS, launch  # noqa: E402
+from _rounds import diff_median, ratio_median, run_rounds  # noqa: E402
+
 SIZES = {"4 KB": 1024, "4 MB": 1 << 20}
 
 
@@ -106,31 +104,21 @@ def worker(args: argparse.Namespace) -> None:
         x = global_array(local)
         iters = 40 if size < 10_000 else 4
         variants = {
-            "plain": lambda plain=plain, x=x: plain(x).block_until_ready(),
-            "guarded": lambda guarded=guarded, x=x: guarded(x)[0].block_until_ready(),
-            "eager": lambda local=local: jaxpg.all_reduce(local).block_until_ready(),
+            "plain": lambda plain=plain, x=x: plain(x),
+            "guarded": lambda guarded=guarded, x=x: guarded(x)[0],
+            "eager": lambda local=local: jaxpg.all_reduce(local),
         }
-        for fn in variants.values():  # compile and warm up
-            fn()
-            fn()
-        times = {k: [] for k in variants}
-        names = list(variants)
-        for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
-                jaxpg.barrier()
-                start = time.perf_counter()
-                for _ in range(iters):
-                    variants[name]()
-                times[name].append((time.perf_counter() - start) / iters * 1e3)
+        # two warm-up calls each (compile); every sample after a barrier
+        timed = run_rounds(variants, args.rounds, iters=iters, warmup=2,
+                           barrier=jaxpg.barrier)
+        times = {k: [t * 1e3 for t in v] for k, v in timed.wall.items()}
         ratios = [g / p for g, p in zip(times["guarded"], times["plain"])]
         results[label] = {
-            "ms_per_call_median": {k: statistics.median(v) for k, v in times.items()},
-            "guarded_over_plain_median": statistics.median(ratios),
+            "ms_per_call_median": {k: v * 1e3 for k, v in timed.medians().items()},
+            "guarded_over_plain_median": ratio_median(times["guarded"], times["plain"]),
             "guarded_over_plain_range": [min(ratios), max(ratios)],
-            "guarded_minus_plain_ms_median": statistics.median(
-                [g - p for g, p in zip(times["guarded"], times["plain"])]),
-            "iters_per_round": iters,
+            "guarded_minus_plain_ms_median": diff_median(times["guarded"], times["plain"]),
+            "iters_per_round": iters, **timed.loads(),
         }
     if rank == 0:
         Path(args.out).write_text(json.dumps(results))
@@ -140,31 +128,27 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(RESULTS / ".shape_guard_rank0.json"))
+    parser.add_argument("--out", default=str(RESULTS / "shape_guard.json"))
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--check-mismatch", action="store_true")
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", __file__, "--worker",
-           "--out", args.out, "--rounds", str(args.rounds)]
+    part = Path(args.out).with_suffix(".part.json")
+    # the mismatch check prints what each rank saw, whatever the exit: check=False there
+    done = launch(__file__, ["--worker", "--out", part, "--rounds", args.rounds]
+                  + (["--check-mismatch"] if args.check_mismatch else []), nproc=2,
+                  timeout=900, check=not args.check_mismatch)
+    print((done.output or "")[-4000:])
     if args.check_mismatch:
-        cmd.append("--check-mismatch")
-    load_before = os.getloadavg()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    print(proc.stdout[-4000:], proc.stderr[-4000:] if proc.returncode else "")
-    if args.check_mismatch or proc.returncode:
-        sys.exit(proc.returncode)
-    results = json.loads(Path(args.out).read_text())
-    Path(args.out).unlink()
-    record = {"command": "python bench/shape_guard.py --rounds " + str(args.rounds),
-              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        sys.exit(done.returncode)
+    results = json.loads(part.read_text())
+    part.unlink()
+    record = {"command": "python bench/experiments/shape_guard.py --rounds " + str(args.rounds),
               "processes": 2, "machine": "shared 2-core CPU VM (jaxpg development machine)",
               "results": results}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "shape_guard.json").write_text(json.dumps(record, indent=2))
+    Path(args.out).write_text(json.dumps(record, indent=2))
     print("| size | plain ms | guarded ms | jaxpg.all_reduce ms | guarded / plain (range) |")
     print("|---|---:|---:|---:|---:|")
     for label, r in results.items():

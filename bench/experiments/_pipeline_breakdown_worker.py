@@ -1,5 +1,5 @@
-"""One pipeline rank of ``bench/pipeline_breakdown.py`` (or, with ``--one-process N``, all
-ranks on N simulated devices of one process).
+"""One pipeline rank of ``bench/experiments/pipeline_breakdown.py`` (or, with
+``--one-process N``, all ranks on N simulated devices of one process).
 
 For each schedule, after two warm-up steps:
 
@@ -41,8 +41,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# bench/: the pipeline workers' model and steps, and the shared timing loop
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _pipeline_mp_worker import CHUNKS, jaxpg_step, make_batch, make_params, staged  # noqa: E402
+from _rounds import run_rounds  # noqa: E402
 
 
 def trace_ticks(fn, ticks: int) -> tuple[dict[Any, list[dict]], float]:
@@ -85,13 +87,7 @@ def trace_ticks(fn, ticks: int) -> tuple[dict[Any, list[dict]], float]:
 
 
 def timed_steps(fn, steps: int, barrier) -> list[float]:
-    walls = []
-    for _ in range(steps):
-        barrier()
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        walls.append(time.perf_counter() - start)
-    return walls
+    return run_rounds({"step": fn}, steps, barrier=barrier).wall["step"]
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ too: tracing slows it). For the process executor (``executor="mpmd"``)
 compute), the host's waits for messages and the lanes' transfer time (which overlaps
 compute). Step times are medians of ``--steps`` untraced steps.
 
-    python bench/pipeline_breakdown.py [--setups 2proc,4proc,1proc] [--schedules 1f1b,zb_h1]
+    python bench/experiments/pipeline_breakdown.py [--setups 2proc,4proc,1proc]
 
 Writes ``bench/results/pipeline_breakdown.json`` and prints markdown tables.
 """
@@ -28,14 +28,16 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import _pipeline_mp  # noqa: F401 (the launcher's environment for the workers)
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # bench/: the shared helpers
+import _pipeline_mp  # noqa: E402  (before JAX: the reference's device flag)
+from _launch import RESULTS, launch  # noqa: E402
+from _rounds import load_average  # noqa: E402
+
 WORKER = HERE / "_pipeline_breakdown_worker.py"
 
 
@@ -109,20 +111,19 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--microbatch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default=str(HERE / "results" / "pipeline_breakdown.json"))
+    ap.add_argument("--out", default=str(RESULTS / "pipeline_breakdown.json"))
     args = ap.parse_args()
     common = ["--schedules", args.schedules, "--m", str(args.m), "--blocks", str(args.blocks),
               "--dim", str(args.dim), "--microbatch", str(args.microbatch),
               "--steps", str(args.steps)]  # fmt: skip
     raw, rows = {}, []
-    loads = [os.getloadavg()[0]]
+    loads, load_before = [os.getloadavg()[0]], load_average()
     with tempfile.TemporaryDirectory() as tmp:
         for setup in args.setups.split(","):
             out = os.path.join(tmp, f"{setup}.json")
-            if setup == "1proc":
-                env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-                subprocess.run([sys.executable, str(WORKER), "--one-process", "4", *common,
-                                "--out", out], check=True, env=env, timeout=3000)
+            if setup == "1proc":  # one plain process; it sets its own device flag
+                launch(WORKER, ["--one-process", "4", *common, "--out", out],
+                       env={"XLA_FLAGS": None}, timeout=3000, capture=False)
             else:
                 nproc = int(setup.removesuffix("proc"))
                 _pipeline_mp.launch(nproc, [*common, "--out", out], worker=WORKER)
@@ -134,7 +135,8 @@ def main() -> None:
         "config": {"blocks": args.blocks, "dim": args.dim, "hidden": 4 * args.dim,
                    "microbatch_rows": args.microbatch, "m": args.m, "steps": args.steps,
                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
-        "load_1min": loads, "rows": rows, "raw": raw,
+        "load_1min": loads, "load_average_before": load_before,
+        "load_average_after": load_average(), "rows": rows, "raw": raw,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -4,26 +4,29 @@ torch users write ``ddp.train_step(lambda m, b: loss(m(b[0]), b[1]), batch)`` in
 The compiled steps are cached by the function's code and closure
 (``jaxpg.data_parallel.step_cache``), so both forms should run at the same speed. One
 process, 2 simulated CPU devices, a 2-layer MLP; the two forms alternate round by round
-and each round's median step time is kept.
+(``bench/_rounds.py``), ``--steps`` steps of each per round; the median over rounds counts.
 
-    python bench/step_cache.py            # writes bench/results/step_cache.json
+    python bench/experiments/step_cache.py      # writes bench/results/step_cache.json
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
 
+import argparse  # noqa: E402
 import json  # noqa: E402
-import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _launch import RESULTS  # noqa: E402
+from _rounds import run_rounds  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
@@ -31,9 +34,6 @@ import jaxpg  # noqa: E402
 from jaxpg.ddp import DistributedDataParallel  # noqa: E402
 from jaxpg.fsdp import FullyShardedDataParallel  # noqa: E402
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad  # noqa: E402
-
-ROUNDS, STEPS = 5, 10
-RESULTS = pathlib.Path(__file__).parent / "results" / "step_cache.json"
 
 
 class MLP(nnx.Module):
@@ -47,16 +47,6 @@ class MLP(nnx.Module):
 
 def mse(model, batch):
     return jnp.mean((model(batch[0]) - batch[1]) ** 2)
-
-
-def _time(step) -> float:
-    """Median seconds of one call of ``step`` over ``STEPS`` calls."""
-    times = []
-    for _ in range(STEPS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _wrapper_variants(wrapper_cls):
@@ -94,27 +84,28 @@ def _pipeline_variants():
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="steps of each form per round")
+    p.add_argument("--out", default=str(RESULTS / "step_cache.json"))
+    args = p.parse_args()
     jaxpg.init_process_group()
-    load = pathlib.Path("/proc/loadavg").read_text().split()[:3]
-    results = {"devices": jax.device_count(), "rounds": ROUNDS, "steps_per_round": STEPS,
-               "loadavg_before": load, "jax": jax.__version__, "ms_per_step": {}}
+    results = {"devices": jax.device_count(), "rounds": args.rounds,
+               "steps_per_round": args.steps, "jax": jax.__version__, "ms_per_step": {}}
     for name, variants in (("DistributedDataParallel.train_step",
                             _wrapper_variants(DistributedDataParallel)),
                            ("FullyShardedDataParallel.train_step",
                             _wrapper_variants(FullyShardedDataParallel)),
                            ("pipeline_value_and_grad", _pipeline_variants())):
-        for step in variants.values():  # compile once, outside the timing
-            jax.block_until_ready(step())
-        rounds = {key: [] for key in variants}
-        for r in range(ROUNDS):
-            for key in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
-                rounds[key].append(_time(variants[key]))
-        ms = {key: round(1e3 * statistics.median(v), 3) for key, v in rounds.items()}
+        # compiled once by the warm-up call, outside the timing
+        timed = run_rounds(variants, args.rounds, iters=args.steps, warmup=1)
+        ms = {key: round(1e3 * v, 3) for key, v in timed.medians().items()}
         ms["ratio fresh/reused"] = round(ms["fresh lambda"] / ms["reused loss_fn"], 3)
         results["ms_per_step"][name] = ms
+        results.setdefault("load_average_before", timed.load_before)
+        results["load_average_after"] = timed.load_after
         print(name, ms, flush=True)
-    results["loadavg_after"] = pathlib.Path("/proc/loadavg").read_text().split()[:3]
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     jaxpg.destroy_process_group()
 
 

@@ -1,7 +1,9 @@
 """Standalone: a 16 MB all-reduce across processes, XLA:CPU's gloo path against torch's gloo.
 
 Upstream-ready minimal reproduction: it needs only jax (tested with jax/jaxlib 0.10.2);
-torch (tested with 2.13.0) is optional and only adds the comparison. Nothing of jaxpg.
+torch (tested with 2.13.0) is optional and only adds the comparison. Nothing of jaxpg, and
+none of bench/'s helpers (``_launch``, ``_rounds``): it starts its processes and times its
+variants itself, so that the file can be filed as it is.
 
 Expected: ``jit(shard_map(psum))`` across N processes with
 ``jax_cpu_collectives_implementation='gloo'`` moves data about as fast as torch's gloo
@@ -52,8 +54,8 @@ through ``LD_PRELOAD`` (when installed), ``--xla_cpu_multi_thread_eigen=false``.
 Environment variants are interleaved too: round r launches every variant once, in a
 rotating order.
 
-    python bench/xla_gloo_allreduce_repro.py                  # N=2, 16 MB, ~5 min
-    python bench/xla_gloo_allreduce_repro.py --nprocs 2 --size 16M --rounds 3 \
+    python bench/experiments/xla_gloo_allreduce_repro.py      # N=2, 16 MB, ~5 min
+    python bench/experiments/xla_gloo_allreduce_repro.py --nprocs 2 --size 16M --rounds 3 \
         --out bench/results/throughput_breakdown.json
 
 The JSON (``--out``) holds every figure; a summary is printed, ending with the verdict
@@ -378,7 +380,7 @@ def main() -> None:
         torch_version = None
 
     result = {
-        "benchmark": "bench/xla_gloo_allreduce_repro.py",
+        "benchmark": "bench/experiments/xla_gloo_allreduce_repro.py",
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "jax": jax.__version__, "torch": torch_version,

@@ -2,26 +2,28 @@
 
 The same work runs in both layouts of ``--n`` ranks on this machine's CPU:
 
-* ``one process``: ``python bench/layouts.py --worker ...`` with ``--n`` simulated devices
+* ``one process``: ``python bench/experiments/layouts.py --worker ...`` with ``--n`` simulated
+  devices
   (``--xla_force_host_platform_device_count``), every rank in one process, as in the
   notebook;
-* ``process per rank``: ``jaxpg-run --nproc-per-node N bench/layouts.py --worker ...``, one
-  CPU device per process, XLA's gloo collectives between processes, as torch's layout.
+* ``process per rank``: the same under ``jaxpg-run --nproc-per-node N``, one CPU device per
+  process, XLA's gloo collectives between processes, as torch's layout.
 
 Measured in each: an eager ``all_reduce`` (``AVG``, its input the previous call's output, so
 already where it belongs) at 4 KB, 1 MB and 16 MB per rank, blocking on each result; and a
 ``DistributedDataParallel`` step (forward, backward, bucketed gradient all-reduce, Adam) of
 a small MLP (64-256-256-10, the digits model, 64 samples per rank) and of a 6.3M-parameter
 MLP (1024-2048-2048-10, 25 MB of gradients, 32 samples per rank). Each figure is the
-median over repeats within a run (rank 0's clock; every call blocks on its result).
+median over repeats within a run (``bench/_rounds.py``; rank 0's clock; every call blocks
+on its result).
 
 The two layouts cannot share one process, so they are interleaved run by run: every round
 starts one run of each, in alternating order, and the reported ratio is the median over
 rounds of (process per rank) / (one process). The machine is small and shared with other
 work: read the ratios, not the absolute times.
 
-    python bench/layouts.py                 # N = 2 ranks, 3 rounds: about 3 minutes on 2 cores
-    python bench/layouts.py --rounds 5
+    python bench/experiments/layouts.py     # N = 2 ranks, 3 rounds: ~3 minutes on 2 cores
+    python bench/experiments/layouts.py --rounds 5
 
 Writes ``bench/results/layouts.json`` and prints a markdown table.
 """
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
 if "--worker" in sys.argv and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
     n = sys.argv[sys.argv.index("--ranks") + 1] if "--ranks" in sys.argv else "2"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -42,13 +46,12 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parent.parent
+from _launch import RESULTS, launch  # noqa: E402
+from _rounds import load_average, rotated, run_rounds  # noqa: E402
+
 SIZES = {"4K": 4 << 10, "1M": 1 << 20, "16M": 16 << 20}
 MODELS = {"ddp_small": ((64, 256, 256, 10), 64), "ddp_25MB": ((1024, 2048, 2048, 10), 32)}
 LAYOUTS = ("one process", "process per rank")
@@ -56,13 +59,7 @@ LAYOUTS = ("one process", "process per rank")
 
 def _median_time(fn, repeats: int, calls: int) -> float:
     """Median over ``repeats`` of the mean time of ``calls`` back-to-back blocking calls."""
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+    return run_rounds({"fn": fn}, repeats, iters=calls).medians()["fn"]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -116,18 +113,9 @@ def worker(args: argparse.Namespace) -> None:
 def _run(layout: str, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.json")
-        script = [__file__, "--worker", path, "--ranks", str(args.n),
-                  "--repeats", str(args.repeats)]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        if layout == "one process":
-            cmd = [sys.executable, *script]
-        else:
-            cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(args.n), *script]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0 or not os.path.exists(path):
-            raise RuntimeError(f"{layout} run failed (rc {proc.returncode}):\n"
-                               f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        launch(__file__, ["--worker", path, "--ranks", args.n, "--repeats", args.repeats],
+               nproc=None if layout == "one process" else args.n, env={"XLA_FLAGS": None},
+               timeout=900, expect=[path], what=f"{layout} run")
         return json.loads(Path(path).read_text())
 
 
@@ -151,14 +139,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=7, help="timed repeats within a run")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(RESULTS / "layouts.json"))
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), load_average()
     rounds = []
     for r in range(args.rounds):
-        order = LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]
+        order = rotated(LAYOUTS, r)
         rounds.append({layout: _run(layout, args) for layout in order})
         print(f"round {r + 1}/{args.rounds}: {json.dumps(rounds[-1])}", flush=True)
     summary = {}
@@ -170,8 +159,8 @@ def main() -> None:
                             ratio_max=max(ratios))
     result = {
         "benchmark": "layouts",
-        "command": f"python bench/layouts.py --ranks {args.n} --rounds {args.rounds} "
-                   f"--repeats {args.repeats}",
+        "command": f"python bench/experiments/layouts.py --ranks {args.n} --rounds "
+                   f"{args.rounds} --repeats {args.repeats}",
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.platform()}, {os.cpu_count()} CPU cores shared with other work",
         "n": args.n,
@@ -180,9 +169,9 @@ def main() -> None:
         "rounds": rounds,
         "summary": summary,
         "wall_s": time.perf_counter() - start,
+        "load_average_before": load_before, "load_average_after": load_average(),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "layouts.json").write_text(json.dumps(result, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
 
 
