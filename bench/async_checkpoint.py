@@ -2,9 +2,10 @@
 save, for the GPT of ``bench/fsdp_memory.py`` (``--depth``, ``--d``; default its 110M one).
 
 One process, ``--ranks`` simulated CPU devices, FSDP stage 3 (blocks as units), Adam. Each
-round, in a rotating order: a plain step; an asynchronous save (the time until it returns,
-the state staged) followed by a step while orbax writes, and the wait for the rest of the
-write; a synchronous save. Medians over the rounds; the load average next to them.
+round (``bench/_rounds.py``), in a rotating order: a plain step; an asynchronous save (the
+time until it returns, the state staged) followed by a step while orbax writes, and the wait
+for the rest of the write; a synchronous save. Medians over the rounds; the load average
+next to them.
 
     flock /tmp/jaxpg-bench.lock python bench/async_checkpoint.py --depth 4 --rounds 3
 
@@ -21,7 +22,6 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -29,12 +29,12 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _launch import RESULTS  # noqa: E402  (bench/ is sys.path[0])
+from _rounds import medians, run_rounds  # noqa: E402
 from _transformer import GPT, SEQ, Block, loss_fn, n_params  # noqa: E402
 
 import jaxpg  # noqa: E402
 from jaxpg import fsdp as jfsdp  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -66,37 +66,43 @@ def main() -> None:
     jfsdp.save_checkpoint(root / "warmup", fsdp, async_save=True)  # orbax's first-call costs
     jfsdp.wait_for_checkpoints()
     jfsdp.save_checkpoint(root / "warmup_sync", fsdp)
+    # each variant records the parts of its round; the loop times the whole of each
     times: dict[str, list[float]] = {k: [] for k in (
         "plain_step", "async_save_returns", "step_during_async_write", "async_write_rest",
         "sync_save")}
-    loads = []
-    kinds = ["plain", "async", "sync"]
-    for r in range(args.rounds):
-        loads.append(os.getloadavg()[0])
-        for kind in kinds[r % 3:] + kinds[:r % 3]:
-            if kind == "plain":
-                times["plain_step"].append(step())
-            elif kind == "async":
-                t = time.perf_counter()
-                jfsdp.save_checkpoint(root / "async", fsdp, async_save=True)
-                times["async_save_returns"].append(time.perf_counter() - t)
-                times["step_during_async_write"].append(step())
-                t = time.perf_counter()
-                jfsdp.wait_for_checkpoints()
-                times["async_write_rest"].append(time.perf_counter() - t)
-            else:
-                step()  # a new step number to save under
-                t = time.perf_counter()
-                jfsdp.save_checkpoint(root / "sync", fsdp)
-                times["sync_save"].append(time.perf_counter() - t)
+
+    def plain():
+        times["plain_step"].append(step())
+
+    def async_save():
+        t = time.perf_counter()
+        jfsdp.save_checkpoint(root / "async", fsdp, async_save=True)
+        times["async_save_returns"].append(time.perf_counter() - t)
+        times["step_during_async_write"].append(step())
+        t = time.perf_counter()
+        jfsdp.wait_for_checkpoints()
+        times["async_write_rest"].append(time.perf_counter() - t)
+
+    def sync_save():
+        step()  # a new step number to save under
+        t = time.perf_counter()
+        jfsdp.save_checkpoint(root / "sync", fsdp)
+        times["sync_save"].append(time.perf_counter() - t)
+
+    def progress(r, _):
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()),
               flush=True)
+
+    timed = run_rounds({"plain": plain, "async": async_save, "sync": sync_save}, args.rounds,
+                       progress=progress)
+    loads = timed.load
     state_mb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root / "sync")
                    for f in fs) / 2**20 / max(1, len(os.listdir(root / "sync")))
     shutil.rmtree(root, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = medians(times)
     out = {"when": datetime.datetime.now().isoformat(timespec="seconds"),
-           "load_average_per_round": loads, "jax": jax.__version__, "params": count,
+           "load_average_per_round": loads, **timed.loads(), "jax": jax.__version__,
+           "params": count,
            "depth": args.depth, "d": args.d, "ranks": args.ranks, "per_rank": args.per_rank,
            "checkpoint_mib": state_mb, "rounds": times, "median_s": med}
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -38,43 +38,33 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from _launch import BENCH, RESULTS, LaunchError, child_env, free_port, launch
+from _rounds import load_average as _load
+from _rounds import medians
+
 from jaxpg.run.env import _GLIBC_TUNABLES as GLIBC_TUNABLES
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "bench" / "_cluster_worker.py"
-OUT = ROOT / "bench" / "results" / "cluster.json"
+WORKER = BENCH / "_cluster_worker.py"
+OUT = RESULTS / "cluster.json"
 _DEFAULT_LIB = Path.home() / ".cache" / "jaxpg" / "MPIwrapper-2.11.1" / "inst" / "lib" / \
     "libmpiwrapper.so"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def _env(lib: str) -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "XLA_FLAGS")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", MPITRAMPOLINE_LIB=lib,
-               PYTHONPATH=str(ROOT / "bench"))
+def _env(lib: str) -> dict[str, str | None]:
     # what jaxpg-run gives its CPU workers: big buffers stay in the heap (docs/cluster.md)
-    env.setdefault("GLIBC_TUNABLES", GLIBC_TUNABLES)
-    return env
+    return {"XLA_FLAGS": None, "PYTHONUNBUFFERED": "1", "MPITRAMPOLINE_LIB": lib,
+            "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", GLIBC_TUNABLES)}
 
 
 def _launch(n: int, backend: str, args: argparse.Namespace, lib: str) -> dict:
+    # mpirun, not bench/_launch.launch: the workers join from mpirun's variables (the point
+    # of this benchmark); they get launch's environment (child_env) all the same
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         bind = "core" if n <= (os.cpu_count() or 1) else "none"
@@ -85,15 +75,15 @@ def _launch(n: int, backend: str, args: argparse.Namespace, lib: str) -> dict:
                      "GLIBC_TUNABLES"):
             cmd += ["-x", name]
         cmd += [sys.executable, str(WORKER), "--backend", backend, "--torch-port",
-                str(_free_port()), "--rounds", str(args.rounds), "--ddp-rounds",
+                str(free_port()), "--rounds", str(args.rounds), "--ddp-rounds",
                 str(args.ddp_rounds), "--out", str(out), "--sizes-mb",
                 *[str(s) for s in args.sizes_mb]]
         before = _load()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                              env=_env(lib))
+                              env=child_env(_env(lib)))
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}"
-                               f"{proc.stderr[-3000:]}")
+            raise LaunchError(f"{' '.join(cmd)} failed (exit code {proc.returncode}):\n"
+                              f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         result = json.loads(out.read_text())
         result["load_before"], result["load_after"] = before, _load()
         return result
@@ -105,8 +95,8 @@ def _dispatch(args: argparse.Namespace, lib: str) -> list[dict]:
         for i in range(args.dispatch_repeats):
             for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
                 out = Path(tmp) / f"{mode}{i}.json"
-                subprocess.run([sys.executable, str(WORKER), "--dispatch-probe", mode, "--out",
-                                str(out)], check=True, env=_env(lib), timeout=600)
+                launch(WORKER, ["--dispatch-probe", mode, "--out", out], env=_env(lib),
+                       timeout=600, expect=[out])
                 runs.append(json.loads(out.read_text()) | {"load": _load()})
     return runs
 
@@ -122,12 +112,12 @@ def summarize(launches: list[dict]) -> dict:
         n, b = r["world_size"], r["backend"]
         entry = out.setdefault(str(n), {}).setdefault(b, {"sizes": {}, "ddp": {}})
         for mb, times in r["sizes"].items():
-            med = {v: statistics.median(t) for v, t in times.items()}
+            med = medians(times)
             cell = entry["sizes"].setdefault(mb, {"busbw_GBps": {}, "ratio_to_torch": []})
             for v, t in med.items():
                 cell["busbw_GBps"].setdefault(v, []).append(_busbw(float(mb), n, t))
             cell["ratio_to_torch"].append(med["torch"] / med["jaxpg"])  # busbw ratio
-        med = {v: statistics.median(t) for v, t in r["ddp"].items()}
+        med = medians(r["ddp"])
         entry["ddp"].setdefault("step_ms", {})
         for v, t in med.items():
             entry["ddp"]["step_ms"].setdefault(v, []).append(t * 1e3)

@@ -36,10 +36,9 @@ bandwidth against size, eager against hand-written) and prints a markdown table.
     python bench/collectives.py --quick          # 1 KB .. 1 MB, about 30 s
     python bench/collectives.py --max-size 64M   # adds 64 MB: ~3 more minutes, few rounds
 
-The default stops at 16 MB per rank: at 64 MB the 8 ranks' buffers are 512 MB each, one
-call takes 0.5-1.5 s on the 2-core machine the recorded results come from, and the three
-variants of five collectives then get only ~3 rounds each in another ~3 minutes, too few
-for a median to mean much (the same kernels measured +-20 % apart run to run).
+The default stops at 16 MB per rank: at 64 MB the 8 ranks' buffers are 512 MB each, and
+on a small machine the three variants of five collectives then get too few rounds for a
+median to mean much (docs/benchmarks.md gives the figures).
 """
 
 import os
@@ -59,6 +58,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _rounds import block, load_average, no_wait, run_rounds  # noqa: E402
 from _sizes import fmt_size, parse_size  # noqa: E402  (bench/ is sys.path[0])
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -112,38 +112,12 @@ def make_case(name: str, size: int, n: int, mesh, axis: str, sharding):
     return host, eager, hand
 
 
-def time_variants(fns: dict, budget_s: float, min_reps: int, max_reps: int) -> dict:
-    """Interleaved rounds of blocking calls; returns each variant's list of seconds."""
-    times = {k: [] for k in fns}
-    order = list(fns)
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < max_reps and (rounds < min_reps or time.perf_counter() - start < budget_s):
-        rot = order[rounds % len(order):] + order[: rounds % len(order)]
-        for k in rot:
-            t0 = time.perf_counter()
-            jax.block_until_ready(fns[k]())
-            times[k].append(time.perf_counter() - t0)
-        rounds += 1
-    return times
-
-
 def dispatch_times(fns: dict, reps: int) -> tuple[dict, dict]:
     """Median wall and calling-thread CPU seconds until each call returns (before
     blocking), interleaved. The CPU time leaves out the time the thread waits for a core,
     so it is the steadier measure of host-side cost on a loaded machine."""
-    wall = {k: [] for k in fns}
-    cpu = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t0, c0 = time.perf_counter(), time.thread_time()
-            out = f()
-            c1, t1 = time.thread_time(), time.perf_counter()
-            wall[k].append(t1 - t0)
-            cpu[k].append(c1 - c0)
-            jax.block_until_ready(out)
-    return ({k: statistics.median(v) for k, v in wall.items()},
-            {k: statistics.median(v) for k, v in cpu.items()})
+    r = run_rounds(fns, reps, wait=no_wait, settle=block, cpu_clock=time.thread_time)
+    return r.medians(), r.medians(cpu=True)
 
 
 def check_same(name: str, a, b) -> None:
@@ -168,12 +142,11 @@ def bench_one(name: str, size: int, n: int, mesh, axis: str, sharding, args,
     check_same(name, outs["eager_sharded"], outs["handwritten"])
     check_same(name, outs["eager_host"], outs["handwritten"])
     del outs
-    for f in fns.values():  # one more warm call each
-        jax.block_until_ready(f())
     big = size >= (4 << 20)
-    times = time_variants(fns, args.budget_big if big else args.budget,
-                          5 if big else args.min_reps, args.max_reps)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    timed = run_rounds(fns, args.max_reps, warmup=1,  # one more warm call each
+                       budget_s=args.budget_big if big else args.budget,
+                       min_rounds=5 if big else args.min_reps)
+    times, med = timed.wall, timed.medians()
     hw = med["handwritten"]
     algbw = {k: size / t / 1e9 for k, t in med.items()}
     row = {
@@ -183,7 +156,7 @@ def bench_one(name: str, size: int, n: int, mesh, axis: str, sharding, args,
         "overhead_us": {k: (med[k] - hw) * 1e6 for k in ("eager_sharded", "eager_host")},
         "algbw_GBps": algbw,
         "busbw_GBps": {k: b * bus_factor(name, n) for k, b in algbw.items()},
-        "compile_and_first_call_s": compile_s,
+        "compile_and_first_call_s": compile_s, **timed.loads(),
     }
     if probe:
         wall, cpu = dispatch_times(fns, args.dispatch_reps)
@@ -206,6 +179,7 @@ def run(args) -> dict:
     rows = []
     overhead_probe = {}
     t_start = time.perf_counter()
+    load_before = load_average()
     for size in sizes:
         for name in COLLECTIVES:
             row = bench_one(name, size, n, mesh, axis, sharding, args,
@@ -240,6 +214,7 @@ def run(args) -> dict:
         "rows": rows,
         "small_size_dispatch_overhead": overhead_probe,
         "wall_s": time.perf_counter() - t_start,
+        "load_average_before": load_before, "load_average_after": load_average(),
     }
 
 

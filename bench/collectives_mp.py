@@ -44,17 +44,15 @@ import datetime
 import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _sizes import fmt_size, parse_size  # noqa: E402  (bench/ is sys.path[0])
+from _launch import BENCH, RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _rounds import load_average
+from _sizes import fmt_size, parse_size
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-WORKER = ROOT / "bench" / "_collectives_mp_worker.py"
+WORKER = BENCH / "_collectives_mp_worker.py"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 API = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
        "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single",
@@ -85,30 +83,20 @@ def sizes_between(lo: int, hi: int, step: int) -> list[int]:
 
 def run_n(n: int, sizes: list[int], args: argparse.Namespace, breakdown: list[int]) -> dict:
     """Starts N workers through jaxpg.run; returns rank 0's JSON."""
-    sys.path.insert(0, str(ROOT))
-    from jaxpg.internal import free_port
+
+    def progress(line: str) -> None:  # rank 0's progress lines
+        if line.startswith("[rank 0] N=") or line.startswith("[rank 0] breakdown"):
+            print(line[9:], flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"n{n}.json"
-        cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(n), str(WORKER),
-               "--sizes", ",".join(map(str, sizes)), "--ops", ",".join(args.ops),
-               "--rounds", str(args.rounds), "--torch-port", str(free_port()),
-               "--breakdown-sizes", ",".join(map(str, breakdown)), "--out", str(out)]
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        assert proc.stdout is not None
-        for line in proc.stdout:  # rank 0's progress lines
-            if line.startswith("[rank 0] N=") or line.startswith("[rank 0] breakdown"):
-                print(line.rstrip()[9:], flush=True)
-            elif "Traceback" in line or "Error" in line or "jaxpg-run" in line:
-                print(line.rstrip(), flush=True)
-        code = proc.wait(timeout=args.timeout)
-        if code != 0 or not out.exists():
-            raise SystemExit(f"N={n}: the workers failed (exit code {code})")
+        done = launch(WORKER, ["--sizes", ",".join(map(str, sizes)), "--ops", ",".join(args.ops),
+                               "--rounds", args.rounds, "--torch-port", free_port(),
+                               "--breakdown-sizes", ",".join(map(str, breakdown)),
+                               "--out", out],
+                      nproc=n, timeout=args.timeout, echo=progress, expect=[out], what=f"N={n}")
         res = json.loads(out.read_text())
-        res["wall_s"] = time.perf_counter() - t0
+        res["wall_s"] = done.seconds
         return res
 
 
@@ -214,7 +202,7 @@ def main() -> None:
     if args.no_breakdown:
         bd = []
     t0 = time.perf_counter()
-    load_before = os.getloadavg()
+    load_before = load_average()
     runs = {}
     for n in [int(x) for x in args.nprocs.split(",")]:
         cap = parse_size(args.max_size_n4) if n >= 4 else 1 << 62
@@ -229,7 +217,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "jax": jax.__version__,
                     "torch": torch.__version__,
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+                    "loadavg_before": load_before, "loadavg_after": load_average()},
         "method": ("same processes, variants interleaved per round in rotating order, each "
                    "round after a barrier, every call blocking; a round's time is the slowest "
                    "rank's; median over rounds. busbw per nccl-tests."),
@@ -262,7 +250,7 @@ def main() -> None:
             for k, v in pieces.items():
                 print(f"  {k:58s} {v:10.0f}")
     print(f"\nwrote {out} and {out.with_suffix('.png')} in {time.perf_counter() - t0:.0f} s "
-          f"(load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f})")
+          f"(load average before {load_before[0]:.1f}, after {load_average()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -34,24 +34,16 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _sizes import fmt_size, parse_size  # noqa: E402  (bench/ is sys.path[0])
+from _launch import RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _rounds import block, diff_median, load_average, no_wait, run_rounds
+from _sizes import fmt_size, parse_size
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 OPS = ("all_reduce", "all_gather_into_tensor", "broadcast")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -66,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
     import jaxpg
 
     if args.layout == "tcp1":
-        jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}",
+        jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}",
                                  world_size=1, rank=0)
     else:
         jaxpg.init_process_group()
@@ -103,30 +95,17 @@ def worker(args: argparse.Namespace) -> None:
             got = np.asarray(jax.device_get(fns["eager"]()))
             assert np.allclose(got.reshape(want.shape), want), (op, size)
             iters = max(3, min(100, (4 << 20) // size))
-            times: dict[str, list[float]] = {k: [] for k in fns}
-            order = list(fns)
-            for r in range(args.rounds):
-                jaxpg.barrier()
-                for k in order[r % 2:] + order[:r % 2]:
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        fns[k]().block_until_ready()
-                    times[k].append((time.perf_counter() - t0) / iters)
-            med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+            timed = run_rounds(fns, args.rounds, iters=iters, barrier=jaxpg.barrier)
+            times = timed.wall
+            med = {k: v * 1e6 for k, v in timed.medians().items()}
             # the median of each round's difference: load that hits a round hits both
-            diff = statistics.median(e - h for e, h in zip(times["eager"], times["hand"])) * 1e6
+            diff = diff_median(times["eager"], times["hand"]) * 1e6
             row = {"op": op, "size_bytes": size, "iters": iters, "rounds": args.rounds,
                    "median_us": med, "overhead_us": diff,
-                   "overhead_pct": diff / med["hand"] * 100}
-            if size == min(sizes):
-                disp: dict[str, list[float]] = {k: [] for k in fns}
-                for _ in range(args.rounds * 20):
-                    for k, f in fns.items():
-                        t0 = time.perf_counter()
-                        out = f()
-                        disp[k].append(time.perf_counter() - t0)
-                        out.block_until_ready()
-                row["dispatch_us"] = {k: statistics.median(v) * 1e6 for k, v in disp.items()}
+                   "overhead_pct": diff / med["hand"] * 100, **timed.loads()}
+            if size == min(sizes):  # the time until the call returns
+                disp = run_rounds(fns, args.rounds * 20, wait=no_wait, settle=block)
+                row["dispatch_us"] = {k: v * 1e6 for k, v in disp.medians().items()}
             rows.append(row)
             if rank == 0:
                 print(f"{args.layout} {op} {fmt_size(size)}: hand {med['hand']:.1f} us, "
@@ -170,15 +149,10 @@ def spin_probe(size: int, rounds: int = 30) -> dict:
            "hand-written after 6 us of Python": lambda: (busy(6), hand(glob))[1],
            "eager kernel called directly": lambda: kernel(x),
            "eager": lambda: jaxpg.all_reduce(x)}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(100):
-                f().block_until_ready()
-            times[k].append((time.perf_counter() - t0) / 100 * 1e6)
+    timed = run_rounds(fns, rounds, iters=100)
     jaxpg.destroy_process_group()
-    return {"size_bytes": size, **{k: statistics.median(v) for k, v in times.items()}}
+    return {"size_bytes": size, **{k: v * 1e6 for k, v in timed.medians().items()},
+            **timed.loads()}
 
 
 def fr_probe(rounds: int, calls: int = 300) -> dict:
@@ -199,19 +173,15 @@ def fr_probe(rounds: int, calls: int = 300) -> dict:
     import jaxpg
     from jaxpg.supervision.flight_recorder import recorder
 
-    jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1,
+    jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1,
                              rank=0)
     x = jax.device_put(np.ones(256, np.float32), jax.devices()[0])
     for _ in range(50):
         jaxpg.all_reduce(x).block_until_ready()
-    per: dict[str, list[float]] = {"on": [], "off": []}
-    for r in range(rounds):
-        for mode in (("on", "off") if r % 2 else ("off", "on")):
-            recorder.configure(2000 if mode == "on" else 0)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                jaxpg.all_reduce(x).block_until_ready()
-            per[mode].append((time.perf_counter() - t0) / calls * 1e6)
+    call = lambda: jaxpg.all_reduce(x)  # noqa: E731
+    timed = run_rounds({"off": call, "on": call}, rounds, iters=calls,
+                       setup=lambda mode: recorder.configure(2000 if mode == "on" else 0))
+    per = {k: [t * 1e6 for t in v] for k, v in timed.wall.items()}
     diffs = [a - b for a, b in zip(per["on"], per["off"])]
     group = jaxpg.GroupMember.WORLD
     parts = _recorder_parts(group)
@@ -222,7 +192,7 @@ def fr_probe(rounds: int, calls: int = 300) -> dict:
             "recorder_on_minus_off_us": statistics.median(diffs),
             "recorder_on_minus_off_best_rounds_us": min(per["on"]) - min(per["off"]),
             "recorder_on_minus_off_p90_us": sorted(diffs)[int(0.9 * len(diffs))],
-            **parts}
+            **parts, **timed.loads()}
 
 
 def _recorder_parts(group) -> dict:
@@ -261,17 +231,11 @@ def runner_hop(reps: int = 3000) -> dict:
     def noop() -> None:
         return None
 
-    hop, direct = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        multiprocess.submit(noop, "noop").result(10.0)
-        t1 = time.perf_counter()
-        noop()
-        t2 = time.perf_counter()
-        hop.append(t1 - t0)
-        direct.append(t2 - t1)
-    return {"hop_us": statistics.median(hop) * 1e6, "direct_us": statistics.median(direct) * 1e6,
-            "hop_p90_us": sorted(hop)[int(0.9 * reps)] * 1e6}
+    timed = run_rounds({"hop": lambda: multiprocess.submit(noop, "noop").result(10.0),
+                        "direct": noop}, reps)
+    med = timed.medians()
+    return {"hop_us": med["hop"] * 1e6, "direct_us": med["direct"] * 1e6,
+            "hop_p90_us": sorted(timed.wall["hop"])[int(0.9 * reps)] * 1e6}
 
 
 def _jax_version() -> str:
@@ -280,23 +244,17 @@ def _jax_version() -> str:
     return jax.__version__
 
 
-def launch(layout: str, args: argparse.Namespace, out: Path) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "JAXPG_DEBUG", "TORCH_DISTRIBUTED_DEBUG")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    if layout == "mp2_detail":
-        env["JAXPG_DEBUG"] = "DETAIL"
-    wargs = [__file__, "--worker", "--layout", layout, "--sizes", args.sizes, "--ops", args.ops,
-             "--rounds", str(args.rounds), "--out", str(out)]
-    if layout.startswith("mp2"):
-        cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", *wargs]
-    else:
-        cmd = [sys.executable, *wargs]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    print(proc.stdout.strip(), flush=True)
+ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+
+
+def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict:
+    env = {**ONE_DEVICE, "JAXPG_DEBUG": "DETAIL" if layout == "mp2_detail" else None,
+           "TORCH_DISTRIBUTED_DEBUG": None}
+    done = launch(__file__, ["--worker", "--layout", layout, "--sizes", args.sizes, "--ops",
+                             args.ops, "--rounds", args.rounds, "--out", out],
+                  nproc=2 if layout.startswith("mp2") else None, env=env,
+                  timeout=args.timeout, what=layout)
+    print((done.output or "").strip(), flush=True)
     return json.loads(out.read_text())
 
 
@@ -324,17 +282,15 @@ def main() -> None:
         return
     if args.fr_probe:
         tmp = Path(args.out).with_suffix(".part.json")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXPG_", "TORCH_"))}
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-        subprocess.run([sys.executable, __file__, "--worker", "--layout", "fr_probe",
-                        "--rounds", str(args.rounds), "--out", str(tmp)], env=env, check=True,
-                       timeout=args.timeout)
+        unset = {k: None for k in os.environ if k.startswith(("JAXPG_", "TORCH_"))}
+        launch(__file__, ["--worker", "--layout", "fr_probe", "--rounds", args.rounds,
+                          "--out", tmp], env={**unset, **ONE_DEVICE}, timeout=args.timeout,
+               capture=False)
         probe = json.loads(tmp.read_text())
         tmp.unlink()
         probe.update(command="python bench/collectives_overhead.py --fr-probe "
                              f"--rounds {args.rounds}",
-                     load_average=os.getloadavg(), jax_version=_jax_version())
+                     load_average=load_average(), jax_version=_jax_version())
         print(json.dumps(probe, indent=1))
         out = Path(args.out)
         data = json.loads(out.read_text()) if out.exists() else {}
@@ -356,7 +312,7 @@ def main() -> None:
                           "other jobs", "layouts": {}}
     tmp = Path(args.out).with_suffix(".part.json")
     for layout in args.layouts.split(","):
-        results["layouts"][layout] = launch(layout, args, tmp)
+        results["layouts"][layout] = run_layout(layout, args, tmp)
     results["runner_hop"] = runner_hop()
     print(f"runner thread hop: {results['runner_hop']}")
     tmp.unlink(missing_ok=True)

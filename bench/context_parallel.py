@@ -10,8 +10,8 @@
   jaxpg's causal load-balanced ring forward against a ring written with torch.distributed
   P2P on gloo, in the same processes on the same shards (both checked against numpy).
 
-Timings alternate the variants round by round (``bench/_timing.rotated``) and report the
-median; the machine is shared, so read the ratios, and the load average recorded beside them.
+Timings alternate the variants round by round (``bench/_rounds.py``) and report the median;
+the machine is shared, so read the ratios, and the load average recorded beside them.
 
     flock /tmp/jaxpg-bench.lock python bench/context_parallel.py --seqs 4096 16384 65536
     flock /tmp/jaxpg-bench.lock python bench/context_parallel.py --parts methods balance
@@ -31,26 +31,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _launch import BENCH, RESULTS, free_port, launch  # noqa: E402  (bench/ is sys.path[0])
+from _rounds import load_average, run_rounds  # noqa: E402
 
 import jaxpg  # noqa: E402
 from jaxpg import context_parallel as cp_  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results" / "context_parallel.json"
-
-
-def rotated(keys, r):  # as bench/_timing.rotated (which imports torch)
-    k = r % len(keys)
-    return list(keys[k:]) + list(keys[:k])
 
 
 def step_fn(n, method, causal, load_balance):
@@ -91,38 +82,24 @@ def timed(variants, args):
         s = shapes(n, args.seq, args.batch, args.heads, args.dim).shape
         q, k, v = (jax.random.normal(jax.random.fold_in(key, i), s) for i in range(3))
         f = step_fn(n, method, causal, lb)
-        jax.block_until_ready(f(q, k, v))  # compile
-        inputs[name] = (f, (q, k, v))
-    times = {v: [] for v in variants}
-    for r in range(args.rounds):
-        for v in rotated(list(variants), r):
-            f, a = inputs[v]
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            times[v].append(time.perf_counter() - t0)
-    return {v: {"median_s": statistics.median(t), "rounds": t} for v, t in times.items()}
+        inputs[name] = lambda f=f, a=(q, k, v): f(*a)
+    r = run_rounds(inputs, args.rounds, warmup=1)  # the warm-up call compiles
+    return {v: {"median_s": m, "rounds": r.wall[v]} for v, m in r.medians().items()}
 
 
 def against_torch(args):
-    """The 2-process comparison (a subprocess: each process holds one CPU device)."""
-    import subprocess
+    """The 2-process comparison (each process holds one CPU device: bench/_launch.py
+    leaves out this process's simulated-device flag)."""
     import tempfile
 
-    from jaxpg.internal import free_port
-
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if "device_count" not in f)
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cp_torch.json")
-        cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2",
-               str(Path(__file__).resolve().parent / "_context_parallel_mp_worker.py"),
-               "--torch-port", str(free_port()), "--seq", str(args.seq), "--batch",
-               str(args.batch), "--heads", str(args.heads), "--dim", str(args.dim),
-               "--rounds", str(args.rounds), "--out", out]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0 or "AGREE False" in proc.stdout or not os.path.exists(out):
-            raise SystemExit(f"torch part failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        done = launch(BENCH / "_context_parallel_mp_worker.py",
+                      ["--torch-port", free_port(), "--seq", args.seq, "--batch", args.batch,
+                       "--heads", args.heads, "--dim", args.dim, "--rounds", args.rounds,
+                       "--out", out], nproc=2, expect=[out], what="torch part")
+        if "AGREE False" in (done.output or ""):
+            raise SystemExit(f"torch part: jaxpg and torch disagree:\n{done.tail()}")
         return json.loads(Path(out).read_text())
 
 
@@ -135,13 +112,16 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=str(RESULTS / "context_parallel.json"),
+                        help="the results file; the parts run are replaced in it")
     args = parser.parse_args()
     jaxpg.init_process_group()
-    out = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    path = Path(args.out)
+    out = json.loads(path.read_text()) if path.exists() else {}
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "jax": jax.__version__, "argv": sys.argv[1:], "shape": {
                 "batch": args.batch, "heads": args.heads, "head_dim": args.dim},
-            "loadavg_before": Path("/proc/loadavg").read_text().split()[:3]}
+            "loadavg_before": load_average()}
     if "memory" in args.parts:
         out["memory"] = {"meta": meta, "rows": memory(args.seqs, args)}
     if "methods" in args.parts:
@@ -158,10 +138,10 @@ def main():
               f"{t['forward_ms']['jaxpg']:.1f} ms ({t['jaxpg_over_torch_time']:.2f}x)", flush=True)
     for part in ("methods", "balance"):
         if part in out and part in args.parts:
-            out[part]["meta"]["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+            out[part]["meta"]["loadavg_after"] = load_average()
             for v, t in out[part]["times"].items():
                 print(f"{part} {v}: {1e3 * t['median_s']:.1f} ms", flush=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    path.write_text(json.dumps(out, indent=1) + "\n")
     jaxpg.destroy_process_group()
 
 

@@ -29,7 +29,6 @@ Writes ``bench/results/ddp.json`` and ``bench/results/ddp.png`` and prints a mar
 """
 
 import os
-import sys
 
 if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # not under jaxpg-run: 2 simulated devices
     os.environ["XLA_FLAGS"] = (
@@ -40,15 +39,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-from _models import LAYERS, MLP, loss_fn, make_batch, n_params, torch_mlp  # noqa: E402  # bench/
+from _launch import LaunchError, free_port, launch  # noqa: E402  (bench/ is sys.path[0])
+from _models import LAYERS, MLP, loss_fn, make_batch, n_params, torch_mlp  # noqa: E402
+from _rounds import load_average, run_rounds  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpg  # noqa: E402
@@ -73,19 +72,12 @@ def time_interleaved(group, args, variants: dict) -> dict:
     ddps = {name: DistributedDataParallel(MLP(nnx.Rngs(0)), optax.sgd(0.01, momentum=0.9),
                                           group=group, **kwargs)
             for name, kwargs in variants.items()}
-    times = {name: [] for name in ddps}
-    for i in range(args.warmup + args.steps):
-        for name, ddp in ddps.items():
-            start = time.perf_counter()
-            ddp.train_step(loss_fn, batch)
-            jax.block_until_ready(ddp.params)
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - start)
+    timed = run_rounds({name: (lambda d=ddp: (d.train_step(loss_fn, batch), d.params)[1])
+                        for name, ddp in ddps.items()}, args.steps, warmup=args.warmup)
     out = {}
-    for name, ddp in ddps.items():
-        step = statistics.median(times[name])
+    for name, step in timed.medians().items():
         out[name] = {"step_ms": 1e3 * step, "samples_per_s": group.size() * args.batch / step,
-                     "buckets": len(ddp.bucket_plan)}
+                     "buckets": len(ddps[name].bucket_plan), **timed.loads()}
     return out
 
 
@@ -101,19 +93,17 @@ def _torch_worker(rank, world, args, result_path, port):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batch = make_batch(args.batch, seed=rank)
     x, y = torch.from_numpy(batch["x"]), torch.from_numpy(batch["y"]).long()
-    times = []
-    for i in range(args.warmup + args.steps):
-        start = time.perf_counter()
+    def step():
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    step = statistics.median(times)
+
+    timed = run_rounds({"torch": step}, args.steps, warmup=args.warmup)
+    step_s = timed.medians()["torch"]
     if rank == 0:
         Path(result_path).write_text(json.dumps(
-            {"step_ms": 1e3 * step, "samples_per_s": world * args.batch / step,
-             "torch": torch.__version__}))
+            {"step_ms": 1e3 * step_s, "samples_per_s": world * args.batch / step_s,
+             "torch": torch.__version__, **timed.loads()}))
     dist.destroy_process_group()
 
 
@@ -123,13 +113,11 @@ def time_torch(world: int, args) -> dict | None:
     except ImportError:
         print("torch is not installed: skipping torch DDP (pip install torch==2.13.0)")
         return None
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "torch.json")
+        # torch's own spawn, not bench/_launch.launch: torch DDP as torch users start it
+        # (no jaxpg world, no jaxpg-run CPU pinning), the worker a function of this file
         mp.spawn(_torch_worker, args=(world, args, path, port), nprocs=world)
         return json.loads(Path(path).read_text())
 
@@ -138,14 +126,12 @@ def time_jaxpg_multiprocess(args) -> dict | None:
     """jaxpg DDP over 2 processes (one device each) under the launcher."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "mp.json")
-        cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", __file__,
-               "--worker", path, "--batch", str(args.batch), "--warmup", str(args.warmup),
-               "--steps", str(args.steps)]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0 or not os.path.exists(path):
-            print(f"jaxpg across 2 processes failed (rc {proc.returncode}); skipped:\n"
-                  f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        try:
+            launch(__file__, ["--worker", path, "--batch", args.batch, "--warmup", args.warmup,
+                              "--steps", args.steps], nproc=2, env={"XLA_FLAGS": None},
+                   timeout=600, expect=[path])
+        except LaunchError as err:
+            print(f"jaxpg across 2 processes skipped: {err}")
             return None
         return json.loads(Path(path).read_text())
 
@@ -222,7 +208,7 @@ def main() -> None:
         print(table(result))
         return
 
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), load_average()
     jaxpg.init_process_group()
     world = jaxpg.GroupMember.WORLD
     frameworks, sweep = [], []
@@ -263,6 +249,7 @@ def main() -> None:
             "jaxpg_one_process": "N=2 on 2 simulated CPU devices in one process",
             "torch_threads": "cpu_count // N per process",
             "wall_s": round(time.perf_counter() - t0, 1),
+            "load_average_before": load_before, "load_average_after": load_average(),
         },
         "frameworks": frameworks,
         "sweep": sweep,

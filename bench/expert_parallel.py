@@ -21,13 +21,13 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "expert_parallel.json"
+from _launch import BENCH, RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _rounds import load_average
+
 SHAPE = ("--tokens", "--dim", "--ffn", "--top-k")
 
 
@@ -37,28 +37,21 @@ def shape_args(args) -> list[str]:
 
 
 def run_single(args) -> dict:
-    cmd = [sys.executable, str(ROOT / "bench" / "_expert_parallel_single.py"),
-           "--rounds", str(args.rounds), *shape_args(args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"single failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    done = launch(BENCH / "_expert_parallel_single.py", ["--rounds", args.rounds,
+                                                         *shape_args(args)], timeout=3600)
+    lines = [ln for ln in (done.output or "").splitlines() if ln.startswith("JSON ")]
+    if not lines:
+        raise SystemExit(f"single printed no JSON line:\n{done.tail()}")
     return json.loads(lines[-1][5:])
 
 
 def run_torch(ep: int, experts: int, args, tmp: str) -> dict:
-    from jaxpg.internal import free_port
-
     out = os.path.join(tmp, f"ep{ep}_e{experts}.json")
-    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(ep),
-           str(ROOT / "bench" / "_expert_parallel_worker.py"), "--torch-port", str(free_port()),
-           "--rounds", str(args.rounds), "--experts", str(experts), "--out", out,
-           *shape_args(args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    if proc.returncode != 0 or not os.path.exists(out) or "AGREE False" in proc.stdout:
-        raise SystemExit(f"ep={ep} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    done = launch(BENCH / "_expert_parallel_worker.py",
+                  ["--torch-port", free_port(), "--rounds", args.rounds, "--experts", experts,
+                   "--out", out, *shape_args(args)], nproc=ep, expect=[out], what=f"ep={ep}")
+    if "AGREE False" in (done.output or ""):
+        raise SystemExit(f"ep={ep}: jaxpg and torch disagree:\n{done.tail()}")
     return json.loads(Path(out).read_text())
 
 
@@ -110,9 +103,9 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=256)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS / "expert_parallel.json"))
     args = p.parse_args()
-    load_before = os.getloadavg()
+    load_before = load_average()
     single = run_single(args) if "single" in args.parts else None
     torch_rows = []
     if "torch" in args.parts:
@@ -121,11 +114,11 @@ def main() -> None:
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
-                          "loadavg_after": os.getloadavg()},
+                          "loadavg_after": load_average()},
               "single": single, "torch": torch_rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(tables(single, torch_rows))
-    print(f"\nload average before {load_before}, after {os.getloadavg()}; wrote {args.out}")
+    print(f"\nload average before {load_before}, after {load_average()}; wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _launch import RESULTS, ROOT, child_env, free_port, launch  # bench/ is sys.path[0]
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "multiprocess" / "workers" / "elastic_ddp.py"
 STEPS = 6
 GROUP_TIMEOUT_S = 6
@@ -53,29 +53,20 @@ CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "termi
               "exception not rethrown")
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "XLA_FLAGS", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(JAX_PLATFORMS="cpu", FAULT_GROUP_TIMEOUT=str(GROUP_TIMEOUT_S),
-               JAXPG_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S),
-               JAXPG_COORDINATOR_LINGER=str(LINGER_S), PYTHONPATH=str(ROOT))
-    return env
+ENV = {"XLA_FLAGS": None, "FAULT_GROUP_TIMEOUT": str(GROUP_TIMEOUT_S),
+       "JAXPG_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S), "JAXPG_COORDINATOR_LINGER": str(LINGER_S)}
 
 
 def run_launcher(tmp: Path, fault: str, restarts: int = 2,
                  coordinator: str = "launcher") -> tuple[dict, dict]:
     out = tmp / "params.npz"
-    start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", "--max-restarts",
-         str(restarts), "--grace-period", "2", "--coordinator", coordinator, str(WORKER),
-         str(tmp / "ckpt"), str(out), str(STEPS), fault],
-        capture_output=True, text=True, timeout=600, env=_env(),
-    )  # fmt: skip
-    seconds = time.monotonic() - start
+    # the faults make runs fail on purpose: check=False, the outcome judged by the caller
+    done = launch(WORKER, [tmp / "ckpt", out, STEPS, fault], nproc=2,
+                  launcher_args=["--max-restarts", restarts, "--grace-period", "2",
+                                 "--coordinator", coordinator],
+                  env=ENV, timeout=600, check=False)
     params = dict(np.load(out)) if out.exists() else {}
-    return {"rc": result.returncode, "text": result.stdout + result.stderr,
-            "seconds": seconds}, params
+    return {"rc": done.returncode, "text": done.output or "", "seconds": done.seconds}, params
 
 
 def _service_children(port: int) -> list[int]:
@@ -103,11 +94,12 @@ def _stopped(pid: int) -> bool:
 
 
 def run_plain(tmp: Path, fault: str, n: int = 3) -> dict:
-    """``n`` processes without the launcher; returns what each did and when."""
-    from jaxpg.internal import free_port
+    """``n`` processes without the launcher; returns what each did and when.
 
+    Not bench/_launch.launch: the point is ranks started without jaxpg-run (each its own
+    process, env://), watched one by one as they end; they get launch's environment."""
     port = free_port()
-    env = _env()
+    env = child_env(ENV)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n),
                TORCHELASTIC_RESTART_COUNT="0")
     logs = [open(tmp / f"rank{r}.log", "w+") for r in range(n)]
@@ -220,6 +212,8 @@ def main() -> None:
                    help="launcher mode only; rank0: the baseline, rank 0's worker hosts it")
     p.add_argument("--loads", default="0,1", help="0 without load, 1 with two busy loops")
     p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--out", default=None,
+                   help="the results file (default bench/results/fault_stress<tag>.json)")
     p.add_argument("--machine", default="2 shared CPU cores",
                    help="what else ran on the machine, recorded in the results")
     p.add_argument("--table", metavar="RESULTS", help="print the markdown table of a results "
@@ -238,7 +232,7 @@ def main() -> None:
                          "seconds": [], "latency_s": [], "failures": [],
                          "lost_rank_cpp_aborts": 0}
             for m in modes for c in cases for ld in loads}
-    out = ROOT / "bench" / "results" / f"fault_stress{args.tag}.json"
+    out = Path(args.out) if args.out else RESULTS / f"fault_stress{args.tag}.json"
     for i in range(args.runs):
         for mode in modes:
             for load in loads:

@@ -23,34 +23,21 @@ import argparse
 import datetime
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from _launch import BENCH, RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _rounds import load_average
+
 GOALS = {2: 0.6, 4: 0.35}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(n: int, args: argparse.Namespace, tmp: str) -> dict:
     out = os.path.join(tmp, f"fsdp_{n}.json")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(n),
-           str(ROOT / "bench" / "_fsdp_worker.py"), "--torch-port", str(free_port()),
-           "--rounds", str(args.rounds), "--depth", str(args.depth), "--out", out]
-    if args.only:
-        cmd += ["--only", args.only]
-    subprocess.run(cmd, env=env, cwd=ROOT / "bench", check=True, timeout=1800,
-                   stdout=subprocess.DEVNULL if not args.verbose else None)
+    wargs = ["--torch-port", free_port(), "--rounds", args.rounds, "--depth", args.depth,
+             "--out", out] + (["--only", args.only] if args.only else [])
+    launch(BENCH / "_fsdp_worker.py", wargs, nproc=n, env={"XLA_FLAGS": None},
+           echo=print if args.verbose else None, expect=[out])
     return json.loads(Path(out).read_text())
 
 
@@ -84,9 +71,9 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in map(int, args.nprocs.split(",")):
-            load_before = os.getloadavg()
+            load_before = load_average()
             r = run(n, args, tmp)
-            r["load_average_before"], r["load_average_after"] = load_before, os.getloadavg()
+            r["load_average_before"], r["load_average_after"] = load_before, load_average()
             results.append(r)
             print(f"N={n}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["step_ms"].items()),
                   flush=True)

@@ -32,32 +32,24 @@ import argparse
 import json
 import os
 import platform
-import socket
-import statistics
-import subprocess
-import sys
+import re
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from _launch import RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _rounds import block, load_average, no_wait, run_rounds
+
 FULL = {"sizes": [1 << 10, 1 << 20, 64 << 20], "layers": (1024, 4096, 4096, 1024, 10),
         "batch": 1024, "steps": 20, "warmup": 3, "rounds": 15, "matmul": 4096, "chain": 12}
 SMOKE = {"sizes": [1 << 10, 64 << 10], "layers": (64, 128, 10), "batch": 32, "steps": 5,
          "warmup": 2, "rounds": 5, "matmul": 512, "chain": 20}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init(layout: str) -> None:
     import jaxpg
 
     if layout == "tcp1":
-        jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1,
+        jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1,
                                  rank=0)
     else:
         jaxpg.init_process_group()
@@ -85,24 +77,13 @@ def part_overhead(cfg: dict, layout: str) -> dict:
         fns = {"hand": lambda g=glob: hand(g), "eager": lambda x=x: jaxpg.all_reduce(x)}
         assert np.allclose(np.asarray(fns["eager"]()), np.asarray(fns["hand"]()))
         iters = max(2, min(200, (256 << 20) // size))
-        block: dict[str, list[float]] = {k: [] for k in fns}
-        ret: dict[str, list[float]] = {k: [] for k in fns}
-        for r in range(cfg["rounds"]):
-            for k in (list(fns) if r % 2 else list(fns)[::-1]):
-                f = fns[k]
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    f().block_until_ready()
-                block[k].append((time.perf_counter() - t0) / iters * 1e6)
-                for _ in range(min(iters, 20)):
-                    t0 = time.perf_counter()
-                    out = f()
-                    ret[k].append((time.perf_counter() - t0) * 1e6)
-                    out.block_until_ready()
-        med = {k: statistics.median(v) for k, v in block.items()}
+        blocked = run_rounds(fns, cfg["rounds"], iters=iters)
+        # the time until a call returns, then waited for outside the timing
+        returned = run_rounds(fns, cfg["rounds"] * min(iters, 20), wait=no_wait, settle=block)
+        med = {k: v * 1e6 for k, v in blocked.medians().items()}
         rows.append({"layout": layout, "size_bytes": size, "block_us": med,
-                     "return_us": {k: statistics.median(v) for k, v in ret.items()},
-                     "overhead_us": med["eager"] - med["hand"]})
+                     "return_us": {k: v * 1e6 for k, v in returned.medians().items()},
+                     "overhead_us": med["eager"] - med["hand"], **blocked.loads()})
     rows_async = part_async(cfg, layout)
     jaxpg.destroy_process_group()
     return {"overhead": rows, "async": rows_async}
@@ -161,7 +142,7 @@ def part_watchdog(cfg: dict) -> None:
 
     import jaxpg
 
-    jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1,
+    jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1,
                              rank=0, timeout=datetime.timedelta(seconds=1))
     queued, a = _queued_work(cfg)
     t0 = time.perf_counter()
@@ -178,22 +159,23 @@ def part_watchdog(cfg: dict) -> None:
     print("WATCHDOG DID NOT FIRE", flush=True)
 
 
+SMOKE_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+
+
 def _watchdog_child(smoke: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    if smoke:  # the accelerator rules on CPU, through the same code
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                   _JAXPG_STREAM_SEMANTICS="1")
-    cmd = [sys.executable, __file__, "--part", "watchdog"] + (["--smoke"] if smoke else [])
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    fired = [ln for ln in proc.stderr.splitlines() if "[jaxpg watchdog]" in ln]
-    returned = [ln for ln in proc.stdout.splitlines() if ln.startswith("RETURNED")]
-    return {"exit_code": proc.returncode, "seconds": time.perf_counter() - t0,
+    # the child must fail (exit code 6): check=False, its output judged here. Smoke: the
+    # accelerator rules on CPU, through the same code
+    env = {**SMOKE_ENV, "_JAXPG_STREAM_SEMANTICS": "1"} if smoke else {}
+    done = launch(__file__, ["--part", "watchdog"] + (["--smoke"] if smoke else []),
+                  env=env, platform="cpu" if smoke else None, timeout=300, check=False)
+    lines = (done.output or "").splitlines()
+    fired = [ln for ln in lines if "[jaxpg watchdog]" in ln]
+    returned = [ln for ln in lines if ln.startswith("RETURNED")]
+    return {"exit_code": done.returncode, "seconds": done.seconds,
             "returned": returned[0] if returned else None,
             "watchdog_message": fired[0] if fired else None,
-            "ok": proc.returncode == 6 and bool(fired) and "all_reduce on group 'WORLD'"
-            in fired[0]}
+            "ok": done.returncode == 6 and bool(fired)
+            and re.search(r"all_reduce (#\d+ )?on group 'WORLD'", fired[0]) is not None}
 
 
 def part_ddp(cfg: dict) -> dict:
@@ -231,15 +213,10 @@ def part_ddp(cfg: dict) -> dict:
     for name, ddp in ddps.items():
         fns[name] = (lambda d: lambda: (d.train_step(loss_fn, batch),
                                         jax.block_until_ready(d.params)))(ddp)
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for i in range(cfg["warmup"] + cfg["steps"]):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            if i >= cfg["warmup"]:
-                times[k].append((time.perf_counter() - t0) * 1e3)
-    out = {k: {"step_ms": statistics.median(v), "samples_per_s": batch_n / statistics.median(v)
-               * 1e3} for k, v in times.items()}
+    timed = run_rounds(fns, cfg["steps"], warmup=cfg["warmup"])
+    out = {k: {"step_ms": t * 1e3, "samples_per_s": batch_n / t}
+           for k, t in timed.medians().items()}
+    out.update(timed.loads())
     out["params"] = sum(a * b + b for a, b in zip(layers[:-1], layers[1:], strict=True))
     out["buckets"] = len(ddps["jaxpg DDP (buckets)"].bucket_plan)
     jaxpg.destroy_process_group()
@@ -254,7 +231,7 @@ def part_torch(cfg: dict) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     dist.init_process_group("nccl" if cuda else "gloo",
-                            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     dev = torch.device("cuda:0" if cuda else "cpu")
     torch.manual_seed(0)
     from _models import make_batch, torch_mlp  # bench/ is sys.path[0]
@@ -266,33 +243,30 @@ def part_torch(cfg: dict) -> dict:
     batch = make_batch(batch_n, seed=0, layers=layers)
     x = torch.from_numpy(batch["x"]).to(dev)
     y = torch.from_numpy(batch["y"]).long().to(dev)
-    times = []
-    for i in range(cfg["warmup"] + cfg["steps"]):
-        t0 = time.perf_counter()
+    def step():
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+
+    def wait(_):
         if cuda:
             torch.cuda.synchronize()
-        if i >= cfg["warmup"]:
-            times.append((time.perf_counter() - t0) * 1e3)
+
+    timed = run_rounds({"torch DDP": step}, cfg["steps"], warmup=cfg["warmup"], wait=wait)
     dist.destroy_process_group()
-    step = statistics.median(times)
-    return {"torch DDP": {"step_ms": step, "samples_per_s": batch_n / step * 1e3,
-                          "backend": "nccl" if cuda else "gloo", "torch": torch.__version__}}
+    ms = timed.medians()["torch DDP"] * 1e3
+    return {"torch DDP": {"step_ms": ms, "samples_per_s": batch_n / ms * 1e3,
+                          "backend": "nccl" if cuda else "gloo", "torch": torch.__version__,
+                          **timed.loads()}}
 
 
 def _child(part: str, layout: str, smoke: bool, out: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    if smoke:
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cmd = [sys.executable, __file__, "--part", part, "--layout", layout, "--out", str(out)]
-    if smoke:
-        cmd.append("--smoke")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        return {"error": (proc.stdout[-2000:] + proc.stderr[-2000:])}
+    # a part that fails is recorded as its error, and the others still run: check=False
+    done = launch(__file__, ["--part", part, "--layout", layout, "--out", out]
+                  + (["--smoke"] if smoke else []), env=SMOKE_ENV if smoke else {},
+                  platform="cpu" if smoke else None, timeout=1200, check=False)
+    if done.returncode != 0:
+        return {"error": done.tail(60)}
     return json.loads(out.read_text())
 
 
@@ -321,7 +295,8 @@ def main() -> None:
     result = {"command": "python bench/gpu.py" + (" --smoke" if args.smoke else ""),
               "smoke": args.smoke, "config": {k: list(v) if isinstance(v, tuple) else v
                                               for k, v in cfg.items()},
-              "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores"}
+              "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
+              "load_average_before": load_average()}
     for layout in ("single", "tcp1"):
         result[f"overhead_{layout}"] = _child("overhead", layout, args.smoke, tmp)
     result["watchdog"] = _watchdog_child(args.smoke)
@@ -331,6 +306,7 @@ def main() -> None:
     import jax
 
     result["jax"] = jax.__version__
+    result["load_average_after"] = load_average()
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

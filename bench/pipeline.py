@@ -49,13 +49,14 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _launch import RESULTS, free_port, launch  # noqa: E402  (bench/ is sys.path[0])
+from _rounds import load_average, ratio_median, run_rounds  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -225,25 +226,17 @@ def measure_compile(args):
 
 
 def side_by_side(fns, rounds, cpu=None):
-    """Runs every ``fns[key]()`` once per round, in turn; returns the samples per key.
+    """Runs every ``fns[key]()`` once per round (``bench/_rounds.py``: a warm-up call
+    each, then the rounds in a rotating order); returns the samples per key.
 
     Wall-clock seconds; if ``cpu`` is a dict, it receives the process CPU seconds of each
     run too (all threads: on a shared, oversubscribed machine this is the work done,
     whatever other jobs do to the wall clock).
     """
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    samples = {key: [] for key in fns}
+    timed = run_rounds(fns, rounds, warmup=1)
     if cpu is not None:
-        cpu.update({key: [] for key in fns})
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            start, start_cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn())
-            samples[key].append(time.perf_counter() - start)
-            if cpu is not None:
-                cpu[key].append(time.process_time() - start_cpu)
-    return samples
+        cpu.update(timed.cpu)
+    return timed.wall
 
 
 def minor_faults_per_call(fn, calls=3):
@@ -283,7 +276,7 @@ def measure_steps(args, m=8):
         return max(float(np.max(np.abs(u - w))) for u, w in zip(la, lb, strict=True))
 
     def ratio(a, b, table=samples):
-        return statistics.median(x / y for x, y in zip(table[a], table[b], strict=True))
+        return ratio_median(table[a], table[b])
 
     rows = [
         {"framework": "jax (jaxpg)", "schedule": key, "m": m,
@@ -361,8 +354,7 @@ def stage_work(args, layers, rounds, calls=8):
     cpu = {}
     wall = side_by_side({"keep": lambda: keep(accs["keep"]),
                          "remat": lambda: recompute(accs["remat"])}, rounds, cpu)
-    return {kind: statistics.median(a / b for a, b in zip(t["keep"], t["remat"], strict=True))
-            for kind, t in (("wall", wall), ("cpu", cpu))}
+    return {kind: ratio_median(t["keep"], t["remat"]) for kind, t in (("wall", wall), ("cpu", cpu))}
 
 
 def measure_remat(args, m=8):
@@ -388,8 +380,8 @@ def measure_remat(args, m=8):
         rows.append({
             "stage": blocks, "matmuls": matmuls[a], "matmuls_remat": matmuls[b],
             "theory": matmuls[a] / matmuls[b],
-            "wall_ratio": statistics.median(u / w for u, w in zip(samples[a], samples[b])),
-            "cpu_ratio": statistics.median(u / w for u, w in zip(cpu[a], cpu[b])),
+            "wall_ratio": ratio_median(samples[a], samples[b]),
+            "cpu_ratio": ratio_median(cpu[a], cpu[b]),
             "step_ms": 1e3 * statistics.median(samples[a]),
             "step_ms_remat": 1e3 * statistics.median(samples[b]),
             "max_grad_diff": max(float(jnp.max(jnp.abs(u - w)))
@@ -426,10 +418,10 @@ def efficiency_worker(args, m=8, p=2):
 
 
 def measure_efficiency(args):
-    cmd = [sys.executable, __file__, "--efficiency-worker", "--dim", str(args.dim),
-           "--microbatch", str(args.microbatch), "--rounds", str(args.rounds),
-           "--blocks", str(args.blocks)]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
+    # one plain process of its own: 2 single-threaded simulated devices (its XLA flags)
+    done = launch(__file__, ["--efficiency-worker", "--dim", args.dim, "--microbatch",
+                             args.microbatch, "--rounds", args.rounds, "--blocks", args.blocks])
+    out = done.output or ""
     rows = json.loads(next(ln for ln in out.splitlines() if ln.startswith("EFFICIENCY "))[11:])
     for r in rows:
         print(f"efficiency {r['schedule']}: {r['step_ms']:.1f} ms, {r['efficiency']:.2f}")
@@ -481,19 +473,17 @@ def _torch_worker(rank, world, args, m, result_path, port):
         arg = stages[0] if len(stages) == 1 else stages
         schedule = cls(arg, n_microbatches=m, loss_fn=torch.nn.functional.mse_loss)
         first, last = 0 in indices, num_stages - 1 in indices
-        samples = []
-        for i in range(args.rounds + 2):
-            dist.barrier()
-            start = time.perf_counter()
+
+        def step(schedule=schedule, first=first, last=last):
             kwargs = {"target": t, "losses": []} if last else {}
             if first:
                 schedule.step(x, **kwargs)
             else:
                 schedule.step(**kwargs)
-            dist.barrier()
-            if i >= 2:
-                samples.append(time.perf_counter() - start)
-        times[name] = 1e3 * statistics.median(samples)
+            dist.barrier()  # inside the timing: the step ends when the last rank's does
+
+        timed = run_rounds({name: step}, args.rounds, warmup=2, barrier=dist.barrier)
+        times[name] = 1e3 * timed.medians()[name]
     if rank == 0:
         Path(result_path).write_text(json.dumps(times))
     dist.destroy_process_group()
@@ -501,17 +491,16 @@ def _torch_worker(rank, world, args, m, result_path, port):
 
 def torch_step_times(args, m=8):
     """Step times of torch.distributed.pipelining on the same model, stages and m."""
-    import socket
     import tempfile
 
     import torch
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "torch.json")
+        # torch's own spawn, not bench/_launch.launch: torch's pipelining as torch users
+        # start it (no jaxpg world, no jaxpg-run CPU pinning), the worker a function here
         mp.spawn(_torch_worker, args=(args.stages, args, m, path, port), nprocs=args.stages)
         times = json.loads(Path(path).read_text())
     rows = []
@@ -568,7 +557,7 @@ def main():
                         help="step-time variants to run, comma-separated labels such as "
                              "'1f1b,zb_h1,1f1b remat' (default: all)")  # fmt: skip
     parser.add_argument("--efficiency-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.json"))
+    parser.add_argument("--out", default=str(RESULTS / "pipeline.json"))
     args = parser.parse_args()
     if args.efficiency_worker:
         efficiency_worker(args)
@@ -583,6 +572,7 @@ def main():
             "cpu_count": os.cpu_count(), "jax": jax.__version__,
             "python": platform.python_version(),
             "note": "2-core machine shared with other jobs; compare ratios, not absolutes",
+            "load_average_before": load_average(),
         },  # fmt: skip
     }
     if not args.skip_memory:
@@ -596,6 +586,7 @@ def main():
     if args.torch:
         result["steps"] += torch_step_times(args)
         result["config"]["torch"] = "torch.distributed.pipelining, gloo, one process per rank"
+    result["config"]["load_average_after"] = load_average()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if not args.skip_memory:

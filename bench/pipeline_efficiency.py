@@ -41,7 +41,9 @@ import tempfile
 from pathlib import Path
 
 import _pipeline_mp  # before JAX (through _pipeline_mp_worker): sets the device flags
+from _launch import RESULTS
 from _pipeline_mp_worker import CHUNKS
+from _rounds import load_average, ratio_median
 
 
 def efficiency_rows(raw: dict, schedules: list[str], ms: list[int]) -> list[dict]:
@@ -60,8 +62,7 @@ def efficiency_rows(raw: dict, schedules: list[str], ms: list[int]) -> list[dict
             rows.append({
                 "schedule": "un-pipelined, microbatched (lax.scan), 1 core", "m": m,
                 "step_ms": mb["median_ms"], "cpu_ms": 1e3 * statistics.median(mb_cpu),
-                "cpu_over_baseline_cpu": statistics.median(
-                    a / b for a, b in zip(mb_cpu, t1_cpu, strict=True)),
+                "cpu_over_baseline_cpu": ratio_median(mb_cpu, t1_cpu),
             })  # fmt: skip
         for name in schedules:
             rec = times[f"jaxpg {name} m={m}"]
@@ -71,8 +72,7 @@ def efficiency_rows(raw: dict, schedules: list[str], ms: list[int]) -> list[dict
             rows.append({
                 "schedule": name, "m": m, "step_ms": rec["median_ms"],
                 "ideal_ms": 1e3 * statistics.median(ideal),
-                "efficiency": statistics.median(
-                    i / w for i, w in zip(ideal, rec["wall_s"], strict=True)),
+                "efficiency": ratio_median(ideal, rec["wall_s"]),
                 "rank_cpu_over_wall": statistics.median(use),
                 "cpu_over_baseline_cpu": statistics.median(
                     sum(c) / b for c, b in zip(rec["cpu_s_per_rank"], t1_cpu, strict=True)),
@@ -105,8 +105,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--microbatch", type=int, default=64)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" /
-                                         "pipeline_efficiency.json"))  # fmt: skip
+    ap.add_argument("--out", default=str(RESULTS / "pipeline_efficiency.json"))
     ap.add_argument(
         "--retabulate",
         action="store_true",
@@ -126,6 +125,7 @@ def main() -> None:
     ms = [int(v) for v in args.ms.split(",")]
     model = ["--blocks", str(args.blocks), "--dim", str(args.dim),
              "--microbatch", str(args.microbatch)]  # fmt: skip
+    load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         ref = os.path.join(tmp, "reference.npz")
         _pipeline_mp.single_process_reference(ref, schedules, args.nproc, min(ms), args.blocks,
@@ -147,6 +147,7 @@ def main() -> None:
                       "un-pipelined on one device pinned to one core",
             "oversubscribed": oversubscribed,
             "note": "2-core machine shared with other jobs; efficiency is a per-round ratio",
+            "load_average_before": load_before, "load_average_after": load_average(),
         },
         "rows": efficiency_rows(raw, schedules, ms),
         "raw": raw,

@@ -46,7 +46,9 @@ import tempfile
 from pathlib import Path
 
 import _pipeline_mp  # before JAX (through _pipeline_mp_worker): sets the device flags
+from _launch import RESULTS
 from _pipeline_mp_worker import CHUNKS, TORCH
+from _rounds import load_average, ratio_median
 
 PAIRS = [  # (jaxpg schedule, torch class, how they relate)
     ("gpipe", "ScheduleGPipe", "same"),
@@ -57,10 +59,6 @@ PAIRS = [  # (jaxpg schedule, torch class, how they relate)
     ("zb_v", "ScheduleInterleavedZeroBubble", "nearest"),
 ]
 ZERO_BUBBLE = [("zb_h1", "1f1b"), ("zb_v", "interleaved_1f1b")]
-
-
-def _ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def compare_rows(raw: dict, ms: list[int], executor_key: str = "jaxpg-mpmd") -> list[dict]:
@@ -78,7 +76,7 @@ def compare_rows(raw: dict, ms: list[int], executor_key: str = "jaxpg-mpmd") -> 
                 continue
             row = {"p": p, "m": m, "schedule": name, "torch_class": cls, "relation": relation,
                    "jaxpg_ms": jrec["median_ms"], "torch_ms": trec["median_ms"],
-                   "jaxpg_over_torch": _ratio(jrec["wall_s"], trec["wall_s"]),
+                   "jaxpg_over_torch": ratio_median(jrec["wall_s"], trec["wall_s"]),
                    "jaxpg_over_torch_cpu": statistics.median(
                        sum(a) / sum(b) for a, b in zip(jrec["cpu_s_per_rank"],
                                                        trec["cpu_s_per_rank"], strict=True)),
@@ -90,7 +88,7 @@ def compare_rows(raw: dict, ms: list[int], executor_key: str = "jaxpg-mpmd") -> 
                                                                   strict=True))}  # fmt: skip
             if lrec is not None:
                 row["lockstep_ms"] = lrec["median_ms"]
-                row["mpmd_over_lockstep"] = _ratio(jrec["wall_s"], lrec["wall_s"])
+                row["mpmd_over_lockstep"] = ratio_median(jrec["wall_s"], lrec["wall_s"])
             rows.append(row)
     return rows
 
@@ -104,7 +102,7 @@ def zero_bubble_rows(raw: dict, ms: list[int], predicted: dict) -> list[dict]:
             if a is None or b is None:
                 continue
             row = {"p": p, "m": m, "ratio": f"{zb} / {base}",
-                   "measured": _ratio(a["wall_s"], b["wall_s"]),
+                   "measured": ratio_median(a["wall_s"], b["wall_s"]),
                    "measured_cpu": statistics.median(
                        sum(x) / sum(y) for x, y in zip(a["cpu_s_per_rank"], b["cpu_s_per_rank"],
                                                        strict=True)),
@@ -112,8 +110,8 @@ def zero_bubble_rows(raw: dict, ms: list[int], predicted: dict) -> list[dict]:
             t = {c: times.get(f"torch {c} m={m}") for c in ("ScheduleZBVZeroBubble",
                                                            "ScheduleInterleaved1F1B")}
             if zb == "zb_v" and all(t.values()):
-                row["torch_zbv_over_interleaved"] = _ratio(t["ScheduleZBVZeroBubble"]["wall_s"],
-                                                           t["ScheduleInterleaved1F1B"]["wall_s"])
+                row["torch_zbv_over_interleaved"] = ratio_median(
+                    t["ScheduleZBVZeroBubble"]["wall_s"], t["ScheduleInterleaved1F1B"]["wall_s"])
             rows.append(row)
     return rows
 
@@ -217,8 +215,7 @@ def main() -> None:
     ap.add_argument("--microbatch", type=int, default=64)
     ap.add_argument("--lockstep", action="store_true", help="also time the SPMD executor")
     ap.add_argument("--quick", action="store_true", help="p = 2, m = 8, 3 rounds")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" /
-                                         "pipeline_vs_torch.json"))  # fmt: skip
+    ap.add_argument("--out", default=str(RESULTS / "pipeline_vs_torch.json"))
     ap.add_argument("--retabulate", action="store_true",
                     help="only rebuild the rows and tables of --out from its raw times")
     args = ap.parse_args()
@@ -238,7 +235,7 @@ def main() -> None:
     ps = [int(v) for v in args.nprocs.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     executors = "mpmd,spmd" if args.lockstep else "mpmd"
-    raws, loads = [], [os.getloadavg()[0]]
+    raws, loads, load_before = [], [os.getloadavg()[0]], load_average()
     with tempfile.TemporaryDirectory() as tmp:
         for p in ps:
             raw_path = os.path.join(tmp, f"raw{p}.json")
@@ -263,7 +260,9 @@ def main() -> None:
                       "(two to a core when p exceeds the cores); jaxpg and torch (gloo group, "
                       "1 thread) in the same processes, variants interleaved per round",
         },
-        "load_1min": loads, "rows": rows, "zero_bubble": zb, "predictions": predicted,
+        "load_1min": loads, "load_average_before": load_before,
+        "load_average_after": load_average(), "rows": rows, "zero_bubble": zb,
+        "predictions": predicted,
         "raw": raws,
     }  # fmt: skip
     out = Path(args.out)

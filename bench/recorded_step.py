@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _launch import RESULTS, launch  # bench/ is sys.path[0]
+from _rounds import load_average, run_rounds
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -76,17 +74,17 @@ def worker(args: argparse.Namespace) -> None:
         "direct_blocking": lambda: jax.block_until_ready(direct()),
         "direct_async": direct,
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    order = list(variants)
-    for r in range(args.rounds):
-        jaxpg.barrier()
-        for k in order[r % 3:] + order[:r % 3]:
-            t0 = time.perf_counter()
+
+    def steps(variant):  # ``--steps`` steps, waited for once at the end (run_rounds' wait)
+        def run():
             for _ in range(args.steps):
-                out = variants[k]()
-            jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t0) / args.steps * 1e6)
-    med = {k: statistics.median(v) for k, v in times.items()}
+                out = variant()
+            return out
+        return run
+
+    timed = run_rounds({k: steps(f) for k, f in variants.items()}, args.rounds,
+                       barrier=jaxpg.barrier)
+    med = {k: t / args.steps * 1e6 for k, t in timed.medians().items()}
     if rank == 0:
         Path(args.out).write_text(json.dumps({
             "hidden": h, "params": 2 * (h * h + h), "steps_per_round": args.steps,
@@ -103,26 +101,24 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "recorded_step.json"))
+    p.add_argument("--out", default=str(RESULTS / "recorded_step.json"))
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
     part = Path(args.out).with_suffix(".part.json")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXPG_", "TORCH_"))}
-    env.update(JAX_PLATFORMS="cpu", JAXPG_FR_BUFFER_SIZE="2000",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    load_before = os.getloadavg()
-    subprocess.run([sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "2", __file__,
-                    "--worker", "--hidden", str(args.hidden), "--steps", str(args.steps),
-                    "--rounds", str(args.rounds), "--out", str(part)], env=env, check=True,
-                   timeout=900)
+    env = {k: None for k in os.environ if k.startswith(("JAXPG_", "TORCH_"))}
+    env["JAXPG_FR_BUFFER_SIZE"] = "2000"
+    load_before = load_average()
+    launch(__file__, ["--worker", "--hidden", args.hidden, "--steps", args.steps, "--rounds",
+                      args.rounds, "--out", part], nproc=2, env=env, timeout=900,
+           capture=False, expect=[part])
     result = json.loads(part.read_text())
     part.unlink()
     import jax
 
     result.update(command="python bench/recorded_step.py " + " ".join(sys.argv[1:]),
-                  load_average_before=load_before, load_average_after=os.getloadavg(),
+                  load_average_before=load_before, load_average_after=load_average(),
                   jax_version=jax.__version__,
                   machine=f"{os.cpu_count()} CPU cores, shared with other jobs")
     out = Path(args.out)

@@ -21,14 +21,12 @@ import argparse
 import datetime
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from _launch import BENCH, RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _rounds import load_average
 
 # Megatron-LM's collectives for one step (forward, then backward with the input gradient)
 # of each model; SP: Megatron re-gathers the input of each column-parallel layer in the
@@ -42,24 +40,12 @@ MEGATRON = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(n: int, args, tmp: str) -> dict:
     out = os.path.join(tmp, f"tp{n}.json")
-    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(n),
-           str(ROOT / "bench" / "_tensor_parallel_worker.py"), "--torch-port",
-           str(free_port()), "--rounds", str(args.rounds), "--models", args.models,
-           "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(args.batch),
-           "--out", out] + (["--variants"] if args.variants else []) + (
-               ["--compose"] if args.compose else [])
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0 or not os.path.exists(out):
-        raise SystemExit(f"tp={n} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    wargs = ["--torch-port", free_port(), "--rounds", args.rounds, "--models", args.models,
+             "--dim", args.dim, "--seq", args.seq, "--batch", args.batch, "--out", out]
+    wargs += (["--variants"] if args.variants else []) + (["--compose"] if args.compose else [])
+    launch(BENCH / "_tensor_parallel_worker.py", wargs, nproc=n, expect=[out], what=f"tp={n}")
     return json.loads(Path(out).read_text())
 
 
@@ -97,20 +83,20 @@ def main() -> None:
                    help="also time the model through DistributedDataParallel on (dp=1, tp)")
     p.add_argument("--out", default=str(RESULTS / "tensor_parallel.json"))
     args = p.parse_args()
-    load_before = os.getloadavg()
+    load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         results = {int(n): run(int(n), args, tmp) for n in args.tp.split(",")}
     out = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
-                    "loadavg_after": os.getloadavg()},
+                    "loadavg_after": load_average()},
         "megatron_collectives": MEGATRON,
         "results": results,
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(table(results))
-    print(f"\nload average before {load_before}, after {os.getloadavg()}; wrote {args.out}")
+    print(f"\nload average before {load_before}, after {load_average()}; wrote {args.out}")
 
 
 if __name__ == "__main__":

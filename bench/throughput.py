@@ -27,27 +27,25 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from _launch import BENCH, RESULTS, child_env, free_port, launch  # bench/ is sys.path[0]
+from _rounds import load_average, rotated
+
 PLACEMENTS = ("slice", "none", "nocombine", "hugetlb", "nohuge")
 NO_COMBINER = "--xla_disable_hlo_passes=cpu-all-reduce-combiner"
 
 
-def env_for(placement: str, n: int) -> dict[str, str]:
-    """``slice``: jaxpg-run's defaults; ``none``: unpinned; ``nocombine``: pinned, with
-    XLA:CPU's all-reduce combiner off (so each DDP bucket stays its own all-reduce);
-    ``hugetlb`` / ``nohuge``: pinned, the glibc tunables with / without
-    ``glibc.malloc.hugetlb=1`` (transparent huge pages for malloc'd memory), set
-    explicitly whatever jaxpg-run's default is."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("JAXPG_CPU_AFFINITY", None)
-    env.pop("OMP_NUM_THREADS", None)
+def env_for(placement: str, n: int) -> dict[str, str | None]:
+    """The environment overrides of a placement (for ``bench/_launch.py``): ``slice``:
+    jaxpg-run's defaults; ``none``: unpinned; ``nocombine``: pinned, with XLA:CPU's
+    all-reduce combiner off (so each DDP bucket stays its own all-reduce); ``hugetlb`` /
+    ``nohuge``: pinned, the glibc tunables with / without ``glibc.malloc.hugetlb=1``
+    (transparent huge pages for malloc'd memory), set explicitly whatever jaxpg-run's
+    default is."""
+    env: dict[str, str | None] = {"JAXPG_CPU_AFFINITY": None, "OMP_NUM_THREADS": None}
     if placement == "none":
         env["JAXPG_CPU_AFFINITY"] = "none"
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
@@ -57,25 +55,17 @@ def env_for(placement: str, n: int) -> dict[str, str]:
         if placement == "hugetlb":
             env["GLIBC_TUNABLES"] += ":glibc.malloc.hugetlb=1"
     if placement == "nocombine":
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_COMBINER).strip()
+        env["XLA_FLAGS"] = (child_env().get("XLA_FLAGS", "") + " " + NO_COMBINER).strip()
     return env
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_allreduce(n: int, placement: str, rounds: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"ar_{n}_{placement}.json")
-    cmd = [sys.executable, str(ROOT / "bench" / "collectives_mp.py"), "--nprocs", str(n),
-           "--min-size", "16M", "--max-size", "16M", "--ops", "all_reduce",
-           "--no-breakdown", "--rounds", str(rounds), "--out", out]
-    subprocess.run(cmd, env=env_for(placement, n), cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    # collectives_mp.py is a driver (one plain process) that launches the N workers
+    launch(BENCH / "collectives_mp.py", ["--nprocs", n, "--min-size", "16M", "--max-size",
+                                         "16M", "--ops", "all_reduce", "--no-breakdown",
+                                         "--rounds", rounds, "--out", out],
+           env=env_for(placement, n), timeout=600, expect=[out])
     row = json.loads(Path(out).read_text())["rows"][0]
     b = row["busbw_GBps"]
     return {"busbw_GBps": b, "jaxpg_over_torch": b["jaxpg"] / b["torch"],
@@ -84,16 +74,10 @@ def run_allreduce(n: int, placement: str, rounds: int, tmp: str) -> dict:
 
 def run_ddp(n: int, placement: str, steps: int, tmp: str, only: str) -> dict:
     out = os.path.join(tmp, f"ddp_{n}_{placement}.json")
-    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", str(n),
-           str(ROOT / "bench" / "_throughput_ddp_worker.py"), "--torch-port",
-           str(free_port()), "--steps", str(steps), "--warmup", "2", "--out", out]
-    if only:
-        cmd += ["--only", only]
-    proc = subprocess.run(cmd, env=env_for(placement, n), cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
-    if proc.returncode != 0 or not os.path.exists(out):
-        raise SystemExit(f"DDP N={n} {placement} failed:\n{proc.stdout[-3000:]}"
-                         f"{proc.stderr[-3000:]}")
+    wargs = ["--torch-port", free_port(), "--steps", steps, "--warmup", "2", "--out", out]
+    launch(BENCH / "_throughput_ddp_worker.py", wargs + (["--only", only] if only else []),
+           nproc=n, env=env_for(placement, n), timeout=900, expect=[out],
+           what=f"DDP N={n} {placement}")
     return json.loads(Path(out).read_text())
 
 
@@ -112,12 +96,11 @@ def main() -> None:
     ns = [int(x) for x in args.nprocs.split(",")]
     runs: dict[str, dict[str, list]] = {}
     t0 = time.perf_counter()
-    load_before = os.getloadavg()
+    load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for n in ns:
-                order = placements[r % len(placements):] + placements[: r % len(placements)]
-                for pl in order:
+                for pl in rotated(placements, r):
                     key = f"{n}/{pl}"
                     runs.setdefault(key, {"allreduce": [], "ddp": []})
                     ar = run_allreduce(n, pl, args.ar_rounds, tmp)
@@ -162,7 +145,7 @@ def main() -> None:
         "benchmark": "bench/throughput.py",
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
-                    "loadavg_after": os.getloadavg(),
+                    "loadavg_after": load_average(),
                     "shared": "2 cores shared with other helpers' tests and benchmarks",
                     "device_machine": "not lent to this task: 16-core figures not measured"},
         "rounds": args.rounds, "ddp_only": args.ddp_only, "summary": summary, "runs": runs,

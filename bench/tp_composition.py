@@ -5,7 +5,8 @@ The model is ``d -> 8d -> d`` (``parallelize_module`` with ``ColwiseParallel`` u
 ``RowwiseParallel`` down), SGD, a mean-squared-error loss, on a 1 x 2 mesh of simulated CPU
 devices in one process. The hand-written step holds the same weights and issues the one
 ``psum`` Megatron's convention needs (forward, with an identity backward). The three steps
-alternate round by round; each round keeps the median of its steps. Every step, all three
+alternate round by round (``bench/_rounds.py``), ``--steps`` steps of each per round; the
+median over rounds counts. Every step, all three
 take the batch from host memory (numpy), as a training loop hands it over. The first-step losses
 of the three must agree (the same weights and data), and the compiled steps' collectives
 are counted.
@@ -23,13 +24,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _launch import RESULTS  # noqa: E402  (bench/ is sys.path[0])
+from _rounds import run_rounds  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -40,7 +41,6 @@ from jaxpg.fsdp import FullyShardedDataParallel  # noqa: E402
 from jaxpg.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 LR, BATCH = 0.01, 32
-RESULTS = pathlib.Path(__file__).parent / "results" / "tp_composition.json"
 
 
 class Mlp(nnx.Module):
@@ -86,20 +86,12 @@ def collectives(compiled_text: str) -> dict[str, int]:
     return {op.strip(" ("): compiled_text.count(op) for op in ops}
 
 
-def _median_step(step, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=str(RESULTS / "tp_composition.json"))
     args = parser.parse_args()
     jaxpg.init_process_group()
     mesh = jaxpg.init_device_mesh((1, 2), ("dp", "tp"))
@@ -132,24 +124,19 @@ def main() -> None:
         "hand-written shard_map": hand_step,
     }
     first_loss = {k: float(step()) for k, step in variants.items()}  # compiles, then checks
-    rounds: dict[str, list[float]] = {k: [] for k in variants}
-    load = pathlib.Path("/proc/loadavg").read_text().split()[:3]
-    for r in range(args.rounds):
-        keys = list(variants)
-        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            rounds[k].append(_median_step(variants[k], args.steps))
-    hand_ms = 1e3 * statistics.median(rounds["hand-written shard_map"])
+    timed = run_rounds(variants, args.rounds, iters=args.steps)
+    med = timed.medians()
+    hand = med["hand-written shard_map"]
     result = {
         "dim": args.dim, "batch": BATCH, "mesh": "dp=1 x tp=2, one process, 2 CPU devices",
-        "jax": jax.__version__, "loadavg": load,
+        "jax": jax.__version__, **timed.loads(),
         "first_step_loss": first_loss,
-        "ms_per_step": {k: round(1e3 * statistics.median(v), 3) for k, v in rounds.items()},
-        "ratio_to_hand_written": {k: round(1e3 * statistics.median(v) / hand_ms, 3)
-                                  for k, v in rounds.items()},
+        "ms_per_step": {k: round(1e3 * v, 3) for k, v in med.items()},
+        "ratio_to_hand_written": {k: round(v / hand, 3) for k, v in med.items()},
         "hand_written_collectives": collectives(hand_text),
     }
     print(json.dumps(result, indent=1))
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     jaxpg.destroy_process_group()
 
 
