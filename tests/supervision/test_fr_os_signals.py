@@ -12,7 +12,7 @@ import time
 import pytest
 
 SCRIPT = textwrap.dedent("""
-    import signal, sys, threading, time
+    import os, signal, sys, threading, time
     from jaxpg.supervision import fr_os_signals
 
     out = sys.argv[1]
@@ -25,10 +25,27 @@ SCRIPT = textwrap.dedent("""
             fr_os_signals.poll()
             time.sleep(0.1)
     threading.Thread(target=poll, daemon=True).start()
-    if sys.argv[2] == "stuck":  # SIGTERM reaches another thread; this one sleeps on in C
+    if sys.argv[2] != "stuck":
+        print("READY", flush=True)
+        time.sleep(60)
+    else:  # SIGTERM reaches another thread; this one waits on in C, in a read nothing ends
+        main = threading.get_native_id()
+
+        def ready_once_main_waits_in_c():
+            # READY only once the kernel has the main thread inside read(): were it still
+            # running bytecode, it would run the handler itself (the other path).
+            deadline = time.monotonic() + 30
+            while "pipe_read" not in open(f"/proc/self/task/{main}/wchan").read():
+                if time.monotonic() > deadline:
+                    print("NOT BLOCKED", flush=True)
+                    return
+                time.sleep(0.01)
+            print("READY", flush=True)
+
+        threading.Thread(target=ready_once_main_waits_in_c, daemon=True).start()
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    print("READY", flush=True)
-    time.sleep(60)
+        never, _ = os.pipe()
+        os.read(never, 1)
 """)
 
 
