@@ -19,6 +19,15 @@ Parts, each in fresh processes:
   jaxpg ``DistributedDataParallel`` with the bucketed reducer and with one fused ``pmean``
   (world of one GPU), and torch DDP (nccl, world of one; gloo on CPU), medians over
   interleaved steps.
+* ``moe``: one step (``jax.grad`` in x, gate_w, w1, w2) of ``jaxpg.expert_parallel.moe`` at
+  ep = 1 (``bench/_expert_parallel_single.py``'s step) for E = 8 and 16, dropless
+  (``jax.lax.ragged_dot``) and with capacity factor 1.25, against the floor: the same
+  rows (tokens x top_k) through one dense FFN of the same width, which is what a grouped
+  matmul that skips nothing would cost.
+* ``zb``: the pipeline stage's pieces (``jaxpg.pipeline.stage_split``) of a residual tanh
+  block, each its own jitted program on the one device: ``F``, the whole backward, and
+  ZB's split ``B`` and ``W``; the question is whether ``B + W`` costs more than the whole
+  backward (5-9% on CPU, docs/pipeline.md).
 
     python bench/gpu.py            # on the GPU machine: writes bench/results/gpu.json
     python bench/gpu.py --smoke    # small sizes on CPU to prove it runs: gpu_smoke.json
@@ -40,9 +49,13 @@ from _launch import RESULTS, free_port, launch  # bench/ is sys.path[0]
 from _rounds import block, load_average, no_wait, run_rounds
 
 FULL = {"sizes": [1 << 10, 1 << 20, 64 << 20], "layers": (1024, 4096, 4096, 1024, 10),
-        "batch": 1024, "steps": 20, "warmup": 3, "rounds": 15, "matmul": 4096, "chain": 12}
+        "batch": 1024, "steps": 20, "warmup": 3, "rounds": 15, "matmul": 4096, "chain": 12,
+        "moe": {"tokens": 8192, "dim": 1024, "ffn": 4096, "experts": [8, 16]},
+        "zb": {"dims": [1024, 4096], "rows": [256, 2048]}}
 SMOKE = {"sizes": [1 << 10, 64 << 10], "layers": (64, 128, 10), "batch": 32, "steps": 5,
-         "warmup": 2, "rounds": 5, "matmul": 512, "chain": 20}
+         "warmup": 2, "rounds": 5, "matmul": 512, "chain": 20,
+         "moe": {"tokens": 256, "dim": 64, "ffn": 128, "experts": [8]},
+         "zb": {"dims": [128], "rows": [32]}}
 
 
 def _init(layout: str) -> None:
@@ -260,6 +273,82 @@ def part_torch(cfg: dict) -> dict:
                           **timed.loads()}}
 
 
+def _moe_row(experts: int, shape: argparse.Namespace, rounds: int) -> dict:
+    """One E's row: the moe step dropless and with capacity 1.25 against the dense floor."""
+    import jax
+    import jax.numpy as jnp
+    from _expert_parallel_single import AUX_WEIGHT, inputs, moe_step  # bench/ is sys.path[0]
+
+    top_k = 2
+    a = inputs(1, experts, shape)
+    x, w1, w2, cot = a[0][0], a[2][0, 0], a[3][0, 0], a[4][0]
+    xr = jnp.concatenate([x] * top_k)  # as many rows as dropless sends to the experts
+    cr = jnp.concatenate([cot] * top_k)
+
+    @jax.jit
+    def floor(xr, w1, w2, cr):
+        def loss(xr, w1, w2):
+            return jnp.sum((jax.nn.gelu(xr @ w1) @ w2) * cr) + AUX_WEIGHT
+        return jax.grad(loss, argnums=(0, 1, 2))(xr, w1, w2)
+
+    dropless, capacity = moe_step(1, top_k, None), moe_step(1, top_k, 1.25)
+    fns = {"dropless": lambda: dropless(*a), "capacity 1.25": lambda: capacity(*a),
+           "dense floor": lambda: floor(xr, w1, w2, cr)}
+    timed = run_rounds(fns, rounds, iters=5, warmup=1)
+    med = timed.medians()
+    return {"experts": experts, "top_k": top_k, "step_ms": {k: v * 1e3 for k, v in med.items()},
+            "dropless_over_floor": med["dropless"] / med["dense floor"], **timed.loads()}
+
+
+def part_moe(cfg: dict) -> dict:
+    import os
+
+    # _expert_parallel_single defaults JAX_PLATFORMS to cpu; the child's own platform rules
+    os.environ.setdefault("JAX_PLATFORMS", "")
+    import jaxpg
+
+    jaxpg.init_process_group()
+    shape = argparse.Namespace(**{k: cfg["moe"][k] for k in ("tokens", "dim", "ffn")})
+    rows = [_moe_row(e, shape, cfg["rounds"]) for e in cfg["moe"]["experts"]]
+    jaxpg.destroy_process_group()
+    return {"shape": {**cfg["moe"], "ep": 1}, "rows": rows}
+
+
+def _zb_row(dim: int, n: int, rounds: int) -> dict:
+    """The stage pieces of one residual tanh block of width ``dim`` on ``n`` rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpg.pipeline import stage_split
+
+    def block(p, x):
+        return x + jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+    k = jax.random.split(jax.random.key(1), 3)
+    p = {"w1": jax.random.normal(k[0], (dim, dim)) / dim**0.5, "b1": jnp.zeros(dim),
+         "w2": jax.random.normal(k[1], (dim, dim)) / dim**0.5, "b2": jnp.zeros(dim)}
+    x = jax.random.normal(k[2], (n, dim))
+    whole = stage_split.split_stage(block, p, x, False)
+    split = stage_split.split_stage(block, p, x, True)
+    forward, backward = jax.jit(whole.forward), jax.jit(whole.backward)
+    b_split, weight = jax.jit(split.backward), jax.jit(split.weight)
+    _, res = forward(p, x)
+    _, _, wres = b_split(p, x, x, res)
+    fns = {"F": lambda: forward(p, x), "B whole": lambda: backward(p, x, x, res),
+           "B split": lambda: b_split(p, x, x, res), "W": lambda: weight(p, x, x, res, wres)}
+    us = {k: v * 1e6 for k, v in run_rounds(fns, rounds, iters=50, warmup=2).medians().items()}
+    return {"dim": dim, "rows": n, "us": us,
+            "split_over_whole": (us["B split"] + us["W"]) / us["B whole"]}
+
+
+def part_zb(cfg: dict) -> dict:
+    return {"rows": [_zb_row(d, n, cfg["rounds"]) for d in cfg["zb"]["dims"]
+                     for n in cfg["zb"]["rows"]]}
+
+
+PARTS = {"ddp": part_ddp, "torch": part_torch, "moe": part_moe, "zb": part_zb}
+
+
 def _child(part: str, layout: str, smoke: bool, out: Path) -> dict:
     # a part that fails is recorded as its error, and the others still run: check=False
     done = launch(__file__, ["--part", part, "--layout", layout, "--out", out]
@@ -284,10 +373,8 @@ def main() -> None:
     if args.part:
         if args.part == "overhead":
             result = part_overhead(cfg, args.layout)
-        elif args.part == "ddp":
-            result = part_ddp(cfg)
         else:
-            result = part_torch(cfg)
+            result = PARTS[args.part](cfg)
         Path(args.out).write_text(json.dumps(result))
         return
     out = Path(args.out or RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json"))
@@ -302,6 +389,8 @@ def main() -> None:
     result["watchdog"] = _watchdog_child(args.smoke)
     result["ddp"] = _child("ddp", "single", args.smoke, tmp)
     result["torch_ddp"] = _child("torch", "single", args.smoke, tmp)
+    result["moe"] = _child("moe", "single", args.smoke, tmp)
+    result["zb"] = _child("zb", "single", args.smoke, tmp)
     tmp.unlink(missing_ok=True)
     import jax
 

@@ -8,7 +8,9 @@ GPU), and the tests that need the 8 simulated CPU devices or CPU worker processe
 import os
 
 GPU_RUN = os.environ.get("JAXPG_TEST_PLATFORM", "") == "gpu"
-_flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+_flags = os.environ.get("XLA_FLAGS", "")
+if not GPU_RUN:
+    _flags += " --xla_force_host_platform_device_count=8"
 if not GPU_RUN and "xla_backend_optimization_level" not in _flags:
     # The suite compiles thousands of small CPU programs and runs each a few times: LLVM's
     # optimizations cost more than they save (about a quarter of the suite's time). Worker

@@ -9,8 +9,8 @@
 #   3. runs bench/gpu.py (bench/gpu.py --smoke where JAX has no GPU),
 # and writes every log and figure under DIR: env.txt, install.log, tests.log, junit.xml,
 # bench.log, gpu.json, summary.txt. Exit status: 0 when every step passed.
-# Environment: PYTHON (default python), TESTS_TIMEOUT_S (240), BENCH_TIMEOUT_S (180): with the
-# install, under 8 minutes in all.
+# Environment: PYTHON (default python), TESTS_TIMEOUT_S (240), BENCH_TIMEOUT_S (180),
+# TEST_WORKERS (6, with pytest-xdist): with the install, under 8 minutes in all.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: tools/gpu_check.sh DIR [PYTEST ARGS...]" >&2; exit 2; }
 DIR=$(mkdir -p "$1" && cd "$1" && pwd) || exit 2
@@ -39,8 +39,16 @@ INSTALL=$?
 say "install: exit $INSTALL (install.log)"
 
 if [ $# -eq 0 ]; then set -- tests; fi
-JAXPG_TEST_PLATFORM=gpu timeout "${TESTS_TIMEOUT_S:-240}" "$PY" -m pytest -q -rfEs \
-    -m "not cpu_only" --timeout 120 --durations=25 -p no:cacheprovider \
+# Several pytest workers share the one GPU (pytest-xdist where installed): none may take 75%
+# of its memory up front. The tests compare with numpy and one-device references in float32,
+# as torch does by default: no TF32 in float32 matmuls (JAX's GPU default allows it).
+WORKERS=()
+if [ "${TEST_WORKERS:-6}" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then
+    WORKERS=(-n "${TEST_WORKERS:-6}")
+fi
+JAXPG_TEST_PLATFORM=gpu XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest \
+    timeout "${TESTS_TIMEOUT_S:-240}" "$PY" -m pytest -q -rfEs "${WORKERS[@]}" \
+    -m "not cpu_only" --timeout 120 --durations=25 -p no:cacheprovider -p no:benchmark \
     --junitxml "$DIR/junit.xml" "$@" > "$DIR/tests.log" 2>&1
 TESTS=$?
 say "tests: exit $TESTS, $(tail -n 1 "$DIR/tests.log") (tests.log)"

@@ -21,6 +21,9 @@ from jaxpg.ddp import (
     reduce_gradients,
 )
 
+# meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
+pytestmark = pytest.mark.cpu_only
+
 
 def _bucket(buffer):
     return GradBucket(

@@ -10,6 +10,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.ddp import GradBucket, make_bucket_plan, reduce_gradients
 from jaxpg.internal import fused_pmean
 
+# meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
+pytestmark = pytest.mark.cpu_only
+
 SHAPES = {
     "conv": {"kernel": (3, 3, 4, 8), "bias": (8,)},
     "dense": {"kernel": (32, 16), "bias": (16,)},

@@ -19,6 +19,9 @@ from jaxpg.ddp import (
 )
 from jaxpg.ddp.powersgd import orthogonalize
 
+# meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
+pytestmark = pytest.mark.cpu_only
+
 # One float32 bucket: two compressed matrices, a bias and a scalar.
 SHAPES = {"a_w": (16, 12), "b_bias": (12,), "c_w": (8, 5, 4), "d_s": ()}
 CONFIG = PowerSGDConfig(matrix_approximation_rank=2, start_powerSGD_iter=3)

@@ -98,6 +98,7 @@ def test_ddp_fresh_lambdas_reuse_one_step_and_train_as_one_function(world):
     assert_trees_close(ddp.params, ref.params)
 
 
+@pytest.mark.cpu_only  # a pipeline over 2 devices
 def test_pipeline_fresh_lambdas_reuse_the_compiled_program():
     import jax
     from jax.sharding import Mesh

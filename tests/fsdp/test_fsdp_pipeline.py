@@ -8,6 +8,9 @@ import numpy as np
 import optax
 import pytest
 
+# meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
+pytestmark = pytest.mark.cpu_only
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
 from test_executor import block, embed, head_loss, make_batch, make_params  # noqa: E402
 

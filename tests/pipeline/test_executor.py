@@ -13,6 +13,9 @@ from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
 from jaxpg.pipeline.mesh import pipeline_mesh
 from jaxpg.pipeline.schedules import get_schedule, one_f_one_b
 
+# meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
+pytestmark = pytest.mark.cpu_only
+
 D_IN, D, D_OUT = 3, 8, 2
 
 

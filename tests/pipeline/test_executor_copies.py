@@ -25,6 +25,9 @@ from jax.sharding import Mesh
 from jaxpg.pipeline.executor import pipeline_value_and_grad
 from jaxpg.pipeline.hlo_loop import computations, count_in_loop, loop_bodies, loop_text
 
+# meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
+pytestmark = pytest.mark.cpu_only
+
 D, H, ROWS = 8, 40, 4  # [8, 40] and [40, 8] are the weights' shapes and nothing else's
 
 

@@ -17,6 +17,9 @@ from jaxpg.pipeline import (
     to_rank_order,
 )
 
+# meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
+pytestmark = pytest.mark.cpu_only
+
 D = 8
 
 

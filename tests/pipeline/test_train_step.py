@@ -12,6 +12,9 @@ from jaxpg.pipeline.mesh import pipeline_mesh
 from jaxpg.pipeline.nnx_stages import module_fn, split_module, stack_modules
 from jaxpg.pipeline.train_step import init_train_state, make_train_step
 
+# meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
+pytestmark = pytest.mark.cpu_only
+
 
 class Block(nnx.Module):
     def __init__(self, d, rngs):
