@@ -150,22 +150,35 @@ def part_async(cfg: dict, layout: str) -> dict:
 def part_watchdog(cfg: dict) -> None:
     """A ``tcp://`` world of one with a 1 s group timeout and several seconds of device
     work queued ahead of an ``all_reduce``: the call returns at once and the watchdog must
-    end the process (exit code 6) with the named error on stderr."""
+    end the process (exit code 6) with the named error on stderr.
+
+    The work is one call of about 4 s (a loop whose length is an argument), not many short
+    calls: a device runtime admits only so many programs in flight (dispatch then blocks),
+    so many short calls leave well under a second queued when the ``all_reduce`` comes."""
     import datetime
+
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
 
     import jaxpg
 
     jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1,
                              rank=0, timeout=datetime.timedelta(seconds=1))
-    queued, a = _queued_work(cfg)
+
+    @jax.jit
+    def spin(a, n):
+        return lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ a) * 0.5, a)
+
+    m = cfg["matmul"]
+    a = jnp.full((m, m), 0.01, jnp.float32)
+    jaxpg.all_reduce(spin(a, 1)).block_until_ready()  # both compiled before timing
     t0 = time.perf_counter()
-    queued(a).block_until_ready()
-    one = time.perf_counter() - t0
-    y = a
-    for _ in range(max(1, int(4.0 / max(one, 1e-4)))):  # about 4 s of queued work
-        y = queued(y)
+    spin(a, 20).block_until_ready()
+    per_iter = (time.perf_counter() - t0) / 20
+    y = spin(a, max(1, int(4.0 / max(per_iter, 1e-6))))  # about 4 s, queued
     t0 = time.perf_counter()
-    jaxpg.all_reduce(y)
+    y = jaxpg.all_reduce(y)
     print(f"RETURNED after {(time.perf_counter() - t0) * 1e3:.2f} ms; input ready: "
           f"{y.is_ready()}", flush=True)
     time.sleep(30)
@@ -279,6 +292,8 @@ def _moe_row(experts: int, shape: argparse.Namespace, rounds: int) -> dict:
     import jax.numpy as jnp
     from _expert_parallel_single import AUX_WEIGHT, inputs, moe_step  # bench/ is sys.path[0]
 
+    from jaxpg.expert_parallel.dispatch import expert_ffn
+
     top_k = 2
     a = inputs(1, experts, shape)
     x, w1, w2, cot = a[0][0], a[2][0, 0], a[3][0, 0], a[4][0]
@@ -291,13 +306,26 @@ def _moe_row(experts: int, shape: argparse.Namespace, rounds: int) -> dict:
             return jnp.sum((jax.nn.gelu(xr @ w1) @ w2) * cr) + AUX_WEIGHT
         return jax.grad(loss, argnums=(0, 1, 2))(xr, w1, w2)
 
+    # the routed rows' grouped matmuls alone (expert_ffn: lax.ragged_dot), in even groups
+    we1, we2 = a[2][0], a[3][0]
+    sizes = jnp.full((experts,), xr.shape[0] // experts, jnp.int32)
+
+    @jax.jit
+    def grouped(xr, we1, we2, cr):
+        def loss(xr, we1, we2):
+            return jnp.sum(expert_ffn(xr, we1, we2, sizes, jax.nn.gelu) * cr)
+        return jax.grad(loss, argnums=(0, 1, 2))(xr, we1, we2)
+
     dropless, capacity = moe_step(1, top_k, None), moe_step(1, top_k, 1.25)
     fns = {"dropless": lambda: dropless(*a), "capacity 1.25": lambda: capacity(*a),
+           "ragged_dot alone": lambda: grouped(xr, we1, we2, cr),
            "dense floor": lambda: floor(xr, w1, w2, cr)}
     timed = run_rounds(fns, rounds, iters=5, warmup=1)
     med = timed.medians()
     return {"experts": experts, "top_k": top_k, "step_ms": {k: v * 1e3 for k, v in med.items()},
-            "dropless_over_floor": med["dropless"] / med["dense floor"], **timed.loads()}
+            "dropless_over_floor": med["dropless"] / med["dense floor"],
+            "ragged_dot_over_floor": med["ragged_dot alone"] / med["dense floor"],
+            **timed.loads()}
 
 
 def part_moe(cfg: dict) -> dict:
@@ -347,6 +375,8 @@ def part_zb(cfg: dict) -> dict:
 
 
 PARTS = {"ddp": part_ddp, "torch": part_torch, "moe": part_moe, "zb": part_zb}
+ALL_PARTS = {"overhead": "overhead", "watchdog": "watchdog", "ddp": "ddp",
+             "torch": "torch_ddp", "moe": "moe", "zb": "zb"}  # part: its key in the results
 
 
 def _child(part: str, layout: str, smoke: bool, out: Path) -> dict:
@@ -365,6 +395,8 @@ def main() -> None:
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layout", default="single", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
+    p.add_argument("--parts", nargs="+", default=list(ALL_PARTS), choices=ALL_PARTS,
+                   help="which parts to run (default: all)")
     args = p.parse_args()
     cfg = SMOKE if args.smoke else FULL
     if args.part == "watchdog":
@@ -379,18 +411,20 @@ def main() -> None:
         return
     out = Path(args.out or RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json"))
     tmp = out.with_suffix(".part.json")
-    result = {"command": "python bench/gpu.py" + (" --smoke" if args.smoke else ""),
+    result = {"command": "python bench/gpu.py" + (" --smoke" if args.smoke else "")
+              + ("" if args.parts == list(ALL_PARTS) else " --parts " + " ".join(args.parts)),
               "smoke": args.smoke, "config": {k: list(v) if isinstance(v, tuple) else v
                                               for k, v in cfg.items()},
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
               "load_average_before": load_average()}
-    for layout in ("single", "tcp1"):
-        result[f"overhead_{layout}"] = _child("overhead", layout, args.smoke, tmp)
-    result["watchdog"] = _watchdog_child(args.smoke)
-    result["ddp"] = _child("ddp", "single", args.smoke, tmp)
-    result["torch_ddp"] = _child("torch", "single", args.smoke, tmp)
-    result["moe"] = _child("moe", "single", args.smoke, tmp)
-    result["zb"] = _child("zb", "single", args.smoke, tmp)
+    for part in args.parts:
+        if part == "overhead":
+            for layout in ("single", "tcp1"):
+                result[f"overhead_{layout}"] = _child("overhead", layout, args.smoke, tmp)
+        elif part == "watchdog":
+            result["watchdog"] = _watchdog_child(args.smoke)
+        else:
+            result[ALL_PARTS[part]] = _child(part, "single", args.smoke, tmp)
     tmp.unlink(missing_ok=True)
     import jax
 

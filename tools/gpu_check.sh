@@ -10,7 +10,8 @@
 # and writes every log and figure under DIR: env.txt, install.log, tests.log, junit.xml,
 # bench.log, gpu.json, summary.txt. Exit status: 0 when every step passed.
 # Environment: PYTHON (default python), TESTS_TIMEOUT_S (240), BENCH_TIMEOUT_S (180),
-# TEST_WORKERS (6, with pytest-xdist): with the install, under 8 minutes in all.
+# TEST_WORKERS (6, with pytest-xdist), BENCH_ARGS (e.g. "--parts moe zb"): with the install,
+# under 8 minutes in all.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: tools/gpu_check.sh DIR [PYTEST ARGS...]" >&2; exit 2; }
 DIR=$(mkdir -p "$1" && cd "$1" && pwd) || exit 2
@@ -55,7 +56,7 @@ say "tests: exit $TESTS, $(tail -n 1 "$DIR/tests.log") (tests.log)"
 
 SMOKE=()
 [ "$PLATFORM" = gpu ] || SMOKE=(--smoke)  # no GPU here: toy sizes, CPU figures
-timeout "${BENCH_TIMEOUT_S:-180}" "$PY" bench/gpu.py "${SMOKE[@]}" --out "$DIR/gpu.json" \
+timeout "${BENCH_TIMEOUT_S:-180}" "$PY" bench/gpu.py "${SMOKE[@]}" ${BENCH_ARGS:-} --out "$DIR/gpu.json" \
     > "$DIR/bench.log" 2>&1
 BENCH=$?
 say "bench/gpu.py ${SMOKE[*]}: exit $BENCH (bench.log, gpu.json)"

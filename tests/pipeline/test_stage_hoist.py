@@ -57,6 +57,7 @@ def test_nothing_to_hoist():
     assert hoist_stage(indexed_by_data, jnp.ones((2, D, D)), x) is None
 
 
+@pytest.mark.cpu_only  # reads XLA:CPU's optimized program
 @pytest.mark.parametrize("hoist", [False, True])
 def test_forward_program_slices_no_weights_once_hoisted(hoist):
     p = params()

@@ -142,6 +142,7 @@ def test_pytree_activation_and_unused_parameter():
     assert all(s.shape[0] == 2 for s in pieces.res_structs)
 
 
+@pytest.mark.cpu_only  # XLA:CPU's buffer assignment (XLA:GPU's fuses the reference's adds too)
 def test_weight_into_adds_one_gradient_at_a_time():
     """``weight_into`` gives ``g + weight(...)`` and, in a loop that accumulates in place
     (as the executor's), keeps one weight-gradient temporary live at a time: XLA's temp

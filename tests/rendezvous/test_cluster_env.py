@@ -150,6 +150,7 @@ def test_init_process_group_never_makes_a_launchers_world_a_world_of_one(env):
     assert world._wants_multiprocess(None, None, -1)
 
 
+@pytest.mark.cpu_only  # 2 local processes: jaxpg-run counts the GPUs on a GPU host
 def test_jaxpg_run_under_srun_takes_its_nodes_from_the_step(env, capsys):
     from jaxpg.run.cli import parse_args
 
