@@ -51,11 +51,11 @@ from _rounds import block, load_average, no_wait, run_rounds
 FULL = {"sizes": [1 << 10, 1 << 20, 64 << 20], "layers": (1024, 4096, 4096, 1024, 10),
         "batch": 1024, "steps": 20, "warmup": 3, "rounds": 15, "matmul": 4096, "chain": 12,
         "moe": {"tokens": 8192, "dim": 1024, "ffn": 4096, "experts": [8, 16]},
-        "zb": {"dims": [1024, 4096], "rows": [256, 2048]}}
+        "zb": {"dims": [1024, 4096], "rows": [256, 2048]}, "spin": (16384, 4)}
 SMOKE = {"sizes": [1 << 10, 64 << 10], "layers": (64, 128, 10), "batch": 32, "steps": 5,
          "warmup": 2, "rounds": 5, "matmul": 512, "chain": 20,
          "moe": {"tokens": 256, "dim": 64, "ffn": 128, "experts": [8]},
-         "zb": {"dims": [128], "rows": [32]}}
+         "zb": {"dims": [128], "rows": [32]}, "spin": (1024, 20)}
 
 
 def _init(layout: str) -> None:
@@ -152,35 +152,40 @@ def part_watchdog(cfg: dict) -> None:
     work queued ahead of an ``all_reduce``: the call returns at once and the watchdog must
     end the process (exit code 6) with the named error on stderr.
 
-    The work is one call of about 4 s (a loop whose length is an argument), not many short
-    calls: a device runtime admits only so many programs in flight (dispatch then blocks),
-    so many short calls leave well under a second queued when the ``all_reduce`` comes."""
+    The work is a few long calls (a chain of float32 matmuls, no TF32, each call about a
+    second), not many short ones: a device runtime admits only so many programs in flight
+    (dispatch then blocks), and a loop with a dynamic trip count makes the GPU's dispatch
+    wait for it, so either would leave little or nothing queued when the ``all_reduce``
+    comes."""
     import datetime
 
     import jax
     import jax.numpy as jnp
-    from jax import lax
 
     import jaxpg
 
     jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1,
                              rank=0, timeout=datetime.timedelta(seconds=1))
+    m, chain = cfg["spin"]
 
     @jax.jit
-    def spin(a, n):
-        return lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ a) * 0.5, a)
+    def spin(a):
+        for _ in range(chain):
+            a = jnp.tanh(jnp.matmul(a, a, precision="highest")) * 0.5
+        return a
 
-    m = cfg["matmul"]
     a = jnp.full((m, m), 0.01, jnp.float32)
-    jaxpg.all_reduce(spin(a, 1)).block_until_ready()  # both compiled before timing
+    jaxpg.all_reduce(spin(a)).block_until_ready()  # both compiled before timing
     t0 = time.perf_counter()
-    spin(a, 20).block_until_ready()
-    per_iter = (time.perf_counter() - t0) / 20
-    y = spin(a, max(1, int(4.0 / max(per_iter, 1e-6))))  # about 4 s, queued
+    spin(a).block_until_ready()
+    one = time.perf_counter() - t0
+    y = a
+    for _ in range(min(8, max(2, int(4.0 / one) + 1))):  # about 4 s, queued
+        y = spin(y)
     t0 = time.perf_counter()
     y = jaxpg.all_reduce(y)
     print(f"RETURNED after {(time.perf_counter() - t0) * 1e3:.2f} ms; input ready: "
-          f"{y.is_ready()}", flush=True)
+          f"{y.is_ready()}; one call of the queued work: {one * 1e3:.0f} ms", flush=True)
     time.sleep(30)
     print("WATCHDOG DID NOT FIRE", flush=True)
 
