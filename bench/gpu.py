@@ -18,7 +18,7 @@ Parts, each in fresh processes:
   SGD momentum 0.9, TF32 matmuls allowed on both sides): a plain ``jax.jit`` optax step,
   jaxpg ``DistributedDataParallel`` with the bucketed reducer and with one fused ``pmean``
   (world of one GPU), and torch DDP (nccl, world of one; gloo on CPU), medians over
-  interleaved steps.
+  interleaved steps; every variant takes the batch already on the device.
 * ``moe``: one step (``jax.grad`` in x, gate_w, w1, w2) of ``jaxpg.expert_parallel.moe`` at
   ep = 1 (``bench/_expert_parallel_single.py``'s step) for E = 8 and 16, dropless
   (``jax.lax.ragged_dot``) and with capacity factor 1.25, against the floor: the same
@@ -242,7 +242,7 @@ def part_ddp(cfg: dict) -> dict:
                              ("jaxpg DDP (fused pmean)", {"reduction": "fused_pmean"}))}
     fns = {"plain jax.jit optax": run_plain}
     for name, ddp in ddps.items():
-        fns[name] = (lambda d: lambda: (d.train_step(loss_fn, batch),
+        fns[name] = (lambda d: lambda: (d.train_step(loss_fn, dev_batch),  # on the GPU, as torch's
                                         jax.block_until_ready(d.params)))(ddp)
     timed = run_rounds(fns, cfg["steps"], warmup=cfg["warmup"])
     out = {k: {"step_ms": t * 1e3, "samples_per_s": batch_n / t}

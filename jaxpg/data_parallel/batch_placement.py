@@ -20,8 +20,9 @@ def place_batch(batch: Any, sharding: NamedSharding, n_local: int, local: bool,
     """
 
     def place(path, x):
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            return x
+        if isinstance(x, jax.Array) and (x.sharding == sharding or (
+                x.ndim and x.sharding.is_equivalent_to(sharding, x.ndim))):
+            return x  # already laid out so (one device's array, on a group of that one)
         shape = np.shape(x)
         if not shape or shape[0] % n_local:
             raise ValueError(
