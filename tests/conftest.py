@@ -6,6 +6,7 @@ GPU), and the tests that need the 8 simulated CPU devices or CPU worker processe
 """
 
 import os
+import resource
 
 GPU_RUN = os.environ.get("JAXPG_TEST_PLATFORM", "") == "gpu"
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -51,8 +52,41 @@ def _forbid_skip(report) -> None:
         report.longrepr = f"JAXPG_FORBID_SKIPS=1, but this skipped: {reason}"
 
 
+def _cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Records each test's CPU seconds (setup, call and teardown) as JUnit properties:
+    ``cpu_s``, this process's, and ``children_cpu_s``, its finished child processes' (and
+    theirs), which ``.ci/file_times.py`` sums per file: CI's two legs share two busy cores,
+    so CPU, not wall time, is what a test costs the run."""
+    own, children = _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN)
+    item.user_properties.append(("cpu_s", 0.0))  # filled in below, before the report is written
+    item.user_properties.append(("children_cpu_s", 0.0))
+    cpu_at = len(item.user_properties) - 2
+    item.stash[_CPU_START] = (own, children, cpu_at)
+    yield
+
+
+_CPU_START = pytest.StashKey[tuple]()
+
+
+def _record_cpu(item) -> None:
+    start = item.stash.get(_CPU_START, None)
+    if start is None:
+        return
+    own, children, at = start
+    item.user_properties[at] = ("cpu_s", round(_cpu_seconds(resource.RUSAGE_SELF) - own, 3))
+    item.user_properties[at + 1] = (
+        "children_cpu_s", round(_cpu_seconds(resource.RUSAGE_CHILDREN) - children, 3))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    _record_cpu(item)  # each phase's report carries the CPU so far; the last one counts
     outcome = yield
     _forbid_skip(outcome.get_result())
 
