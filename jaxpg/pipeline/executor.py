@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +92,7 @@ from jaxpg.groups.resolve import data_parallel_axis, resolve_mesh
 from jaxpg.pipeline import buffer_plan as cols
 from jaxpg.pipeline.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.microbatch import split_microbatches
+from jaxpg.pipeline.pipeline_config import PipelineConfig, PipelineExecutor
 from jaxpg.pipeline.stage_hoist import hoist_stage
 from jaxpg.pipeline.stage_meta import batch_stage_metadata
 from jaxpg.pipeline.stage_order import check_stage_order, loop_view, stacked
@@ -135,21 +136,7 @@ def resolve_schedule(schedule: Any, num_ranks: int, num_microbatches: int | None
     return schedule
 
 
-class _Config(NamedTuple):
-    stage_fn: Callable
-    loss_fn: Callable
-    first_fn: Callable | None
-    mesh: Mesh
-    timetable: Any
-    pp_axis: str
-    dp_axis: str | None
-    grad_reducer: Callable | None
-    remat: bool
-    stage_order: str
-    param_specs: tuple | None = None  # (leaves, treedef) of a StagedParams of specs, hashable
-
-
-def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
+def _body(cfg: PipelineConfig, plan: BufferPlan, act_struct, params, inputs, targets):
     """Runs on one (dp, pp) rank inside ``shard_map``."""
     p = cfg.mesh.shape[cfg.pp_axis]
     m = cfg.timetable.num_microbatches
@@ -264,7 +251,7 @@ def _body(cfg: _Config, plan: BufferPlan, act_struct, params, inputs, targets):
     return loss, grads
 
 
-def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
+def _run(cfg: PipelineConfig, plan: BufferPlan, params: StagedParams, inputs, targets):
     tt = cfg.timetable
     metas, _ = batch_stage_metadata(cfg, params, inputs, targets)
     stages = jax.tree.map(lambda a: loop_view(a, tt, cfg.stage_order), params.stages)
@@ -285,7 +272,7 @@ def _run(cfg: _Config, plan: BufferPlan, params: StagedParams, inputs, targets):
         stages=jax.tree.map(lambda a: stacked(a, tt, cfg.stage_order), grads.stages))
 
 
-def _param_spec(cfg: _Config) -> StagedParams:
+def _param_spec(cfg: PipelineConfig) -> StagedParams:
     """The executor's in/out specs of the parameters: stages ``P(None, pp, *spec)``."""
     if cfg.param_specs is None:
         return StagedParams(P(None, cfg.pp_axis), P(), P())
@@ -330,10 +317,17 @@ def check_param_specs(param_specs: Any, params: StagedParams, mesh: Mesh, pp_axi
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(cfg: _Config):
+def _compiled(cfg: PipelineConfig):
     # called from host code, a launch is a recorded collective call on the mesh's group
     return recorded_step(jax.jit(functools.partial(_run, cfg, plan_buffers(cfg.timetable))),
                          cfg.mesh, name="pipeline_value_and_grad")
+
+
+def run_spmd(cfg: PipelineConfig, params: StagedParams, inputs: Any,
+             targets: Any) -> tuple[jax.Array, StagedParams]:
+    """The lockstep executor (a :class:`~jaxpg.pipeline.pipeline_config.PipelineExecutor`):
+    one jitted program over the mesh, compiled once per config."""
+    return _compiled(cfg)(params, inputs, targets)
 
 
 EXECUTORS = ("auto", "spmd", "mpmd")
@@ -459,16 +453,16 @@ def pipeline_value_and_grad(
     if not isinstance(remat, bool):
         raise TypeError(f"remat={remat!r} must be True or False.")
     # functions keyed by code and closure: a fresh lambda each call reuses the compiled step
-    cfg = _Config(
+    cfg = PipelineConfig(
         code_keyed(stage_fn), code_keyed(loss_fn), code_keyed(first_fn), mesh, timetable,
         pp_axis, dp, code_keyed(grad_reducer), remat,
         check_stage_order(stage_order),
         check_param_specs(param_specs, staged, mesh, pp_axis, dp),
     )
+    run: PipelineExecutor = run_spmd
     if _use_mpmd(executor, mesh, (staged, inputs, targets), pp_axis, dp, param_specs):
         from jaxpg.pipeline.mpmd import run_mpmd
 
-        loss, grads = run_mpmd(cfg, staged, inputs, targets)
-    else:
-        loss, grads = _compiled(cfg)(staged, inputs, targets)
+        run = run_mpmd
+    loss, grads = run(cfg, staged, inputs, targets)
     return loss, grads if isinstance(params, StagedParams) else grads.stages

@@ -41,10 +41,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.errors import DistTimeoutError
 from jaxpg.groups import callbacks, world
 from jaxpg.pipeline.action_programs import action_programs
+from jaxpg.pipeline.action_walk import run_beside_lanes, walk_actions
 from jaxpg.pipeline.p2p_lanes import PairLane, StepMail, lane_between
+from jaxpg.pipeline.pipeline_config import PipelineConfig
 from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
 from jaxpg.pipeline.stage_hoist import HoistedStage, hoist_stage
 from jaxpg.pipeline.stage_meta import batch_stage_metadata
@@ -121,7 +122,7 @@ class _Plan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _plans(cfg: Any) -> _Plan:
+def _plans(cfg: PipelineConfig) -> _Plan:
     mesh, tt = cfg.mesh, cfg.timetable
     names = list(mesh.axis_names)
     here = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
@@ -186,7 +187,8 @@ def _reshard(mesh: Mesh, tt: Any, order: str, pp_axis: str):
                    out_shardings=NamedSharding(mesh, P(None, pp_axis)))
 
 
-def _local_chunks(stages: Any, cfg: Any, plan: _Plan, hoisted: HoistedStage | None) -> tuple:
+def _local_chunks(stages: Any, cfg: PipelineConfig, plan: _Plan,
+                  hoisted: HoistedStage | None) -> tuple:
     """This rank's chunks' parameters as the action programs take them: per chunk a pytree
     of ``[1, ...]`` arrays (the hoisted ``q`` of :mod:`jaxpg.pipeline.stage_hoist`, if any)."""
     tt, r, device = cfg.timetable, plan.rank, plan.device
@@ -218,7 +220,7 @@ def _local_chunks(stages: Any, cfg: Any, plan: _Plan, hoisted: HoistedStage | No
     return _prepare(v, True, hoisted)(local)
 
 
-def _local_batch(tree: Any, cfg: Any, plan: _Plan, dp: int) -> tuple[Any, int]:
+def _local_batch(tree: Any, cfg: PipelineConfig, plan: _Plan, dp: int) -> tuple[Any, int]:
     """This replica's part of a batch on this device, and the row where it starts."""
     leaves, treedef = jax.tree.flatten(tree)
     size = leaves[0].shape[0]
@@ -257,7 +259,7 @@ def _local_replicated(tree: Any, device: Any) -> Any:
 
 # --------------------------------------------------------------------------- the closing program
 @functools.lru_cache(maxsize=64)
-def _finisher(cfg: Any, hoisted: HoistedStage | None):
+def _finisher(cfg: PipelineConfig, hoisted: HoistedStage | None):
     """One program over the whole mesh: the chunks' weight gradients turned back from
     ``q`` into the stage parameters' (``hoisted.grad_back``), the loss and the embedding's
     and head's gradients summed over the pipeline, ``grad_reducer`` over data parallel,
@@ -293,7 +295,7 @@ def _finisher(cfg: Any, hoisted: HoistedStage | None):
     return jax.jit(run, donate_argnums=(1,))  # the chunk gradients: ours, become the result
 
 
-def _global(tree: Any, cfg: Any) -> Any:
+def _global(tree: Any, cfg: PipelineConfig) -> Any:
     n = cfg.mesh.shape[cfg.pp_axis] * (cfg.mesh.shape[cfg.dp_axis] if cfg.dp_axis else 1)
     spec = P((cfg.dp_axis, cfg.pp_axis)) if cfg.dp_axis else P(cfg.pp_axis)
     sharding = NamedSharding(cfg.mesh, spec)
@@ -314,8 +316,10 @@ def _zeros_key(tree: Any) -> tuple:
 
 
 # --------------------------------------------------------------------------- one step
-def run_mpmd(cfg: Any, params: StagedParams, inputs: Any, targets: Any) -> tuple[Any, Any]:
-    """One step of the process executor; ``cfg`` is the SPMD executor's config.
+def run_mpmd(cfg: PipelineConfig, params: StagedParams, inputs: Any,
+             targets: Any) -> tuple[jax.Array, StagedParams]:
+    """One step of the process executor (a
+    :class:`~jaxpg.pipeline.pipeline_config.PipelineExecutor`).
 
     Returns:
         ``(loss, grads)`` as ``pipeline_value_and_grad`` returns them.
@@ -348,22 +352,18 @@ def run_mpmd(cfg: Any, params: StagedParams, inputs: Any, targets: Any) -> tuple
 
     what = f"pipeline {tt.name} (process executor)"
     mail = StepMail(plan.me, _timeout_s(), what, plan.process_of)
-    jobs = []
-    for q, (lane, transfers) in plan.pairs.items():
-        jobs.append((q, lane, lane.runner.submit(
-            functools.partial(_lane_step, lane, transfers, mail, act, what, plan, timeline),
-            what)))  # fmt: skip
-    try:
-        loss, g_chunks, g_first, g_last = _run_ops(plan, progs, chunks, fp, lp, x_in, row_in,
-                                                   t_in, row_t, rows, m, mail, timeline)
-        for q, _, job in jobs:
-            _wait_lane(job, mail, plan.global_of[q])
-    except BaseException:
-        mail.cancel()
-        for _, lane, job in jobs:
-            if not job.finished:
-                lane.runner.abandon()  # stuck in a collective with a lost peer
-        raise
+    actions = _StackedActions(plan, progs, chunks, fp, lp, x_in, row_in, t_in, row_t, rows, m,
+                              timeline)  # fmt: skip
+    on_wait = None if timeline is None else (
+        lambda key, start, end: timeline.add("wait", f"{key[0]} {key[1]} {key[2]}", start, end))
+
+    def walk():
+        walk_actions(plan, actions, mail, on_wait)
+        return actions.finish()
+
+    loss, g_chunks, g_first, g_last = run_beside_lanes(
+        plan, mail, lambda lane, transfers: _lane_step(lane, transfers, mail, act, what,
+                                                       timeline), walk)
     finishing = time.perf_counter()
     zero_first = _zeros_like(_zeros_key(params.first), plan.device)
     zero_last = _zeros_like(_zeros_key(params.last), plan.device)
@@ -382,115 +382,108 @@ def run_mpmd(cfg: Any, params: StagedParams, inputs: Any, targets: Any) -> tuple
     return out
 
 
-def _lane_step(lane, transfers, mail, act, what, plan, timeline) -> None:
+def _lane_step(lane, transfers, mail, act, what, timeline) -> None:
     if timeline is None:
         lane.run_step(transfers, mail, act, what)
     else:
         lane.run_step(transfers, mail, act, what, timeline.add)
 
 
-def _wait_lane(job: Any, mail: StepMail, peer: int) -> None:
-    """Waits for a lane's transfers of this step to end, naming the peer on a timeout."""
-    deadline = time.monotonic() + mail.timeout
-    while True:
-        try:
-            return job.result(0.1)
-        except concurrent.futures.TimeoutError:
-            pass
-        if mail.error is not None:
-            raise mail.error
-        mail.check_peers([peer], f"sending to rank {peer}")
-        if time.monotonic() > deadline:
-            raise DistTimeoutError(
-                f"{mail.what}: rank {mail.me} waited {mail.timeout:.1f} s for rank {peer} to "
-                f"take its last messages; ranks that did not arrive: [{peer}]."
-            )
+class _StackedActions:
+    """This rank's actions over its chunks of the stacked stages (a ``RankActions``):
+    activations, residuals and gradients kept per (stage, microbatch) between them, the
+    chunks' gradient accumulators, and the loss accumulator of the last stage."""
 
+    def __init__(self, plan, progs, chunks, fp, lp, x_in, row_in, t_in, row_t, rows, m,
+                 timeline) -> None:
+        self.progs, self.chunks, self.fp, self.lp = progs, chunks, fp, lp
+        self.x_in, self.row_in, self.t_in, self.row_t = x_in, row_in, t_in, row_t
+        self.rows, self.m, self.timeline = rows, m, timeline
+        self.x, self.res, self.dy, self.wres = {}, {}, {}, {}
+        self.split = any(op.kind == "W" for op in plan.ops)
+        self.g = [None] * len(chunks)
+        self.g_first = self.acc = None
+        self.only_donated = False  # the last action's output is donated by the next writer
+        self.pending = {}  # timeline: chunk -> (future, gradient) of an action only it came out of
 
-def _run_ops(plan, progs, chunks, fp, lp, x_in, row_in, t_in, row_t, rows, m, mail, timeline):
-    """Runs this rank's actions in order; returns its accumulators."""
-    x, res, dy, wres = {}, {}, {}, {}
-    split = any(op.kind == "W" for op in plan.ops)
-    g = [None] * len(chunks)
-    g_first = acc = None
-    src_of = {}  # message key -> the global rank it comes from
-    for _, transfers in plan.pairs.values():
-        src_of.update((t.key, t.src) for t in transfers if t.dst == plan.me)
-
-    pending = {}  # timeline: chunk -> (future, gradient) of an action only it came out of
-
-    def settle(chunk):
+    def settle(self, chunk) -> None:
         """Timeline only: before a chunk's gradient is donated, its last writer's end."""
-        if chunk in pending:
-            future, value = pending.pop(chunk)
+        if chunk in self.pending:
+            future, value = self.pending.pop(chunk)
             jax.block_until_ready(value)
             future.set_result(time.perf_counter())
 
-    def get(key):
-        if timeline is None:
-            return mail.receive(key, src_of.get(key, plan.me))
-        start = time.perf_counter()
-        value = mail.receive(key, src_of.get(key, plan.me))
-        timeline.add("wait", f"{key[0]} {key[1]} {key[2]}", start, time.perf_counter())
-        return value
+    def forward(self, op, received):
+        k, pc, row = (op.stage, op.microbatch), self.chunks[op.chunk], op.microbatch * self.rows
+        self.only_donated = False
+        if op.first and op.last:
+            self.x[k], self.acc, self.dy[k], self.res[k] = self.progs.forward_first_last(
+                pc, self.fp, self.lp, self.x_in, self.t_in, self.row_in + row, self.m,
+                self.acc)  # fmt: skip
+            return self.dy[k]
+        if op.first:
+            self.x[k], out, self.res[k] = self.progs.forward_first(pc, self.fp, self.x_in,
+                                                                   self.row_in + row)
+            return out
+        self.x[k] = received
+        if op.last:
+            self.acc, self.dy[k], self.res[k] = self.progs.forward_last(
+                pc, self.lp, received, self.t_in, self.row_t + row, self.m, self.acc)
+            return self.dy[k]
+        out, self.res[k] = self.progs.forward(pc, received)
+        return out
 
-    for op in plan.ops:
+    def backward(self, op, received):
+        k, pc, row = (op.stage, op.microbatch), self.chunks[op.chunk], op.microbatch * self.rows
+        self.only_donated = False
+        if self.timeline is not None and not self.split:
+            self.settle(op.chunk)
+        if not op.last:
+            self.dy[k] = received
+        if self.split:
+            if op.first:
+                self.wres[k], self.g_first = self.progs.backward_input_first(
+                    pc, self.fp, self.x[k], self.dy[k], self.res[k], self.g_first, self.x_in,
+                    self.row_in + row)  # fmt: skip
+                return self.wres[k]
+            out, self.wres[k] = self.progs.backward_input(pc, self.x[k], self.dy[k],
+                                                          self.res[k])
+            return out
+        xk, dyk, rk = self.x.pop(k), self.dy.pop(k), self.res.pop(k)
+        if op.first:
+            self.g[op.chunk], self.g_first = self.progs.backward_first(
+                pc, self.fp, xk, dyk, rk, self.g[op.chunk], self.g_first, self.x_in,
+                self.row_in + row)  # fmt: skip
+            self.only_donated = True
+            return self.g[op.chunk]
+        out, self.g[op.chunk] = self.progs.backward(pc, xk, dyk, rk, self.g[op.chunk])
+        return out
+
+    def weight(self, op):
         k = (op.stage, op.microbatch)
-        pc = chunks[op.chunk]
-        row = op.microbatch * rows
-        out, only_donated = None, False  # only_donated: the next writer donates out
-        if timeline is not None and (op.kind == "W" or (op.kind == "B" and not split)):
-            settle(op.chunk)
-        if op.kind == "F":
-            if op.first and op.last:
-                x[k], acc, dy[k], res[k] = progs.forward_first_last(
-                    pc, fp, lp, x_in, t_in, row_in + row, m, acc)
-                out = dy[k]
-            elif op.first:
-                x[k], out, res[k] = progs.forward_first(pc, fp, x_in, row_in + row)
-            else:
-                x[k] = get(op.needs)
-                if op.last:
-                    acc, dy[k], res[k] = progs.forward_last(pc, lp, x[k], t_in, row_t + row,
-                                                            m, acc)  # fmt: skip
-                    out = dy[k]
-                else:
-                    out, res[k] = progs.forward(pc, x[k])
-        elif op.kind == "B":
-            if not op.last:
-                dy[k] = get(op.needs)
-            if split:
-                if op.first:
-                    wres[k], g_first = progs.backward_input_first(
-                        pc, fp, x[k], dy[k], res[k], g_first, x_in, row_in + row)
-                    out = wres[k]
-                else:
-                    out, wres[k] = progs.backward_input(pc, x[k], dy[k], res[k])
-            else:
-                xk, dyk, rk = x.pop(k), dy.pop(k), res.pop(k)
-                if op.first:
-                    g[op.chunk], g_first = progs.backward_first(
-                        pc, fp, xk, dyk, rk, g[op.chunk], g_first, x_in, row_in + row)
-                    out, only_donated = g[op.chunk], True
-                else:
-                    out, g[op.chunk] = progs.backward(pc, xk, dyk, rk, g[op.chunk])
+        if self.timeline is not None:
+            self.settle(op.chunk)
+        self.g[op.chunk] = self.progs.weight(
+            self.g[op.chunk], self.chunks[op.chunk], self.x.pop(k), self.dy.pop(k),
+            self.res.pop(k), self.wres.pop(k), True)  # fmt: skip
+        self.only_donated = True
+        return self.g[op.chunk]
+
+    def done(self, op, out) -> None:
+        if self.timeline is None:
+            return
+        if self.only_donated:  # the host settles the end (the watcher cannot wait on it)
+            future = concurrent.futures.Future()
+            self.pending[op.chunk] = (future, out)
+            self.timeline.action(op.label, time.perf_counter(), future)
         else:
-            g[op.chunk] = progs.weight(g[op.chunk], pc, x.pop(k), dy.pop(k), res.pop(k),
-                                       wres.pop(k), True)  # fmt: skip
-            out, only_donated = g[op.chunk], True
-        if op.sends is not None:
-            key, dst = op.sends
-            mail.post(key, plan.global_of[dst], out)
-        if timeline is not None:
-            if only_donated:  # the host settles the end (the watcher cannot wait on it)
-                future = concurrent.futures.Future()
-                pending[op.chunk] = (future, out)
-                timeline.action(op.label, time.perf_counter(), future)
-            else:
-                timeline.action(op.label, time.perf_counter(), out)
-    for chunk in list(pending):
-        settle(chunk)
-    loss = None if acc is None else acc[0]
-    g_last = None if acc is None else acc[1]
-    return loss, g, g_first, g_last
+            self.timeline.action(op.label, time.perf_counter(), out)
+
+    def finish(self):
+        """``(loss, chunk gradients, first's gradient, last's gradient)`` after the walk."""
+        for chunk in list(self.pending):
+            self.settle(chunk)
+        loss = None if self.acc is None else self.acc[0]
+        g_last = None if self.acc is None else self.acc[1]
+        return loss, self.g, self.g_first, g_last
 

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jaxpg.pipeline.pipeline_config import PipelineConfig
+
 __all__ = ["StageMeta", "infer_stage_metadata", "batch_stage_metadata", "format_struct"]
 
 
@@ -153,7 +155,7 @@ def infer_stage_metadata(
     return tuple(metas)
 
 
-def batch_stage_metadata(cfg: Any, params: Any, inputs: Any,
+def batch_stage_metadata(cfg: PipelineConfig, params: Any, inputs: Any,
                          targets: Any) -> tuple[list[StageMeta], int]:
     """Every stage's metadata for one microbatch of ``inputs`` and ``targets`` (a global
     batch split over the data-parallel ranks and ``cfg``'s microbatches), as both pipeline

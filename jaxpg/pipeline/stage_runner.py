@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpg.pipeline.mpmd import _wait_lane
+from jaxpg.pipeline.action_walk import run_beside_lanes, walk_actions
 from jaxpg.pipeline.p2p_lanes import StepMail, lane_between
 from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
 from jaxpg.pipeline.stage_meta import format_struct
@@ -189,62 +189,60 @@ def run_step(tt: Any, setup: RankSetup, stages: dict, shapes: tuple[dict, dict],
         return inputs[s] if kind == "act" else outputs[s]
 
     mail = StepMail(setup.me, timeout, what, setup.process_of)
-    jobs = []
-    for q, (lane, transfers) in setup.pairs.items():
-        job = lane.runner.submit(functools.partial(
-            lane.run_transfers, transfers, mail, structs_of, what), what)
-        jobs.append((q, lane, job))
-    try:
-        result = _run_ops(setup, stages, loss_fn, args, targets, mail)
-        for q, _, job in jobs:
-            _wait_lane(job, mail, setup.global_of[q])
-    except BaseException:
-        mail.cancel()
-        for _, lane, job in jobs:
-            if not job.finished:
-                lane.runner.abandon()
-        raise
-    return result
+    actions = _StageActions(setup, stages, loss_fn, args, targets)
+
+    def walk():
+        walk_actions(setup, actions, mail)
+        return actions.grads, actions.losses, actions.outs
+
+    return run_beside_lanes(setup, mail, lambda lane, transfers: lane.run_transfers(
+        transfers, mail, structs_of, what), walk)
 
 
-def _run_ops(setup, stages, loss_fn, args, targets, mail):
-    params = {s: jax.device_put(st.params(), st.device) for s, st in stages.items()}
-    rests = {s: st.frozen_state() for s, st in stages.items()}
-    progs = {s: stage_programs(st, loss_fn) for s, st in stages.items()}
-    split = any(op.kind == "W" for op in setup.ops)
-    src_of = {}
-    for _, transfers in setup.pairs.values():
-        src_of.update((t.key, t.src) for t in transfers if t.dst == setup.me)
-    vjps, dys, grads, losses, outs = {}, {}, dict.fromkeys(stages), {}, {}
-    one = None
-    for op in setup.ops:
+class _StageActions:
+    """This process's stages' actions (a ``RankActions``): each ``F`` keeps its pullback
+    until the backward, each stage sums its weight gradient, the last keeps losses and
+    outputs per microbatch."""
+
+    def __init__(self, setup, stages, loss_fn, args, targets) -> None:
+        self.params = {s: jax.device_put(st.params(), st.device) for s, st in stages.items()}
+        self.rests = {s: st.frozen_state() for s, st in stages.items()}
+        self.progs = {s: stage_programs(st, loss_fn) for s, st in stages.items()}
+        self.split = any(op.kind == "W" for op in setup.ops)
+        self.args, self.targets = args, targets
+        self.vjps, self.dys, self.losses, self.outs = {}, {}, {}, {}
+        self.grads = dict.fromkeys(stages)
+        self.one = None
+
+    def forward(self, op, received):
         s, mb = op.stage, op.microbatch
-        k, pr = (s, mb), progs[s]
-        sent = None
-        if op.kind == "F":
-            x = args[mb] if op.first else mail.receive(op.needs, src_of.get(op.needs, setup.me))
-            if op.last:
-                losses[mb], outs[mb], vjps[k] = pr.forward_loss(params[s], rests[s], x,
-                                                                   targets[mb])
-            else:
-                sent, vjps[k] = pr.forward(params[s], rests[s], x)
-        elif op.kind == "B":
-            if op.last:
-                if one is None:
-                    one = jnp.ones((), losses[mb].dtype)
-                dy = one
-            else:
-                dy = mail.receive(op.needs, src_of.get(op.needs, setup.me))
-            if split:
-                dys[k] = dy
-                if not op.first:
-                    sent = pr.backward_input(vjps[k], dy)
-            else:
-                sent, grads[s] = pr.backward(vjps.pop(k), dy, grads[s])
+        x = self.args[mb] if op.first else received
+        if op.last:
+            self.losses[mb], self.outs[mb], self.vjps[s, mb] = self.progs[s].forward_loss(
+                self.params[s], self.rests[s], x, self.targets[mb])
+            return None
+        sent, self.vjps[s, mb] = self.progs[s].forward(self.params[s], self.rests[s], x)
+        return sent
+
+    def backward(self, op, received):
+        s, mb = op.stage, op.microbatch
+        if op.last:
+            if self.one is None:
+                self.one = jnp.ones((), self.losses[mb].dtype)
+            dy = self.one
         else:
-            grads[s] = pr.weight(vjps.pop(k), dys.pop(k), grads[s])
-        if op.sends is not None:
-            key, dst = op.sends
-            mail.post(key, setup.global_of[dst], sent)
-    return grads, losses, outs
+            dy = received
+        if self.split:
+            self.dys[s, mb] = dy
+            return None if op.first else self.progs[s].backward_input(self.vjps[s, mb], dy)
+        sent, self.grads[s] = self.progs[s].backward(self.vjps.pop((s, mb)), dy, self.grads[s])
+        return sent
+
+    def weight(self, op):
+        s, mb = op.stage, op.microbatch
+        self.grads[s] = self.progs[s].weight(self.vjps.pop((s, mb)), self.dys.pop((s, mb)),
+                                             self.grads[s])
+
+    def done(self, op, out) -> None:
+        pass
 
