@@ -18,9 +18,23 @@ __all__ = ["block_forward", "block_backward", "merge", "empty_block", "dense_att
 F32 = jnp.float32
 
 
-def _scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32)
+def _heads_major(x: jax.Array) -> jax.Array:
+    """``(batch, seq, heads, d)`` as ``(batch, heads, seq, d)``, in float32."""
+    return x.astype(F32).transpose(0, 2, 1, 3)
+
+
+def _seq_major(x: jax.Array) -> jax.Array:
+    return x.transpose(0, 2, 1, 3)
+
+
+def _scores(qh: jax.Array, kh: jax.Array, scale: float) -> jax.Array:
+    s = jnp.einsum("bhqd,bhkd->bhqk", qh, kh, preferred_element_type=F32)
     return s * jnp.asarray(scale, F32)
+
+
+# The matmuls run heads-major, (batch, heads, seq, d): written over (batch, seq, heads, d)
+# operands, XLA:CPU computed the probabilities-times-values product transposed, and a block
+# took 2.7x as long (bench/experiments/cp_block_cost.py). The transposes cost O(seq * d).
 
 
 def block_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
@@ -31,7 +45,7 @@ def block_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
         mask: ``(q_len, k_len)`` booleans, True where a query may attend to a key; a row
             with no True gets output 0 and log-sum-exp ``-inf``.
     """
-    s = _scores(q, k, scale)
+    s = _scores(_heads_major(q), _heads_major(k), scale)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -40,9 +54,10 @@ def block_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
     total = jnp.sum(p, axis=-1, keepdims=True)
     seen = total > 0
     safe = jnp.where(seen, total, 1.0)
-    o = jnp.einsum("bhqk,bkhd->bqhd", p / safe, v.astype(F32))
+    # normalised after the product: a (q, d) division, not a (q, k) one
+    o = jnp.einsum("bhqk,bhkd->bhqd", p, _heads_major(v)) / safe
     lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)[..., 0]
-    return o, lse
+    return _seq_major(o), lse
 
 
 def empty_block(q: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -71,17 +86,16 @@ def block_backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, delt
         delta: ``sum(do * o, -1)`` of the final output, ``(batch, heads, q_len)``.
         lse: the final log-sum-exp of the queries, ``(batch, heads, q_len)``.
     """
-    s = _scores(q, k, scale)
-    p = jnp.exp(s - lse[..., None])
+    qh, kh, vh, doh = _heads_major(q), _heads_major(k), _heads_major(v), _heads_major(do)
+    p = jnp.exp(_scores(qh, kh, scale) - lse[..., None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    do = do.astype(F32)
-    dv = jnp.einsum("bhqk,bqhd->bkhd", p, do)
-    dp = jnp.einsum("bqhd,bkhd->bhqk", do, v.astype(F32))
+    dv = jnp.einsum("bhqk,bhqd->bhkd", p, doh)
+    dp = jnp.einsum("bhqd,bhkd->bhqk", doh, vh)
     ds = p * (dp - delta[..., None]) * jnp.asarray(scale, F32)
-    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k.astype(F32))
-    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32))
-    return dq, dk, dv
+    dq = jnp.einsum("bhqk,bhkd->bhqd", ds, kh)
+    dk = jnp.einsum("bhqk,bhqd->bhkd", ds, qh)
+    return _seq_major(dq), _seq_major(dk), _seq_major(dv)
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
