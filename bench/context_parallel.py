@@ -8,7 +8,8 @@
 * ``balance``: causal ring with vs without load balancing at cp = 4.
 * ``torch``: across 2 processes (``bench/_context_parallel_mp_worker.py`` under jaxpg-run),
   jaxpg's causal load-balanced ring forward against a ring written with torch.distributed
-  P2P on gloo, in the same processes on the same shards (both checked against numpy).
+  P2P on gloo, in the same processes on the same shards (both checked against numpy), and
+  against jaxpg's ring on the contiguous layout (the balance, one core per rank).
 
 Timings alternate the variants round by round (``bench/_rounds.py``) and report the median;
 the machine is shared, so read the ratios, and the load average recorded beside them.
@@ -135,7 +136,9 @@ def main():
         out["torch"] = {"meta": meta, **against_torch(args)}
         t = out["torch"]
         print(f"torch cp=2 forward: torch {t['forward_ms']['torch']:.1f} ms, jaxpg "
-              f"{t['forward_ms']['jaxpg']:.1f} ms ({t['jaxpg_over_torch_time']:.2f}x)", flush=True)
+              f"{t['forward_ms']['jaxpg']:.1f} ms ({t['jaxpg_over_torch_time']:.2f}x); jaxpg "
+              f"contiguous {t['forward_ms']['jaxpg contiguous']:.1f} ms (balanced / "
+              f"contiguous {t['balanced_over_contiguous_per_round_median']:.2f})", flush=True)
     for part in ("methods", "balance"):
         if part in out and part in args.parts:
             out[part]["meta"]["loadavg_after"] = load_average()
