@@ -349,27 +349,10 @@ def part_moe(cfg: dict) -> dict:
 
 def _zb_row(dim: int, n: int, rounds: int) -> dict:
     """The stage pieces of one residual tanh block of width ``dim`` on ``n`` rows."""
-    import jax
-    import jax.numpy as jnp
+    from _stage_pieces import piece_variants  # bench/ is sys.path[0]
 
-    from jaxpg.pipeline import stage_split
-
-    def block(p, x):
-        return x + jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-
-    k = jax.random.split(jax.random.key(1), 3)
-    p = {"w1": jax.random.normal(k[0], (dim, dim)) / dim**0.5, "b1": jnp.zeros(dim),
-         "w2": jax.random.normal(k[1], (dim, dim)) / dim**0.5, "b2": jnp.zeros(dim)}
-    x = jax.random.normal(k[2], (n, dim))
-    whole = stage_split.split_stage(block, p, x, False)
-    split = stage_split.split_stage(block, p, x, True)
-    forward, backward = jax.jit(whole.forward), jax.jit(whole.backward)
-    b_split, weight = jax.jit(split.backward), jax.jit(split.weight)
-    _, res = forward(p, x)
-    _, _, wres = b_split(p, x, x, res)
-    fns = {"F": lambda: forward(p, x), "B whole": lambda: backward(p, x, x, res),
-           "B split": lambda: b_split(p, x, x, res), "W": lambda: weight(p, x, x, res, wres)}
-    us = {k: v * 1e6 for k, v in run_rounds(fns, rounds, iters=50, warmup=2).medians().items()}
+    timed = run_rounds(piece_variants(dim, n), rounds, iters=50, warmup=2)
+    us = {k: v * 1e6 for k, v in timed.medians().items()}
     return {"dim": dim, "rows": n, "us": us,
             "split_over_whole": (us["B split"] + us["W"]) / us["B whole"]}
 

@@ -35,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _rounds import ratio_median, run_rounds  # noqa: E402
+from _stage_pieces import block, piece_variants  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import jaxpg.pipeline.executor as executor  # noqa: E402
@@ -42,10 +43,6 @@ import jaxpg.pipeline.stage_split as stage_split  # noqa: E402
 from jaxpg.pipeline import pipeline_value_and_grad  # noqa: E402
 
 P, M = 4, 8
-
-
-def block(p, x):
-    return x + jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 
 
 def block_saved(p, x):  # the same math; its own code object, so its own compiled step
@@ -98,23 +95,6 @@ def pipeline_variants(dim: int, rows: int) -> dict:
             stage_split._elementwise, executor.split_stage = elementwise, split
         fns[name] = lambda step=step: step(params, x, t)
     return fns
-
-
-def piece_variants(dim: int, rows: int) -> dict:
-    """The stage's pieces, each its own jitted program on one device."""
-    k = jax.random.split(jax.random.key(1), 3)
-    p = {"w1": jax.random.normal(k[0], (dim, dim)) / dim**0.5, "b1": jnp.zeros(dim),
-         "w2": jax.random.normal(k[1], (dim, dim)) / dim**0.5, "b2": jnp.zeros(dim)}
-    x = jax.random.normal(k[2], (rows, dim))
-    whole = stage_split.split_stage(block, p, x, False)
-    split = stage_split.split_stage(block, p, x, True)
-    forward, backward = jax.jit(whole.forward), jax.jit(whole.backward)
-    b_split, weight = jax.jit(split.backward), jax.jit(split.weight)
-    _, res = forward(p, x)
-    _, _, wres = b_split(p, x, x, res)
-    return {"F": lambda: forward(p, x), "B whole": lambda: backward(p, x, x, res),
-            "B split": lambda: b_split(p, x, x, res),
-            "W": lambda: weight(p, x, x, res, wres)}
 
 
 def main() -> None:
