@@ -34,7 +34,7 @@ def _scores(qh: jax.Array, kh: jax.Array, scale: float) -> jax.Array:
 
 # The matmuls run heads-major, (batch, heads, seq, d): written over (batch, seq, heads, d)
 # operands, XLA:CPU computed the probabilities-times-values product transposed, and a block
-# took 2.7x as long (bench/experiments/cp_block_cost.py). The transposes cost O(seq * d).
+# took 2.2x as long (docs/context_parallel.md). The transposes cost O(seq * d).
 
 
 def block_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
