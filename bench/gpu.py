@@ -362,9 +362,9 @@ def part_zb(cfg: dict) -> dict:
                      for n in cfg["zb"]["rows"]]}
 
 
-PARTS = {"ddp": part_ddp, "torch": part_torch, "moe": part_moe, "zb": part_zb}
-ALL_PARTS = {"overhead": "overhead", "watchdog": "watchdog", "ddp": "ddp",
-             "torch": "torch_ddp", "moe": "moe", "zb": "zb"}  # part: its key in the results
+PARTS = {"ddp": part_ddp, "torch": part_torch, "moe": part_moe, "zb": part_zb}  # in a child
+ALL_PARTS = ("overhead", "watchdog", *PARTS)
+RESULT_KEY = {"torch": "torch_ddp"}  # a part's key in the results, where not its name
 
 
 def _child(part: str, layout: str, smoke: bool, out: Path) -> dict:
@@ -412,7 +412,7 @@ def main() -> None:
         elif part == "watchdog":
             result["watchdog"] = _watchdog_child(args.smoke)
         else:
-            result[ALL_PARTS[part]] = _child(part, "single", args.smoke, tmp)
+            result[RESULT_KEY.get(part, part)] = _child(part, "single", args.smoke, tmp)
     tmp.unlink(missing_ok=True)
     import jax
 

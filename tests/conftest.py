@@ -57,36 +57,34 @@ def _cpu_seconds(who: int) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Records each test's CPU seconds (setup, call and teardown) as JUnit properties:
-    ``cpu_s``, this process's, and ``children_cpu_s``, its finished child processes' (and
-    theirs), which ``.ci/file_times.py`` sums per file: CI's two legs share two busy cores,
-    so CPU, not wall time, is what a test costs the run."""
-    own, children = _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN)
-    item.user_properties.append(("cpu_s", 0.0))  # filled in below, before the report is written
-    item.user_properties.append(("children_cpu_s", 0.0))
-    cpu_at = len(item.user_properties) - 2
-    item.stash[_CPU_START] = (own, children, cpu_at)
-    yield
-
-
 _CPU_START = pytest.StashKey[tuple]()
 
 
-def _record_cpu(item) -> None:
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Notes the CPU seconds so far, before the test's fixtures are set up."""
+    item.stash[_CPU_START] = (_cpu_seconds(resource.RUSAGE_SELF),
+                              _cpu_seconds(resource.RUSAGE_CHILDREN))
+
+
+def _record_cpu(item, call) -> None:
+    """After teardown, the test's CPU seconds as JUnit properties: ``cpu_s``, this
+    process's, and ``children_cpu_s``, its finished child processes' (and theirs), which
+    ``.ci/file_times.py`` sums per file: CI's two legs share two busy cores, so CPU, not
+    wall time, is what a test costs the run."""
     start = item.stash.get(_CPU_START, None)
-    if start is None:
+    if call.when != "teardown" or start is None:
         return
-    own, children, at = start
-    item.user_properties[at] = ("cpu_s", round(_cpu_seconds(resource.RUSAGE_SELF) - own, 3))
-    item.user_properties[at + 1] = (
-        "children_cpu_s", round(_cpu_seconds(resource.RUSAGE_CHILDREN) - children, 3))
+    own, children = start
+    item.user_properties.append(
+        ("cpu_s", round(_cpu_seconds(resource.RUSAGE_SELF) - own, 3)))
+    item.user_properties.append(
+        ("children_cpu_s", round(_cpu_seconds(resource.RUSAGE_CHILDREN) - children, 3)))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    _record_cpu(item)  # each phase's report carries the CPU so far; the last one counts
+    _record_cpu(item, call)  # before the teardown report is made, which carries them
     outcome = yield
     _forbid_skip(outcome.get_result())
 

@@ -403,7 +403,6 @@ class _StackedActions:
         self.split = any(op.kind == "W" for op in plan.ops)
         self.g = [None] * len(chunks)
         self.g_first = self.acc = None
-        self.only_donated = False  # the last action's output is donated by the next writer
         self.pending = {}  # timeline: chunk -> (future, gradient) of an action only it came out of
 
     def settle(self, chunk) -> None:
@@ -415,7 +414,6 @@ class _StackedActions:
 
     def forward(self, op, received):
         k, pc, row = (op.stage, op.microbatch), self.chunks[op.chunk], op.microbatch * self.rows
-        self.only_donated = False
         if op.first and op.last:
             self.x[k], self.acc, self.dy[k], self.res[k] = self.progs.forward_first_last(
                 pc, self.fp, self.lp, self.x_in, self.t_in, self.row_in + row, self.m,
@@ -435,7 +433,6 @@ class _StackedActions:
 
     def backward(self, op, received):
         k, pc, row = (op.stage, op.microbatch), self.chunks[op.chunk], op.microbatch * self.rows
-        self.only_donated = False
         if self.timeline is not None and not self.split:
             self.settle(op.chunk)
         if not op.last:
@@ -454,7 +451,6 @@ class _StackedActions:
             self.g[op.chunk], self.g_first = self.progs.backward_first(
                 pc, self.fp, xk, dyk, rk, self.g[op.chunk], self.g_first, self.x_in,
                 self.row_in + row)  # fmt: skip
-            self.only_donated = True
             return self.g[op.chunk]
         out, self.g[op.chunk] = self.progs.backward(pc, xk, dyk, rk, self.g[op.chunk])
         return out
@@ -466,13 +462,14 @@ class _StackedActions:
         self.g[op.chunk] = self.progs.weight(
             self.g[op.chunk], self.chunks[op.chunk], self.x.pop(k), self.dy.pop(k),
             self.res.pop(k), self.wres.pop(k), True)  # fmt: skip
-        self.only_donated = True
         return self.g[op.chunk]
 
     def done(self, op, out) -> None:
         if self.timeline is None:
             return
-        if self.only_donated:  # the host settles the end (the watcher cannot wait on it)
+        # a chunk's gradient, which the next writer donates: the host settles its end (the
+        # watcher cannot wait on a donated array)
+        if op.kind == "W" or (op.kind == "B" and op.first and not self.split):
             future = concurrent.futures.Future()
             self.pending[op.chunk] = (future, out)
             self.timeline.action(op.label, time.perf_counter(), future)
