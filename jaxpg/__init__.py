@@ -5,10 +5,13 @@ collective runs eagerly from host code or, inside ``jaxpg.spmd``, lowers to ``la
 collectives under ``shard_map``.
 """
 
+import importlib
+import importlib.util
+import sys
+import types
+
 import jaxpg.runtime.mpi_library  # noqa: F401  (first: checks MPITRAMPOLINE_LIB before jax is imported)
-from jaxpg.collectives import *  # noqa: F403
-from jaxpg.collectives import __all__ as _collectives_all
-from jaxpg.errors import (
+from jaxpg.errors import (  # noqa: F401  (the exceptions, loaded eagerly: they import no jax)
     DiscardedResultWarning,
     DistBackendError,
     DistDesyncError,
@@ -17,36 +20,59 @@ from jaxpg.errors import (
     DistStoreError,
     DistTimeoutError,
 )
-from jaxpg.groups import *  # noqa: F403
-from jaxpg.groups import __all__ as _groups_all
-from jaxpg.reduce_op import RedOpType, ReduceOp
-from jaxpg.spmd import spmd
-from jaxpg.stores import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __version__ = "0.1.0"
 
-__all__ = [
-    *_collectives_all,
-    *_groups_all,
-    "DiscardedResultWarning", "DistBackendError", "DistDesyncError", "DistError",
-    "DistNetworkError", "DistStoreError",
-    "DistTimeoutError",
-    "ReduceOp", "RedOpType", "spmd", "Store", "HashStore", "FileStore", "PrefixStore",
-    "TCPStore",
-]
+# ``import jaxpg`` loads no jax: the launcher (``python -m jaxpg.run``, ``jaxpg-run``) is a
+# jaxpg module and needs only jaxlib, and it starts once per node and job. The API
+# below (collectives, groups, ``spmd``, stores, ``ReduceOp``) is loaded on the first access
+# to any of it, and then is plain module attributes. The parallelism packages load flax,
+# optax and orbax: ``jaxpg.ddp`` (or ``import jaxpg.ddp``) imports the package on first use.
+_API_MODULES = ("jaxpg.collectives", "jaxpg.groups")
+_API_NAMES = {"RedOpType": "jaxpg.reduce_op", "ReduceOp": "jaxpg.reduce_op",
+              "spmd": "jaxpg.spmd", "Store": "jaxpg.stores", "HashStore": "jaxpg.stores",
+              "FileStore": "jaxpg.stores", "PrefixStore": "jaxpg.stores",
+              "TCPStore": "jaxpg.stores"}
+_ERRORS = ["DiscardedResultWarning", "DistBackendError", "DistDesyncError", "DistError",
+           "DistNetworkError", "DistStoreError", "DistTimeoutError"]
 
-# The parallelism packages load flax, optax and orbax: ``import jaxpg`` does not, and
-# ``jaxpg.ddp`` (or ``import jaxpg.ddp``) imports the package on first use.
-_SUBPACKAGES = ("ddp", "fsdp", "pipeline", "tensor_parallel")
+
+def _load_api() -> None:
+    """Binds the whole API (and ``__all__``) into this module: once, on first use."""
+    order = dict.fromkeys([*_API_MODULES, *_API_NAMES.values()])
+    modules = {m: importlib.import_module(m) for m in order}
+    names = {}
+    for module in _API_MODULES:
+        names.update(dict.fromkeys(modules[module].__all__, module))
+    names.update(_API_NAMES)
+    namespace = globals()  # bound after every import: ``spmd`` is the function, not the module
+    for name, module in names.items():
+        namespace[name] = getattr(modules[module], name)
+    namespace["__all__"] = [*names, *_ERRORS]
 
 
 def __getattr__(name: str):
-    if name in _SUBPACKAGES:
-        import importlib
-
-        return importlib.import_module(f"jaxpg.{name}")
+    if name not in _API_NAMES and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")  # a submodule (``jaxpg.ddp``)
+    if name == "__all__" or not name.startswith("__"):
+        _load_api()
+        if name in globals():
+            return globals()[name]
     raise AttributeError(f"module 'jaxpg' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_SUBPACKAGES))
+    _load_api()
+    return sorted(globals())
+
+
+class _Package(types.ModuleType):
+    """This package's module type: the import system binds each loaded submodule as an
+    attribute of its package, and ``jaxpg.spmd`` stays the function, not ``jaxpg/spmd.py``."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if not (name in _API_NAMES and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

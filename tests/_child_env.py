@@ -1,9 +1,9 @@
 """The environment of a test's worker processes: this process's, without its 8 devices.
 
 The test process runs with conftest's ``XLA_FLAGS`` (8 simulated devices, and the CPU
-compiler's optimization level 0, which compiles the suite's many small programs about a
-quarter faster). A worker gets the same flags without the device count, so that it has one
-device unless it (or ``jaxpg-run``) sets its own.
+compiler settings that compile the suite's many small programs faster: optimization level 0,
+and on jaxlib 0.10 the older fusion emitters). A worker gets the same flags without the
+device count, so that it has one device unless it (or ``jaxpg-run``) sets its own.
 """
 
 from __future__ import annotations

@@ -17,6 +17,21 @@ if not GPU_RUN and "xla_backend_optimization_level" not in _flags:
     # optimizations cost more than they save (about a quarter of the suite's time). Worker
     # processes inherit it (tests/_child_env.py). Results do not depend on it.
     _flags += " --xla_backend_optimization_level=0"
+
+
+def _jaxlib_before(major: int, minor: int) -> bool:
+    """Whether the installed jaxlib is older than ``major.minor`` (read without importing it)."""
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (major, minor)
+
+
+if not GPU_RUN and "xla_cpu_use_fusion_emitters" not in _flags and _jaxlib_before(0, 11):
+    # jaxlib 0.10's XLA:CPU emits fusions through MLIR by default; its older emitters compile
+    # the suite's programs in about 0.6x the CPU time (tests/pipeline/test_executor.py, both
+    # ways, docs/development.md), with the same results. jaxlib 0.12 no longer has the flag
+    # (an unknown XLA flag ends the process), and its MLIR emitters compile as fast.
+    _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
 if not GPU_RUN:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

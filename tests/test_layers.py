@@ -165,7 +165,7 @@ def test_the_import_graph_is_read():
     edges = {(m, t) for m, targets in GRAPH.items() for t, _ in targets}
     assert ("jaxpg.collectives.eager", "jaxpg.spmd") in edges
     assert ("jaxpg.groups.world", "jaxpg.groups.multiprocess") in edges  # a lazy import
-    assert ("jaxpg", "jaxpg.groups") in edges
+    assert ("jaxpg", "jaxpg.runtime.mpi_library") in edges  # the package's own imports
     assert len(MODULES) > 40
 
 

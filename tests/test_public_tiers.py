@@ -10,7 +10,7 @@ import sys
 
 import jaxpg
 
-HEAVY = ("flax", "optax", "orbax")
+HEAVY = ("jax", "flax", "optax", "orbax")
 
 
 def _loaded_after(code: str) -> dict[str, bool]:
@@ -22,16 +22,37 @@ def _loaded_after(code: str) -> dict[str, bool]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_the_launcher_and_import_jaxpg_load_no_jax():
+    # the launcher (python -m jaxpg.run) starts once per node and job: jaxlib only
+    loaded = _loaded_after("import jaxpg, jaxpg.run, jaxpg.errors\nfrom jaxpg import DistError")
+    assert not any(loaded.values()), loaded
+
+
+def test_the_api_is_bound_on_first_use_and_spmd_stays_the_function():
+    # a submodule imported first (jaxpg/spmd.py, by jaxpg.ddp) must not shadow jaxpg.spmd
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, jaxpg.ddp, jaxpg.spmd, jaxpg\n"
+         "assert callable(jaxpg.spmd) and jaxpg.spmd.__module__ == 'jaxpg.spmd', jaxpg.spmd\n"
+         "from jaxpg import *\n"
+         "assert init_process_group is jaxpg.groups.init_process_group\n"
+         "assert spmd is sys.modules['jaxpg.spmd'].spmd\n"
+         "print(len(jaxpg.__all__))"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) == len(jaxpg.__all__) > 60
+
+
 def test_import_jaxpg_loads_no_flax_optax_or_orbax():
     # one subprocess: the light import first, then a parallelism package through the lazy
     # attribute (which must load it: the probe can see a module arrive)
     loaded = _loaded_after(
         "import jaxpg\n"
-        "light = {m: m in sys.modules for m in ('flax', 'optax', 'orbax')}\n"
+        "light = {m: m in sys.modules for m in ('jax', 'flax', 'optax', 'orbax')}\n"
         "assert not any(light.values()), light\n"
         "assert callable(jaxpg.all_reduce) and 'jaxpg.ddp' not in sys.modules\n"
         "jaxpg.fsdp.FullyShardedDataParallel\n")
-    assert loaded["optax"], loaded  # FullyShardedDataParallel steps an optax optimizer
+    assert loaded["jax"] and loaded["optax"], loaded  # FullyShardedDataParallel steps an optax optimizer
 
 
 def test_parallelism_packages_are_attributes_of_jaxpg():

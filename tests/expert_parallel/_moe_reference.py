@@ -44,7 +44,7 @@ def reference_forward(x, gate_w, w1, w2, keep, counts, *, top_k, normalize_topk=
     probs, top_logits, experts = _choices(x, gate_w, top_k)
     weights = (jax.nn.softmax(top_logits, axis=-1) if normalize_topk
                else jnp.take_along_axis(probs, experts, axis=-1))
-    every = jnp.stack([activation(x @ w1[e]) @ w2[e] for e in range(num_experts)])  # (E,T,d)
+    every = jax.vmap(lambda a, b: activation(x @ a) @ b)(w1, w2)  # (E, T, d)
     picked = every[experts, jnp.arange(tokens)[:, None]]  # (T, k, d)
     y = jnp.einsum("tk,tkd->td", weights * keep.astype(x.dtype), picked)
     share = counts / (tokens * top_k)

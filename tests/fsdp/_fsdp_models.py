@@ -4,6 +4,8 @@ The model has every kind of parameter FSDP must pad: kernels whose dim 0 does no
 by the group (7, 12, 5 rows), a (1, H) parameter smaller than the group and a scalar.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,10 +95,22 @@ class Reference:
             size = batch["x"].shape[0] // self.n
             parts = [self.grads(self.params, jax.tree.map(lambda a, r=r: a[r * size:(r + 1) * size],
                                                            batch)) for r in range(self.n)]
-            g = jax.tree.map(lambda *gs: (sum(x.astype(rd) for x in gs) / self.n), *parts)
-            g = jax.tree.map(lambda x, p: x.astype(p.dtype), g, self.params)
-        updates, self.opt_state = self.optimizer.update(g, self.opt_state, self.params)
-        self.params = optax.apply_updates(self.params, updates)
+            g = _average(parts, self.params, rd)
+        self.params, self.opt_state = _apply(self.optimizer, g, self.opt_state, self.params)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _average(parts, params, reduce_dtype):
+    """The ranks' gradients, averaged in ``reduce_dtype``, in the parameters' dtypes."""
+    g = jax.tree.map(lambda *gs: sum(x.astype(reduce_dtype) for x in gs) / len(gs), *parts)
+    return jax.tree.map(lambda x, p: x.astype(p.dtype), g, params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(optimizer, grads, opt_state, params):
+    """One optimizer update, as one program (each test process compiles it once)."""
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def assert_trees_close(got, want, rtol=1e-5, atol=1e-5):

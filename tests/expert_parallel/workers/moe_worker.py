@@ -107,10 +107,15 @@ def ddp_case(mesh, ep2):
     graphdef, state = nnx.split(Net(one, nnx.Rngs(0)))
     opt = optax.sgd(0.5)
     opt_state = opt.init(state)
-    for batch in data:
-        grads = jax.grad(lambda s, b=batch: loss_fn(nnx.merge(graphdef, s), b))(state)
+
+    @jax.jit  # one program, not one per primitive (each process compiles it)
+    def sgd_step(state, opt_state, batch):
+        grads = jax.grad(lambda s: loss_fn(nnx.merge(graphdef, s), batch))(state)
         updates, opt_state = opt.update(grads, opt_state, state)
-        state = optax.apply_updates(state, updates)
+        return optax.apply_updates(state, updates), opt_state
+
+    for batch in data:
+        state, opt_state = sgd_step(state, opt_state, batch)
     whole = nnx.state(ddp.module)  # gathered: every process holds the full arrays
     got, want = jax.tree.leaves(whole), jax.tree.leaves(state)
     check("ddp_expert_axes", len(got) == len(want) and all(

@@ -265,7 +265,7 @@ def tutorial_reference(weights, tokens, labels, out):
                                      labels[i * rows:(i + 1) * rows]) for i in range(M)])
             return per.mean(), per
 
-        (_, per), g = jax.value_and_grad(mean_loss, has_aux=True)(params)
+        (_, per), g = jax.jit(jax.value_and_grad(mean_loss, has_aux=True))(params)
         out["ref/losses1"] = np.asarray(per)
         for k, v in stage_grads_by_torch_name(g, 0).items():
             out[f"ref/grad1/{k}"] = v
@@ -334,7 +334,7 @@ def run_hetero(rank, world, tokens, labels, out):
                for i in range(M)]
         return jnp.mean(jnp.stack(per)), jnp.stack(per)
 
-    (_, per), g = jax.value_and_grad(mean_loss, has_aux=True)(params)
+    (_, per), g = jax.jit(jax.value_and_grad(mean_loss, has_aux=True))(params)
     out["hetero/ref/losses"] = np.asarray(per)
     ref = nnx.to_pure_dict(g)["pieces"]
     for i in range(4):
@@ -425,8 +425,9 @@ def run_paddle(rank, world, tokens, labels, out):
         return ce_loss(h, labels)
 
     losses = []
+    loss_and_grads = jax.jit(jax.value_and_grad(loss_of))  # one program, not one per op
     for _ in range(2):
-        loss, g = jax.value_and_grad(loss_of)(params)
+        loss, g = loss_and_grads(params)
         losses.append(float(loss))
         params = jax.tree.map(lambda p, g: p - LR * g, params, g)
     out["paddle/ref_losses"] = np.array(losses)
