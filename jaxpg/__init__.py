@@ -33,6 +33,7 @@ _API_NAMES = {"RedOpType": "jaxpg.reduce_op", "ReduceOp": "jaxpg.reduce_op",
               "spmd": "jaxpg.spmd", "Store": "jaxpg.stores", "HashStore": "jaxpg.stores",
               "FileStore": "jaxpg.stores", "PrefixStore": "jaxpg.stores",
               "TCPStore": "jaxpg.stores"}
+_SUBPACKAGES = ("ddp", "fsdp", "pipeline", "tensor_parallel")  # listed by dir(jaxpg)
 _ERRORS = ["DiscardedResultWarning", "DistBackendError", "DistDesyncError", "DistError",
            "DistNetworkError", "DistStoreError", "DistTimeoutError"]
 
@@ -52,7 +53,8 @@ def _load_api() -> None:
 
 
 def __getattr__(name: str):
-    if name not in _API_NAMES and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    if (name.isidentifier() and name not in _API_NAMES
+            and importlib.util.find_spec(f"{__name__}.{name}") is not None):
         return importlib.import_module(f"{__name__}.{name}")  # a submodule (``jaxpg.ddp``)
     if name == "__all__" or not name.startswith("__"):
         _load_api()
@@ -63,7 +65,7 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     _load_api()
-    return sorted(globals())
+    return sorted(set(globals()) | set(_SUBPACKAGES))
 
 
 class _Package(types.ModuleType):

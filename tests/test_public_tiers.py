@@ -52,7 +52,7 @@ def test_import_jaxpg_loads_no_flax_optax_or_orbax():
         "assert not any(light.values()), light\n"
         "assert callable(jaxpg.all_reduce) and 'jaxpg.ddp' not in sys.modules\n"
         "jaxpg.fsdp.FullyShardedDataParallel\n")
-    assert loaded["jax"] and loaded["optax"], loaded  # FullyShardedDataParallel steps an optax optimizer
+    assert loaded["jax"] and loaded["optax"], loaded  # FSDP steps an optax optimizer
 
 
 def test_parallelism_packages_are_attributes_of_jaxpg():

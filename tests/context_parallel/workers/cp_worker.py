@@ -4,8 +4,9 @@ Every process builds the full inputs (same seed) and the numpy reference, and co
 own output and gradient shards: cp = 4 over the world and cp = 2 as a dimension of a
 ("dp", "cp") mesh, every method on each, in one jitted program per mesh (the causal and
 load-balance options vary across the two meshes: all 12 combinations run in-process, in
-``test_attention.py``, and the processes add only where the K/V blocks travel); the host call (this process's shard in, its output shard out) for one
-case; and the error for shards of different lengths. Prints ``CHECK <name> ok``.
+``test_attention.py``, and the processes add only where the K/V blocks travel); the host
+call (this process's shard in, its output shard out) for one case; and the error for shards
+of different lengths. Prints ``CHECK <name> ok``.
 """
 
 import sys
