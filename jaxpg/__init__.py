@@ -40,6 +40,8 @@ _ERRORS = ["DiscardedResultWarning", "DistBackendError", "DistDesyncError", "Dis
 
 def _load_api() -> None:
     """Binds the whole API (and ``__all__``) into this module: once, on first use."""
+    if "__all__" in globals():
+        return
     order = dict.fromkeys([*_API_MODULES, *_API_NAMES.values()])
     modules = {m: importlib.import_module(m) for m in order}
     names = {}
