@@ -53,7 +53,7 @@ nb_execution_raise_on_error = True
 
 html_theme = "sphinx_book_theme"
 html_title = "jaxpg"
-html_theme_options = {"show_toc_level": 2}
+html_theme_options = {"show_toc_level": 2, "collapse_navbar": True, "max_navbar_depth": 2}
 
 # The API reference: one page per public package, every name of its __all__ (docs/_api_pages.py).
 sys.path.insert(0, str(pathlib.Path(__file__).parent))

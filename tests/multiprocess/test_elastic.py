@@ -1,7 +1,9 @@
 """jaxpg-run --max-restarts: torchrun's variables, and DDP runs that lose a rank and resume
 from their checkpoints to exactly the parameters of an uninterrupted run (a seeded
-fault-injection suite: a kill at a random step, a SIGSTOPped rank, a death while a
-checkpoint is written)."""
+fault-injection suite: a Python error, a death while a checkpoint is committed, a SIGSTOPped
+rank, a death inside a step's collectives, a kill after a checkpoint and a kill at a random
+step, chained through the attempts of one launch; then an asynchronous checkpoint's commit
+killed)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from _child_env import child_env
 
 WORKERS = Path(__file__).parent / "workers"
 EXAMPLE = Path(__file__).parents[2] / "examples" / "ddp_digits.py"
-STEPS = 6
+STEPS = 9
 pytestmark = pytest.mark.slow
 
 
@@ -36,12 +38,13 @@ def launch(args: list[str], timeout: float = 150, **env: str) -> subprocess.Comp
                           text=True, timeout=timeout, env=_env(**env))
 
 
-def train(tmp: Path, name: str, fault: str, restarts: int = 2, **env: str):
+def train(tmp: Path, name: str, fault: str, restarts: int = 2, timeout: float = 150,
+          **env: str):
     """Runs elastic_ddp.py on 2 workers; returns (result, rank 0's final parameters)."""
     out = tmp / f"{name}.npz"
     result = launch(["--nproc-per-node", "2", "--max-restarts", str(restarts),
                      "--grace-period", "2", str(WORKERS / "elastic_ddp.py"),
-                     str(tmp / name), str(out), str(STEPS), fault], **env)
+                     str(tmp / name), str(out), str(STEPS), fault], timeout=timeout, **env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("DONE") == 2
     return result, dict(np.load(out))
@@ -88,70 +91,60 @@ def test_without_restarts_the_failure_ends_the_run(tmp_path):
     assert "restarting" not in result.stderr
 
 
-@pytest.mark.timeout(300)
-def test_rank_killed_after_step_4_resumes_to_identical_parameters(tmp_path, reference):
-    result, params = train(tmp_path, "kill", "kill:1:4")
-    assert "rank 1 exited with code -9 (killed by SIGKILL)" in result.stderr
-    assert "[rank 0] RESUMED step=5 attempt=1" in result.stdout
-    assert_same(params, reference)
-
-
-@pytest.fixture
-def busy_loops(request):
-    """Two processes spinning on the CPU while the test runs (when the case asks for load)."""
-    procs = []
-    if request.node.callspec.params.get("load"):
-        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    yield
-    for p in procs:
-        p.kill()
-        p.wait()
-
-
 CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "terminate called")
+# One launch, one fault per attempt: attempt i resumes from what attempt i - 1 left.
+CHAIN = ("raise:1:2",       # a rank raises and exits while the other waits in a barrier
+         "ckpt:0:3",        # rank 0 dies while committing a checkpoint
+         "stop:0:3",        # SIGSTOPped rank 0 (it holds no coordinator under jaxpg-run)
+         "killduring:0:4",  # rank 0 dies inside a step's collectives
+         "kill:1:5",        # rank 1 killed right after a step's checkpoint
+         "random:2026")     # a kill at a random rank and step, before that step's checkpoint
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault, load", [
-    ("random:2026", False),   # a kill at a random rank and step, before that step's checkpoint
-    ("stop:0:3", False),      # SIGSTOPped rank 0 (it holds no coordinator under jaxpg-run)
-    ("ckpt:0:3", False),      # rank 0 dies while committing a checkpoint
-    ("killduring:0:2", False),  # rank 0 dies inside a step's collectives
-    ("raise:1:2", False),     # a rank raises and exits while the other waits in a barrier
-])  # fmt: skip
-def test_fault_injection(tmp_path, reference, busy_loops, fault, load):
-    env = {"FAULT_GROUP_TIMEOUT": "6"} if fault.startswith("stop") else {}
-    result, params = train(tmp_path, "run", fault, **env)
+def _attempts(stderr: str, restarts: int) -> list[str]:
+    """The launcher's stderr cut at its restart lines: what each attempt ended with."""
+    parts = re.split(r"\[jaxpg-run\] restarting the whole group .*\n", stderr)
+    assert len(parts) == restarts + 1, stderr[-3000:]
+    for k in range(1, restarts + 1):
+        assert f"(restart {k} of --max-restarts {restarts})" in stderr
+    return parts
+
+
+@pytest.mark.timeout(420)
+def test_chained_faults_each_resume_to_the_uninterrupted_parameters(tmp_path, reference):
+    result, params = train(tmp_path, "chain", ",".join(CHAIN), restarts=len(CHAIN),
+                           timeout=360, FAULT_GROUP_TIMEOUT="6")
     everything = result.stdout + result.stderr
     assert not any(text in everything for text in CPP_ABORTS), everything[-3000:]
-    assert "restart 1 of --max-restarts 2" in result.stderr
-    resumed = re.search(r"\[rank 0\] RESUMED step=(\d+) attempt=1", result.stdout)
-    assert resumed, result.stdout[-2000:]
-    kind, *spec = fault.split(":")
-    if kind == "random":
-        drawn = re.search(r"FAULT killmid rank (\d) step (\d)", result.stdout)
-        rank, step = int(drawn.group(1)), int(drawn.group(2))
-        assert f"rank {rank} exited with code -9" in result.stderr
-        assert int(resumed.group(1)) == step  # the killed step's checkpoint was never written
-    elif kind == "stop":
-        # rank 1 waits in the barrier for the group timeout and names the stopped rank 0
-        assert re.search(r"DistTimeoutError: barrier #\d+ on group 'WORLD' did not finish "
-                         r"within 6\.0 s: rank 0 .*ranks that did not arrive: \[0\]",
-                         result.stderr)
-        assert "rank 1 exited with code 1" in result.stderr
-        assert int(resumed.group(1)) == 3
-    elif kind == "ckpt":
-        assert "dying while committing checkpoint 3" in result.stdout
-        assert "rank 0 exited with code -9 (killed by SIGKILL)" in result.stderr
-        assert int(resumed.group(1)) == 2  # the last complete checkpoint, not the partial 3
-    elif kind == "killduring":
-        assert "rank 0 exited with code -9 (killed by SIGKILL)" in result.stderr
-        assert int(resumed.group(1)) in (2, 3)  # died in step 2's update or its checkpoint
-    else:
-        assert "RuntimeError: rank 1 fails at step 2" in result.stderr
-        # named first, or listed if rank 0's own error exit was seen in the same poll
-        assert re.search(r"rank 1 (exited )?with code 1", result.stderr)
-        assert int(resumed.group(1)) == 2
+    ended = _attempts(result.stderr, len(CHAIN))
+    resumed = {int(a): int(s) for s, a in
+               re.findall(r"\[rank 0\] RESUMED step=(\d+) attempt=(\d+)", result.stdout)}
+    assert sorted(resumed) == list(range(len(CHAIN) + 1)), result.stdout[-3000:]
+    # raise:1:2: named first, or listed if rank 0's own error exit was seen in the same poll
+    assert "RuntimeError: rank 1 fails at step 2" in ended[0]
+    assert re.search(r"rank 1 (exited )?with code 1", ended[0]), ended[0][-2000:]
+    assert resumed[1] == 2
+    # ckpt:0:3: the last complete checkpoint, not the partial 3
+    assert "dying while committing checkpoint 3" in result.stdout
+    assert "rank 0 exited with code -9 (killed by SIGKILL)" in ended[1]
+    assert resumed[2] == 2
+    # stop:0:3: rank 1 waits in the barrier for the group timeout and names the stopped rank 0
+    assert re.search(r"DistTimeoutError: barrier #\d+ on group 'WORLD' did not finish "
+                     r"within 6\.0 s: rank 0 .*ranks that did not arrive: \[0\]", ended[2])
+    assert "rank 1 exited with code 1" in ended[2]
+    assert resumed[3] == 3
+    # killduring:0:4: died in step 4's update or its checkpoint
+    assert "rank 0 exited with code -9 (killed by SIGKILL)" in ended[3]
+    assert resumed[4] in (4, 5)
+    # kill:1:5: right after step 5's checkpoint
+    assert "rank 1 exited with code -9 (killed by SIGKILL)" in ended[4]
+    assert resumed[5] == 6
+    # random:2026: the killed step's checkpoint was never written
+    drawn = re.search(r"FAULT killmid rank (\d) step (\d)", result.stdout)
+    assert drawn, result.stdout[-3000:]
+    rank, step = int(drawn.group(1)), int(drawn.group(2))
+    assert f"rank {rank} exited with code -9" in ended[5] and 6 <= step < STEPS
+    assert resumed[6] == step
     assert_same(params, reference)
 
 

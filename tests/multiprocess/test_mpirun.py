@@ -1,5 +1,5 @@
-"""Open MPI's mpirun starts the world, with gloo and with backend="mpi" (XLA's MPI
-collectives through MPIwrapper), at 2 and 4 processes: every rank sees mpirun's world, every
+"""Open MPI's mpirun starts the world, with gloo (2 processes) and with backend="mpi" (XLA's
+MPI collectives through MPIwrapper; 2 and 4 processes): every rank sees mpirun's world, every
 collective matches numpy, a DDP step matches one-process training, a pipeline step matches
 the un-pipelined model, and every process exits 0 (no abort at MPI_Finalize)."""
 
@@ -55,8 +55,12 @@ def run_mpirun(n: int, backend: str, extra_env: dict[str, str], timeout: float =
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("backend, n", [
+    ("gloo", 2),  # mpirun's world read from OMPI_COMM_WORLD_*; gloo at 4 processes is
+                  # test_collectives_mp.py's [4x1] case, under jaxpg-run
+    ("mpi", 2),
+    ("mpi", 4),   # XLA's MPI collectives and the sub-group refusals need more than 2
+])  # fmt: skip
 def test_mpirun_world_collectives_ddp_pipeline(n, backend, request):
     extra = {}
     if backend == "mpi":

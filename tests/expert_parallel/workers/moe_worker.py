@@ -105,6 +105,11 @@ def ddp_case(mesh, ep2):
         ddp.train_step(loss_fn, (x[rank * 2:rank * 2 + 2], t[rank * 2:rank * 2 + 2]))
     one, _ = jaxpg.new_subgroups(group_size=1)
     graphdef, state = nnx.split(Net(one, nnx.Rngs(0)))
+    # The leaves not placed on the group's mesh yet (uncommitted) are put there replicated,
+    # as the step returns them: one compile of the step, not one per input placement.
+    placed = next(a.sharding for a in jax.tree.leaves(state) if a.committed)
+    state = jax.tree.map(lambda a: a if a.committed else jax.device_put(
+        a, NamedSharding(placed.mesh, P())), state)
     opt = optax.sgd(0.5)
     opt_state = opt.init(state)
 

@@ -7,7 +7,9 @@ this rank's slice of a global batch that depends only on the step number, then a
 (``data_state={"step": next step}``). On start it resumes from the latest complete
 checkpoint and prints ``RESUMED step=S``. At the end rank 0 saves the parameters to OUT.npz.
 
-FAULT (only on the first attempt, ``TORCHELASTIC_RESTART_COUNT=0``):
+FAULT is a comma-separated list: its i-th fault is armed on attempt i
+(``TORCHELASTIC_RESTART_COUNT=i``), so one launch can chain several faults, each attempt
+resuming from what the previous one left. A fault is one of:
 
 * ``none``;
 * ``kill:R:S``: rank R dies (SIGKILL) right after step S's checkpoint;
@@ -19,7 +21,11 @@ FAULT (only on the first attempt, ``TORCHELASTIC_RESTART_COUNT=0``):
 * ``raise:R:S``: rank R raises before step S's barrier (a Python error, exit code 1);
 * ``ckpt:R:S``: rank R dies while writing step S's checkpoint (its files written, before
   orbax commits it by renaming the temporary directory);
-* ``random:SEED``: ``killmid`` at a rank and step drawn from ``random.Random(SEED)``.
+* ``random:SEED``: ``killmid`` at a rank and at a step from the resumed one on, drawn from
+  ``random.Random(SEED)``.
+
+On an attempt whose fault is ``stop``, the group timeout is ``FAULT_GROUP_TIMEOUT`` seconds
+(60 otherwise), so the waiting rank names the stopped one soon.
 
 With ``ELASTIC_ASYNC=1`` the checkpoints are asynchronous (``async_save=True``): a ``ckpt``
 fault then kills the rank in orbax's background commit, during the next step.
@@ -41,19 +47,14 @@ from flax import nnx
 import jaxpg
 from jaxpg import ddp as jddp
 
-ckpt_dir, out_path, steps, fault = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-timeout = float(os.environ.get("FAULT_GROUP_TIMEOUT", "60"))
+ckpt_dir, out_path, steps, faults = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+faults = faults.split(",")
+fault = faults[attempt] if attempt < len(faults) else "none"
+kind, *spec = fault.split(":")
+timeout = float(os.environ.get("FAULT_GROUP_TIMEOUT", "60")) if kind == "stop" else 60.0
 jaxpg.init_process_group(timeout=datetime.timedelta(seconds=timeout))
 rank, n = jaxpg.get_rank(), jaxpg.get_world_size()
-first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
-
-kind, *spec = fault.split(":")
-if kind == "random":
-    rng = random.Random(int(spec[0]))
-    kind, spec = "killmid", [rng.randrange(n), rng.randrange(1, steps)]
-    print(f"FAULT killmid rank {spec[0]} step {spec[1]}", flush=True)
-fault_rank, fault_step = (int(spec[0]), int(spec[1])) if spec else (-1, -1)
-armed = first_attempt and rank == fault_rank
 
 
 def die() -> None:
@@ -86,7 +87,14 @@ start = 0
 if jddp.latest_step(ckpt_dir) is not None:
     _, data_state = jddp.restore_checkpoint(ckpt_dir, ddp)
     start = data_state["step"]
-print(f"RESUMED step={start} attempt={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+print(f"RESUMED step={start} attempt={attempt}", flush=True)
+
+if kind == "random":
+    rng = random.Random(int(spec[0]))
+    kind, spec = "killmid", [rng.randrange(n), rng.randrange(max(start, 1), steps)]
+    print(f"FAULT killmid rank {spec[0]} step {spec[1]}", flush=True)
+fault_rank, fault_step = (int(spec[0]), int(spec[1])) if spec else (-1, -1)
+armed = rank == fault_rank
 
 if armed and kind == "ckpt":
     from orbax.checkpoint._src.path import async_path
