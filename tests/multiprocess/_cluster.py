@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import socket
@@ -129,6 +130,9 @@ ClusterName=jaxpgtest
 SlurmctldHost={ctld_host}({ctld_addr})
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
+# job ids (and so the coordinator port jaxpg derives from them when MASTER_PORT is unset)
+# differ between clusters that run at once on this machine, as the two CI legs' do
+FirstJobId={first_job_id}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -241,7 +245,8 @@ def _slurm(root: Path, nodes: list[tuple[str, str, list[str]]],
     conf = root / "slurm.conf"
     conf.write_text(_SLURM_CONF.format(
         ctld_host=socket.gethostname(), ctld_addr=ctld[0], ctld_port=free_port(),
-        d_port=free_port(), munge_socket=socket_path, root=root,
+        d_port=free_port(), first_job_id=random.randrange(1, 60_000_000),
+        munge_socket=socket_path, root=root,
         nodes="\n".join(f"NodeName={name} NodeAddr={addr} CPUs={cpus} State=UNKNOWN"
                         for name, addr, _ in nodes)))
     env = clean_env(SLURM_CONF=str(conf))
