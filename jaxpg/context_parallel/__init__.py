@@ -1,6 +1,7 @@
 """Context parallelism: attention over a sequence split across a ``cp`` axis (ring,
 all-to-all (Ulysses) and all-gather), the sequence layout helpers, and an NNX attention
-layer (see docs/context_parallel.md)."""
+layer, and the ``SequenceSplit`` that DDP and FSDP take as ``context_parallel=`` (see
+docs/context_parallel.md)."""
 
 from jaxpg.context_parallel.attention import attention
 from jaxpg.context_parallel.cp_axis import CPAxis, resolve_cp_axis
@@ -11,8 +12,9 @@ from jaxpg.context_parallel.sequence import (
     shard_sequence,
     unshard_sequence,
 )
+from jaxpg.context_parallel.sequence_split import SequenceSplit
 
 __all__ = [
     "attention", "CPAxis", "resolve_cp_axis", "SequenceLayout", "SequenceShards",
-    "shard_sequence", "unshard_sequence", "ContextParallelAttention",
+    "shard_sequence", "unshard_sequence", "ContextParallelAttention", "SequenceSplit",
 ]

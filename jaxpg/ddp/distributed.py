@@ -101,6 +101,14 @@ class DistributedDataParallel:
             brought it the gradients of every token of its ep group) and divided by the
             group's size, like every other gradient. The experts' gradients skip the
             buckets and the hook (one ``psum``); ZeRO-1 does not take expert parameters.
+        context_parallel: context parallelism (torch's ``context_parallel`` buffers, as
+            torchtitan composes it with DDP): the cp group (``mesh["cp"]``, a
+            ``ParallelDims``) or a :class:`~jaxpg.context_parallel.SequenceSplit`. The
+            step runs over the cp group's mesh, ``group`` must span cp and the
+            data-parallel axes (``mesh["dp", "cp"]._flatten("dp_cp")``, ``dims["dp_cp"]``),
+            and each process passes its samples with whole sequences: every leaf's
+            sequence dimension (1 by default) is laid out load-balanced over cp (by
+            default), the samples over the other axes. Put the position ids in the batch.
 
     Raises:
         TypeError: for a module or optimizer of the wrong kind.
@@ -123,7 +131,9 @@ class DistributedDataParallel:
         shard_optimizer_state: bool = False,
         device_mesh: Any = None,
         expert_axes: tuple[str, ...] = (),
+        context_parallel: Any = None,
     ) -> None:
+        from jaxpg.context_parallel.sequence_split import resolve_sequence_split
         from jaxpg.groups.resolve import one_of, resolve_group
 
         api = "DistributedDataParallel"
@@ -153,8 +163,11 @@ class DistributedDataParallel:
         if isinstance(expert_axes, str) or not all(isinstance(a, str) for a in expert_axes):
             raise TypeError(f"DistributedDataParallel: {expert_axes=} must be a tuple of axis "
                             "names, e.g. expert_axes=('ep',).")
+        sequence = None if context_parallel is None else \
+            resolve_sequence_split(context_parallel, api)
         self.layout: StepLayout = step_layout(self.group, params, rest,
-                                              expert_axes=tuple(expert_axes))
+                                              expert_axes=tuple(expert_axes),
+                                              sequence=sequence)
         signatures = param_sync.gather_param_signatures(params, self.group)
         param_sync.verify_param_shapes(signatures, list(self.group.ranks))
         local = self.layout.local_struct(params, self.layout.param_specs)

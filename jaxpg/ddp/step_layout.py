@@ -17,6 +17,12 @@ over the *whole* mesh:
   data-parallel axis, since ep ranks see different tokens), a parameter split over those
   axes is reduced over the other data-parallel axes only: the ``all_to_all`` that used it
   already brought it the gradients of every token of its ep group.
+* with ``sequence`` (context parallelism, the wrappers' ``context_parallel=``) the step
+  runs over the cp group's mesh even for a replicated model; cp is one of the
+  data-parallel axes (its ranks hold different tokens of the same samples, so gradients
+  are averaged over it too), and each batch leaf is split over the other data-parallel
+  axes on dim 0 and over cp on its sequence dimension
+  (:mod:`jaxpg.data_parallel.sequence_batch`).
 
 Values are taken from data-parallel rank 0 for each leaf, over the axes it is replicated on
 (torch's ``broadcast_params``).
@@ -34,8 +40,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.context_parallel.sequence_split import ResolvedSequenceSplit
 from jaxpg.data_parallel.batch_placement import place_batch
 from jaxpg.data_parallel.prng_keys import is_key
+from jaxpg.data_parallel.sequence_batch import place_sequence_batch, sequence_batch_specs
 
 __all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank",
            "dense_leaves", "with_experts_reduced"]
@@ -53,6 +61,7 @@ class StepLayout:
         sharded: whether the state lives on a larger mesh than the group's (tensor parallel).
         reduce_axes: per parameter leaf, the data-parallel axes its gradient is summed over:
             all of them, but for an expert parameter (split over ``expert_axes``) the others.
+        sequence: the batch's sequence split over a cp axis (one of ``dp_axes``), or None.
     """
 
     mesh: Mesh
@@ -61,6 +70,19 @@ class StepLayout:
     rest_specs: Any
     sharded: bool
     reduce_axes: Any = None
+    sequence: ResolvedSequenceSplit | None = None
+
+    @property
+    def sample_axes(self) -> tuple[str, ...]:
+        """The data-parallel axes the samples (dim 0 of the batch) are split over."""
+        cp = None if self.sequence is None else self.sequence.axis
+        return tuple(a for a in self.dp_axes if a != cp)
+
+    def batch_specs(self, batch: Any) -> Any:
+        """The batch's ``PartitionSpec`` (a prefix, or one per leaf with ``sequence``)."""
+        if self.sequence is None:
+            return P(self.axis)
+        return sequence_batch_specs(batch, self.sample_axes, self.sequence)
 
     def is_expert(self, leaf_axes: tuple[str, ...]) -> bool:
         """Whether a leaf reduced over ``leaf_axes`` is split over data-parallel axes."""
@@ -114,7 +136,8 @@ def _named(spec: P) -> set[str]:
 
 
 def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataParallel",
-                expert_axes: tuple[str, ...] = ()) -> StepLayout:
+                expert_axes: tuple[str, ...] = (),
+                sequence: ResolvedSequenceSplit | None = None) -> StepLayout:
     """The layout of DDP's (or FSDP's, ``api``) step for a model whose state is ``params``
     and ``rest``.
 
@@ -124,11 +147,14 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
         api: the caller's name, for errors.
         expert_axes: data-parallel axes that parameters may be split over (expert
             parallelism's ``"ep"``); such a parameter is reduced over the other ones.
+        sequence: the batch's sequence split (``context_parallel=``); the step then runs
+            over its mesh, whose cp axis must be one of the group's.
 
     Raises:
         ValueError: if the state lives on several larger meshes, on one the group is not a
-            dimension of, or is split over the data-parallel axes themselves (other than
-            ``expert_axes``, for parameters).
+            dimension of (or not the cp group's), is split over the data-parallel axes
+            themselves (other than ``expert_axes``, for parameters), or if the group does
+            not span the cp axis.
     """
     leaves = jax.tree.leaves((params, rest))
     def elsewhere(x):  # laid out on another mesh than the group's: larger, or split on it
@@ -138,12 +164,15 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
 
     meshes = {_leaf_mesh(x) for x in leaves if elsewhere(x)}
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
-    if not meshes:
+    if not meshes and sequence is None:
         return StepLayout(pg.mesh, (pg.axis_name,), replicated(params), replicated(rest), False)
+    if sequence is not None:
+        meshes.add(sequence.mesh)
     if len(meshes) > 1:
         raise ValueError(
             f"{api}: the model's arrays live on {len(meshes)} different "
-            f"meshes ({[dict(m.shape) for m in meshes]}); lay them all out on one mesh."
+            f"meshes ({[dict(m.shape) for m in meshes]}); lay them all out on one mesh"
+            + (" (the context_parallel group's)." if sequence is not None else ".")
         )
     mesh = meshes.pop()
     axes = _group_axes(mesh, pg)
@@ -152,6 +181,18 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
             f"{api}: the model's arrays are laid out on a mesh with axes "
             f"{dict(mesh.shape)} (tensor parallel), but group {pg!r} is not one dimension of "
             "it; pass the data-parallel dimension's group, e.g. group=mesh.get_group('dp')."
+            if sequence is None else
+            f"{api}: group {pg!r} is not made of dimensions of the context_parallel group's "
+            f"mesh {dict(mesh.shape)}; pass its data-parallel and cp dimensions flattened, "
+            "e.g. group=mesh['dp', 'cp']._flatten('dp_cp') (ParallelDims: dims['dp_cp'])."
+        )
+    if sequence is not None and sequence.axis not in axes:
+        raise ValueError(
+            f"{api}: group {pg!r} spans the axes {list(axes)} of the mesh "
+            f"{dict(mesh.shape)}, not the cp axis {sequence.axis!r}: the cp ranks hold "
+            "different tokens of the same samples, so the gradients are averaged over them "
+            "too; pass the data-parallel and cp dimensions flattened, e.g. "
+            "group=mesh['dp', 'cp']._flatten('dp_cp') (ParallelDims: dims['dp_cp'])."
         )
     unknown = [a for a in expert_axes if a not in axes]
     if unknown:
@@ -181,7 +222,8 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
     param_specs = with_path(lambda p, x: spec(p, x, expert_axes), params)
     reduce_axes = jax.tree.map(lambda s: tuple(a for a in axes if a not in _named(s)),
                                param_specs, is_leaf=lambda s: isinstance(s, P))
-    return StepLayout(mesh, axes, param_specs, with_path(spec, rest), True, reduce_axes)
+    return StepLayout(mesh, axes, param_specs, with_path(spec, rest), True, reduce_axes,
+                      sequence)
 
 
 def _expert_flags(tree: Any, layout: StepLayout | None) -> tuple[list, Any, list] | None:
@@ -307,13 +349,19 @@ def _stacked_from_first(locals_: list, mesh: Mesh) -> list:
 
 
 def layout_batch(batch: Any, layout: StepLayout) -> Any:
-    """This process's part of the batch, split over the data-parallel axes of the mesh.
+    """This process's part of the batch, split over the data-parallel axes of the mesh
+    (with ``layout.sequence``, its sequences over cp).
 
     Raises:
         ValueError: if a leaf's leading dimension does not divide among this process's
             data-parallel positions.
     """
     mesh = layout.mesh
+    if layout.sequence is not None:
+        return place_sequence_batch(
+            batch, mesh, layout.sample_axes, layout.sequence,
+            "data-parallel position(s) of the mesh other than cp (the cp ranks of a replica "
+            "get the same samples, each its part of their sequences).")
     sharding = NamedSharding(mesh, P(layout.axis))
     index = [mesh.axis_names.index(a) for a in layout.dp_axes]
     coords = {tuple(int(c[i]) for i in index) for c in np.argwhere(

@@ -124,7 +124,8 @@ def build_train_step(
     ``step(params, rest, opt_state, hook_state, acc, batch, active)`` returns
     ``(params, rest, opt_state, hook_state, acc, metrics)``. ``params``, ``rest`` and
     ``opt_state`` are replicated (``P()``); ``hook_state``, ``acc`` and ``active`` carry a
-    leading rank axis (``P(axis)``); the batch is split on its leading dimension. ``acc``
+    leading rank axis (``P(axis)``); the batch is split on its leading dimension (and on
+    its sequence dimension over cp with ``layout.sequence``). ``acc``
     is ``None`` unless ``mode.has_acc``; the returned ``acc`` is ``None`` unless
     ``mode.sync`` is False. ``metrics`` holds ``loss`` (mean over active ranks),
     ``num_active`` and, with ``has_aux``, ``aux``.
@@ -238,13 +239,19 @@ def build_train_step(
     params_spec = P() if layout is None else layout.param_specs
     rest_spec = P() if layout is None else layout.rest_specs
     opt_spec = P() if opt_specs is None or zero is not None else opt_specs
-    mapped = jax.shard_map(
-        body_in_context,
-        mesh=mesh,
-        in_specs=(params_spec, rest_spec, opt_spec, rank_axis, rank_axis, P(axis), rank_axis),
-        out_specs=(params_spec, rest_spec, opt_spec, rank_axis, rank_axis, P()),
-        check_vma=False,
-    )
+
+    def mapped(params, rest, opt_state, hook_state, acc, batch, active):
+        # the batch's specs follow its leaves with context parallelism (the sequence
+        # dimension over cp), so the shard_map is built when the batch is traced
+        batch_spec = P(axis) if layout is None else layout.batch_specs(batch)
+        return jax.shard_map(
+            body_in_context,
+            mesh=mesh,
+            in_specs=(params_spec, rest_spec, opt_spec, rank_axis, rank_axis, batch_spec,
+                      rank_axis),
+            out_specs=(params_spec, rest_spec, opt_spec, rank_axis, rank_axis, P()),
+            check_vma=False,
+        )(params, rest, opt_state, hook_state, acc, batch, active)
     if zero is not None:
         mapped = _zero_step(mapped, optimizer, zero, mode)
     return jax.jit(mapped, donate_argnums=(0, 1, 2, 3, 4) if donate else (),

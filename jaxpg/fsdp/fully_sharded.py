@@ -75,6 +75,12 @@ class FullyShardedDataParallel:
             class or a predicate ``(path, module) -> bool``; the root holds the rest.
         broadcast_params: start every rank from rank 0's parameters.
         donate: let the step reuse the state's buffers.
+        context_parallel: context parallelism, as torchtitan's FSDP over ``dp_shard_cp``:
+            the cp group (``mesh["cp"]``, a ``ParallelDims``) or a
+            :class:`~jaxpg.context_parallel.SequenceSplit`. ``group`` must be the shard
+            and cp dimensions flattened (``mesh["dp_shard", "cp"]._flatten(...)``,
+            ``dims["dp_shard_cp"]``); parameters are sharded over both, and each process
+            passes its samples with whole sequences, laid out over cp as DDP's are.
 
     Raises:
         TypeError: for a module, optimizer, policy or group of the wrong kind.
@@ -87,7 +93,8 @@ class FullyShardedDataParallel:
                  group: Any = None, stage: int = 3, reshard_after_forward: bool = True,
                  mp_policy: MixedPrecisionPolicy | None = None, units: Any = None,
                  broadcast_params: bool = True, donate: bool = True,
-                 device_mesh: Any = None) -> None:
+                 device_mesh: Any = None, context_parallel: Any = None) -> None:
+        from jaxpg.context_parallel.sequence_split import resolve_sequence_split
         from jaxpg.groups.resolve import one_of
 
         group = one_of(_API, group=group, device_mesh=device_mesh)
@@ -113,8 +120,10 @@ class FullyShardedDataParallel:
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         graphdef, params, rest = param_sync.split_model(module)
+        sequence = None if context_parallel is None else \
+            resolve_sequence_split(context_parallel, _API)
         self.group, self._model_layout = compose_with_model_mesh(self.group, group, params,
-                                                                 rest, _API)
+                                                                 rest, _API, sequence)
         signatures = param_sync.gather_param_signatures(params, self.group.process_group)
         param_sync.verify_param_shapes(signatures, list(self.group.process_group.ranks))
         self.units = resolve_units(module, units)

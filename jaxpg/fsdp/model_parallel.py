@@ -50,9 +50,10 @@ def _elsewhere(group: ShardGroup, tree: Any) -> bool:
 
 
 def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: Any,
-                            api: str) -> tuple[ShardGroup, StepLayout | None]:
-    """``group`` extended to the mesh a tensor-parallel model lives on, and that mesh's
-    layout of ``params`` and ``rest`` (None for a plain model: ``group`` unchanged).
+                            api: str, sequence: Any = None) -> tuple[ShardGroup, StepLayout | None]:
+    """``group`` extended to the mesh a tensor-parallel model lives on (or the
+    ``context_parallel`` group's), and that mesh's layout of ``params`` and ``rest`` (None
+    for a plain model: ``group`` unchanged).
 
     Args:
         group: the resolved FSDP group.
@@ -60,25 +61,34 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
         params: the model's parameters.
         rest: the rest of its state.
         api: the caller's name, for errors.
+        sequence: the batch's sequence split (``context_parallel=``), or None.
 
     Raises:
-        ValueError: for an HSDP group with a tensor-parallel model, or a model laid out
+        ValueError: for an HSDP group with a tensor-parallel model or context
+            parallelism, or a model laid out
             on a mesh the group is not a dimension of (named by
             :func:`jaxpg.ddp.step_layout.step_layout`).
     """
-    if not _elsewhere(group, (params, rest)):
+    if sequence is None and not _elsewhere(group, (params, rest)):
         return group, None
     if group.replicate_axes:  # HSDP: a 2-D DeviceMesh, a HybridCommunicateGroup
+        if sequence is not None:
+            raise ValueError(
+                f"{api}: group={given!r} with context_parallel=: HSDP and hybrid groups do "
+                "not compose with context parallelism here; pass the shard and cp "
+                "dimensions flattened, e.g. group=mesh['dp_shard', 'cp']._flatten() "
+                "(ParallelDims: dims['dp_shard_cp'])."
+            )
         raise ValueError(
             f"{api}: group={given!r} with a tensor-parallel model (its arrays are laid out "
             "on a larger mesh): HSDP and hybrid groups do not compose with tensor "
             "parallelism here; pass the data-parallel dimension's process group, e.g. "
             "group=mesh.get_group('dp'), to shard over dp on top of the tp split."
         )
-    layout = step_layout(group.process_group, params, rest, api=api)
+    layout = step_layout(group.process_group, params, rest, api=api, sequence=sequence)
     model_axes = tuple(a for a in layout.mesh.axis_names if a not in layout.dp_axes)
     composed = dataclasses.replace(group, mesh=layout.mesh, shard_axes=layout.dp_axes,
-                                   replicate_axes=(), model_axes=model_axes)
+                                   replicate_axes=(), model_axes=model_axes, sequence=sequence)
     return composed, layout
 
 

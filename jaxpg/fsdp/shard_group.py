@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.data_parallel.batch_placement import place_batch
+from jaxpg.data_parallel.sequence_batch import place_sequence_batch, sequence_batch_specs
 
 __all__ = ["ShardGroup", "resolve_shard_group"]
 
@@ -49,6 +50,8 @@ class ShardGroup:
         model_axes: the mesh axes the model itself is split over (tensor parallelism on
             a ``("dp", "tp")`` mesh; empty otherwise). Every rank of one data-parallel
             position along them trains on the same samples.
+        sequence: the batch's sequence split over a cp axis (one of ``shard_axes``:
+            torchtitan's ``dp_shard_cp``), or None.
     """
 
     mesh: Mesh
@@ -57,6 +60,7 @@ class ShardGroup:
     world: Any
     process_group: Any
     model_axes: tuple[Hashable, ...] = ()
+    sequence: Any = None
 
     @property
     def batch_axes(self) -> tuple[Hashable, ...]:
@@ -114,14 +118,32 @@ class ShardGroup:
         axes = self.batch_axes
         return P(axes[0] if len(axes) == 1 else axes)
 
+    @property
+    def sample_axes(self) -> tuple[Hashable, ...]:
+        """The axes dim 0 of the batch is split over: all but cp."""
+        cp = None if self.sequence is None else self.sequence.axis
+        return tuple(a for a in self.batch_axes if a != cp)
+
+    def batch_specs(self, batch: Any) -> Any:
+        """The batch's ``PartitionSpec`` (a prefix, or one per leaf with ``sequence``)."""
+        if self.sequence is None:
+            return self.batch_spec
+        return sequence_batch_specs(batch, self.sample_axes, self.sequence)
+
     # ------------------------------------------------------------------ placing data
     def place_batch(self, batch: Any) -> Any:
-        """This process's part of the global batch, split over the group on dim 0.
+        """This process's part of the global batch, split over the group on dim 0 (with
+        ``sequence``: over the axes but cp, and the sequences over cp).
 
         Raises:
             ValueError: if a leaf has no leading dimension or it does not divide among
-                this process's ranks.
+                this process's ranks (or its sequence among the cp ranks).
         """
+        if self.sequence is not None:
+            return place_sequence_batch(
+                batch, self.mesh, self.sample_axes, self.sequence,
+                "data-parallel position(s) of the mesh other than cp (the cp ranks of a "
+                "replica get the same samples, each its part of their sequences).")
         return place_batch(batch, self.sharding(self.batch_spec), self.local_batch_positions(),
                            self.all_local, "rank(s) of the FSDP group. Drop or pad the last "
                            "batch.")

@@ -215,12 +215,15 @@ def build_train_step(loss_fn: Callable[..., Any], plan: StepPlan, mode: StepMode
         with SpmdContext(group.mesh, group.world):
             return body(*args)
 
-    mapped = jax.shard_map(
-        body_in_context, mesh=group.mesh,
-        in_specs=(plan.param_specs(), rest_spec, rank_spec, group.batch_spec),
-        out_specs=(plan.grad_specs() if mode.sync else None, rest_spec, rank_spec, P()),
-        check_vma=False,
-    )
+    def mapped(params, rest, acc, batch):
+        # with context parallelism the batch's specs follow its leaves (the sequence
+        # dimension over cp), so the shard_map is built when the batch is traced
+        return jax.shard_map(
+            body_in_context, mesh=group.mesh,
+            in_specs=(plan.param_specs(), rest_spec, rank_spec, group.batch_specs(batch)),
+            out_specs=(plan.grad_specs() if mode.sync else None, rest_spec, rank_spec, P()),
+            check_vma=False,
+        )(params, rest, acc, batch)
 
     def step(params, rest, opt_state, acc, batch):
         grads, new_rest, new_acc, metrics = mapped(params, rest, acc, batch)

@@ -1,5 +1,6 @@
-"""Context-parallel attention with one rank per process: 4 real processes under jaxpg-run,
-one launch (tests/context_parallel/workers/cp_worker.py)."""
+"""Context-parallel attention, and DDP with ``context_parallel=``, with one rank per
+process: 4 real processes under jaxpg-run, one launch
+(tests/context_parallel/workers/cp_worker.py)."""
 
 import re
 import subprocess
@@ -11,7 +12,7 @@ from _child_env import child_env
 
 WORKER = Path(__file__).parent / "workers" / "cp_worker.py"
 CHECKS = {"every_method_fwd_and_grads_cp4", "every_method_fwd_and_grads_cp2",
-          "host_call_own_shard_cp4", "uneven_shards_refused"}
+          "host_call_own_shard_cp4", "uneven_shards_refused", "ddp_dp2_cp2_equals_one_device"}
 
 
 @pytest.mark.slow

@@ -5,8 +5,10 @@ own output and gradient shards: cp = 4 over the world and cp = 2 as a dimension 
 ("dp", "cp") mesh, every method on each, in one jitted program per mesh (the causal and
 load-balance options vary across the two meshes: all 12 combinations run in-process, in
 ``test_attention.py``, and the processes add only where the K/V blocks travel); the host
-call (this process's shard in, its output shard out) for one case; and the error for shards
-of different lengths. Prints ``CHECK <name> ok``.
+call (this process's shard in, its output shard out) for one case; the error for shards
+of different lengths; and DistributedDataParallel with ``context_parallel=`` over a
+("dp", "cp") = (2, 2) mesh, each process passing its data-parallel position's samples with
+whole sequences, against one-device training on the whole batch. Prints ``CHECK <name> ok``.
 """
 
 import sys
@@ -16,12 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from _attention_reference import full_attention  # noqa: E402
+from _tiny_gpt import GPT, batches, loss_fn, one_device  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpg  # noqa: E402
 from jaxpg import context_parallel as cp_  # noqa: E402
+from jaxpg.ddp import DistributedDataParallel  # noqa: E402
 
 CASES = {  # (method, causal, load_balance): each method twice, each option both ways
     4: [("ring", True, True), ("all_to_all", True, False), ("all_gather", False, True)],
@@ -96,13 +102,33 @@ def uneven_shards(group):
         raise AssertionError("shards of different lengths were not refused")
 
 
+def ddp_with_context_parallel(mesh):
+    """Two DDP steps over dp x cp; this process passes its dp position's 2 of 4 samples."""
+    optimizer = optax.adam(1e-2)
+    want_losses, want_params = one_device(optimizer, steps=2, size=4)
+    model = GPT(cp_.ContextParallelAttention(group=mesh["cp"], causal=True))
+    ddp = DistributedDataParallel(model, optimizer, group=mesh["dp", "cp"]._flatten(),
+                                  context_parallel=mesh["cp"])
+    dp = mesh.get_local_rank("dp")
+    losses = [float(ddp.train_step(loss_fn, {k: v[2 * dp:2 * dp + 2] for k, v in b.items()})
+                    ["loss"]) for b in batches(2, 4)]
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
+    got = jax.tree.leaves(nnx.state(ddp.module, nnx.Param))
+    for a, b in zip(got, jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(np.asarray(a.addressable_shards[0].data), np.asarray(b),
+                                   rtol=1e-4, atol=1e-5)
+    check("ddp_dp2_cp2_equals_one_device")
+
+
 def main():
     jaxpg.init_process_group()
     world = jaxpg.init_device_mesh((4,), ("cp",))
     every_case(world, 4)
-    every_case(jaxpg.init_device_mesh((2, 2), ("dp", "cp")), 2)
+    dp_cp = jaxpg.init_device_mesh((2, 2), ("dp", "cp"))
+    every_case(dp_cp, 2)
     host_call(world["cp"].get_group(), 4)
     uneven_shards(world["cp"].get_group())
+    ddp_with_context_parallel(dp_cp)
     jaxpg.destroy_process_group()
 
 
