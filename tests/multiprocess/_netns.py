@@ -1,9 +1,11 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair.
+"""Several "hosts" on one machine: network namespaces joined by a veth pair
+(:func:`two_hosts`) or by a bridge in a namespace of its own (:func:`bridged_hosts`, for
+three or more, with a service address on the bridge that no host's loss takes down).
 
-Only the documentation addresses 192.0.2.1 and 192.0.2.2 (RFC 5737) are used, and only
-inside the namespaces; everything made is deleted again, even when a test fails: processes
-still running inside a namespace are killed, the namespaces, the veth pair and the
-namespaces' ``/etc/netns/NS/hosts`` files are removed.
+Only documentation addresses (RFC 5737's 192.0.2.0/24) are used, and only inside the
+namespaces; everything made is deleted again, even when a test fails: processes still
+running inside a namespace are killed, the namespaces (and with them their veth pairs and
+the bridge) and the namespaces' ``/etc/netns/NS/hosts`` files are removed.
 
 Host names, where a test gives them, resolve only inside the namespaces: they are written to
 ``/etc/netns/NS/hosts`` (iproute2's per-namespace files), which ``ip netns exec NS`` and
@@ -24,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 HOST_ADDRESSES = ("192.0.2.1", "192.0.2.2")
+SWITCH_ADDRESS = "192.0.2.254"  # the bridge's own address in bridged_hosts' switch namespace
 NETNS_ETC = Path("/etc/netns")  # iproute2's per-namespace files (ip-netns(8))
 NETNS_RUN = Path("/run/netns")  # where `ip netns add` mounts the namespaces
 
@@ -81,6 +84,47 @@ def two_hosts(host_names: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
         for veth in veths:  # in case a failure left one outside the namespaces
             if _ip("link", "show", veth).returncode == 0:
                 _ip("link", "del", veth)
+
+
+def host_address(i: int) -> str:
+    """The address of host ``i`` (0-based) in :func:`bridged_hosts`: 192.0.2.(i + 1)."""
+    return f"192.0.2.{i + 1}"
+
+
+@contextlib.contextmanager
+def bridged_hosts(n: int) -> Iterator[tuple[list[str], str]]:
+    """Yields ``(hosts, switch)``: ``n`` namespaces, host ``i`` at :func:`host_address`
+    ``(i)``, each joined by a veth pair to a bridge in the namespace ``switch``, which holds
+    :data:`SWITCH_ADDRESS` (run a service there, such as etcd, and every host reaches it;
+    killing a host's processes leaves it up)."""
+    tag = uuid.uuid4().hex[:6]
+    hosts = [f"jpg{tag}h{i}" for i in range(n)]
+    switch = f"jpg{tag}sw"
+    made: list[str] = []
+    try:
+        for ns in (switch, *hosts):
+            _check(_ip("netns", "add", ns))
+            made.append(ns)
+            _check(_ip("-n", ns, "link", "set", "lo", "up"))
+        _check(_ip("-n", switch, "link", "add", "br0", "type", "bridge"))
+        _check(_ip("-n", switch, "addr", "add", f"{SWITCH_ADDRESS}/24", "dev", "br0"))
+        _check(_ip("-n", switch, "link", "set", "br0", "up"))
+        for i, ns in enumerate(hosts):
+            # made inside the host's namespace, so no veth ever exists in this machine's
+            # own; its peer moves to the switch and joins the bridge
+            _check(_ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name",
+                       f"p{i}"))
+            _check(_ip("-n", ns, "link", "set", f"p{i}", "netns", switch))
+            _check(_ip("-n", switch, "link", "set", f"p{i}", "master", "br0"))
+            _check(_ip("-n", switch, "link", "set", f"p{i}", "up"))
+            _check(_ip("-n", ns, "addr", "add", f"{host_address(i)}/24", "dev", "eth0"))
+            _check(_ip("-n", ns, "link", "set", "eth0", "up"))
+        yield hosts, switch
+    finally:
+        for ns in made:
+            _kill_inside(ns)
+        for ns in made:
+            _ip("netns", "del", ns)  # deletes the veth pairs and the bridge with it
 
 
 def inside(ns: str) -> list[str]:

@@ -1,58 +1,99 @@
 """jaxpg-run --nnodes MIN:MAX --rdzv-backend etcd against a real etcd server (Debian's
-etcd-server, started here on free loopback ports): the store's calls, flag errors, and a job
-that loses node 0 (its launcher, its workers and the attempt's coordination service) and
-finishes on the other two nodes to the uninterrupted run's parameters."""
+etcd-server): the store's calls and flag errors (etcd on free loopback ports), and a job of
+three hosts (network namespaces on a bridge, etcd on the bridge's own address) that loses
+node 0 (its launcher, its workers and the attempt's coordination service) and finishes on
+the other two to the uninterrupted run's parameters."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from _cluster import free_port, unavailable
-from test_elastic_nodes import FSDP_WORKER, HEARTBEAT, Node, _wait, assert_uninterrupted
+from _netns import SWITCH_ADDRESS, inside
+from test_elastic_nodes import (
+    FSDP_WORKER,
+    HEARTBEAT,
+    Node,
+    _wait,
+    assert_uninterrupted,
+    hosts,
+)
+
+
+@contextlib.contextmanager
+def running_etcd(data: Path, address: str = "127.0.0.1", client: int | None = None,
+                 peer: int | None = None, prefix: list[str] = ()):
+    """``host:port`` of a fresh etcd at ``address`` (its data in ``data``; ``prefix``:
+    the command that puts it in a network namespace), stopped after."""
+    if shutil.which("etcd") is None:
+        unavailable("etcd is not installed (Debian: apt-get install etcd-server; "
+                    ".ci/install_cluster_deps.sh does it)")
+    client, peer = client or free_port(), peer or free_port()
+    endpoint = f"{address}:{client}"
+    log = open(data / "etcd.log", "w")  # noqa: SIM115 (closed when etcd has stopped)
+    proc = subprocess.Popen(
+        [*prefix, "etcd", "--name", "jaxpg-test", "--data-dir", str(data / "data"),
+         "--listen-client-urls", f"http://{endpoint}",
+         "--advertise-client-urls", f"http://{endpoint}",
+         "--listen-peer-urls", f"http://{address}:{peer}",
+         "--initial-advertise-peer-urls", f"http://{address}:{peer}",
+         "--initial-cluster", f"jaxpg-test=http://{address}:{peer}"],
+        stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while _etcd_get(endpoint, prefix, "", "version") is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("etcd did not start:\n"
+                                     + (data / "etcd.log").read_text()[-3000:])
+            time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+_GET = """
+import sys
+from jaxpg.run.rdzv_etcd import EtcdStore, probe_etcd
+endpoint, run, key = sys.argv[1:]
+if key == "version":
+    probe_etcd(endpoint, timeout=1)
+    print("VALUE up")
+else:
+    store = EtcdStore(endpoint, run, timeout=5.0)
+    print("VALUE", store.get(key))
+    store.close()
+"""
+
+
+def _etcd_get(endpoint: str, prefix: list[str], run: str, key: str) -> str | None:
+    """The value of job ``run``'s ``key`` (``version``: whether etcd answers), read from
+    where ``prefix`` puts the reader (etcd on a bridge is reachable from its namespaces
+    only); None when it is unset or etcd does not answer."""
+    done = subprocess.run([*prefix, sys.executable, "-c", _GET, endpoint, run, key],
+                          capture_output=True, text=True, timeout=30)
+    value = done.stdout.partition("VALUE ")[2].strip()
+    return value if done.returncode == 0 and value != "None" else None
 
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
-    """``host:port`` of a fresh etcd (its data in a temporary directory), stopped after."""
-    if shutil.which("etcd") is None:
-        unavailable("etcd is not installed (Debian: apt-get install etcd-server; "
-                    ".ci/install_cluster_deps.sh does it)")
-    client, peer = free_port(), free_port()
-    data = tmp_path_factory.mktemp("etcd")
-    log = open(data / "etcd.log", "w")  # noqa: SIM115 (closed when etcd has stopped)
-    proc = subprocess.Popen(
-        ["etcd", "--name", "jaxpg-test", "--data-dir", str(data / "data"),
-         "--listen-client-urls", f"http://127.0.0.1:{client}",
-         "--advertise-client-urls", f"http://127.0.0.1:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"jaxpg-test=http://127.0.0.1:{peer}"],
-        stdout=subprocess.DEVNULL, stderr=log)
-    from jaxpg.run.rdzv_etcd import probe_etcd
-
-    endpoint = f"127.0.0.1:{client}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            probe_etcd(endpoint, timeout=1)
-            break
-        except ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                log.close()
-                raise AssertionError("etcd did not start:\n"
-                                     + (data / "etcd.log").read_text()[-3000:]) from None
-            time.sleep(0.2)
-    yield endpoint
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
+    """``host:port`` of a fresh etcd on loopback, stopped after."""
+    with running_etcd(tmp_path_factory.mktemp("etcd")) as endpoint:
+        yield endpoint
 
 
 @pytest.mark.slow
@@ -106,23 +147,29 @@ def test_bad_etcd_flags_give_a_clear_error_before_anything_starts(flags, message
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_fsdp_losing_node_0_under_etcd_finishes_on_two_to_the_uninterrupted_parameters(
-        etcd, tmp_path):
+        tmp_path):
+    with hosts(3) as (names, switch):
+        (tmp_path / "etcd").mkdir()
+        with running_etcd(tmp_path / "etcd", SWITCH_ADDRESS, 2379, 2380,
+                          inside(switch)) as endpoint:
+            _losing_node_0_under_etcd(names, switch, endpoint, tmp_path)
 
-    from jaxpg.run.rdzv_etcd import EtcdStore
 
+def _losing_node_0_under_etcd(names: list[str], switch: str, etcd: str,
+                              tmp_path: Path) -> None:
     steps, run = 8, uuid.uuid4().hex[:12]
     rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd, "--rdzv-id", run]
     script = [str(FSDP_WORKER), str(tmp_path / "ckpt"), str(tmp_path / "out.npz"), str(steps)]
-    watcher = EtcdStore(etcd, run, timeout=10.0)
-    nodes = [Node(0, "2:3", 0, script=script, rdzv=rdzv, ELASTIC_KILLME="1")]
+    nodes = [Node(0, "2:3", 0, script=script, rdzv=rdzv, host=names[0], ELASTIC_KILLME="1")]
     try:
         # node 0 first: the lowest node id alive leads each attempt (its node rank 0,
         # hosting the workers' coordination service), so losing node 0 loses the most. Node
         # 0's worker waits to be killed after step 4 of the first attempt with 3 nodes (the
         # third may join attempt 0, or start attempt 1 by joining it late).
-        _wait(lambda: watcher.get("leader/0") == "0", 60, "node 0 leading attempt 0", nodes)
-        nodes += [Node(r, "2:3", 0, script=script, rdzv=rdzv, ELASTIC_KILLME="0")
-                  for r in (1, 2)]
+        _wait(lambda: _etcd_get(etcd, inside(switch), run, "leader/0") == "0", 60,
+              "node 0 leading attempt 0", nodes)
+        nodes += [Node(r, "2:3", 0, script=script, rdzv=rdzv, host=names[r],
+                       ELASTIC_KILLME="0") for r in (1, 2)]
         _wait(lambda: any("KILLME" in line for line in list(nodes[0].out)), 240,
               "node 0 at step 4 with 3 nodes", nodes)
         resumed = [line for line in list(nodes[0].out) if "RESUMED" in line]
@@ -153,4 +200,3 @@ def test_fsdp_losing_node_0_under_etcd_finishes_on_two_to_the_uninterrupted_para
     finally:
         for n in nodes:
             n.close()
-        watcher.close()

@@ -1,10 +1,14 @@
-"""jaxpg-run --nnodes MIN:MAX on 127.0.0.1, one launcher per "node": a lost node's launcher
-starts the next attempt with the nodes present (new WORLD_SIZE, RANK, GROUP_RANK; stderr
-names the node that left) within the heartbeat timeout plus a few seconds; a lost node 0
-ends every other launcher with a named error. Each fault test states its bound."""
+"""jaxpg-run --nnodes MIN:MAX across hosts: one launcher per network namespace on a bridge
+(``_netns.bridged_hosts``, host i at 192.0.2.(i+1), node 0 the rendezvous host). A lost
+node's launcher starts the next attempt with the nodes present (new WORLD_SIZE, RANK,
+GROUP_RANK; stderr names the node that left) within the heartbeat timeout plus a few
+seconds, and a node started again joins (scale-up); a lost node 0 ends every other launcher
+with a named error; FSDP with asynchronous checkpoints finishes on the nodes left with the
+uninterrupted run's parameters. Each fault test states its bound."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from _child_env import child_env
+from _cluster import unavailable
+from _netns import bridged_hosts, host_address, inside, why_no_namespaces
 
 WORKER = Path(__file__).parent / "workers" / "elastic_members.py"
 FSDP_WORKER = Path(__file__).parent / "workers" / "elastic_fsdp.py"
@@ -35,13 +41,16 @@ class Node:
 
     def __init__(self, rank: int, nnodes: str, port: int, restarts: int = 1,
                  script: list[str] | None = None, rdzv: list[str] | None = None,
-                 **env_vars: str):
+                 host: str | None = None, master: str = "127.0.0.1", **env_vars: str):
         """``rdzv``: the rendezvous flags instead of ``--master-addr/--master-port``;
-        ``env_vars``: more environment for the launcher and its workers."""
+        ``host``: the network namespace to run in (None: this machine's); ``master``: node
+        0's address; ``env_vars``: more environment for the launcher and its workers."""
         env = child_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **env_vars)
-        where = rdzv or ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        where = rdzv or ["--master-addr", master, "--master-port", str(port)]
+        prefix = inside(host) if host else []  # nsenter execs: the launcher keeps its pid
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxpg.run", "--nnodes", nnodes, "--node-rank", str(rank),
+            [*prefix, sys.executable, "-m", "jaxpg.run", "--nnodes", nnodes, "--node-rank",
+             str(rank),
              *where, "--max-restarts",
              str(restarts), "--grace-period", "1", "--rdzv-conf",
              f"heartbeat={HEARTBEAT},last_call_timeout=2", *(script or [str(WORKER)])],
@@ -80,6 +89,22 @@ class Node:
         self.proc.stderr.close()
 
 
+@contextlib.contextmanager
+def hosts(n: int):
+    """``n`` hosts on a bridge (network namespaces): ``(names, switch namespace)``."""
+    reason = why_no_namespaces()
+    if reason is not None:  # CI runs as root with JAXPG_REQUIRE_CLUSTER_TESTS=1: a failure
+        unavailable(f"cannot make network namespaces: {reason}")
+    with bridged_hosts(n) as made:
+        yield made
+
+
+def on_hosts(names: list[str], nnodes: str, port: int, **kwargs) -> list[Node]:
+    """One node per host, node ``r`` on host ``r``, node 0's address the master."""
+    return [Node(r, nnodes, port, host=ns, master=host_address(0), **kwargs)
+            for r, ns in enumerate(names)]
+
+
 def _wait(cond, timeout: float, what: str, nodes) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -112,9 +137,14 @@ def test_bad_elastic_flags_give_a_clear_error(argv, message, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_lost_node_restarts_on_the_nodes_present_and_a_node_added_back_joins(tmp_path):
+    with hosts(3) as (names, _):
+        _lost_node_and_scale_up(names)
+
+
+def _lost_node_and_scale_up(names: list[str]) -> None:
     port = _free_port()
     script = [str(WORKER), "2"]  # the workers wait through attempts 0 and 1
-    nodes = [Node(r, "2:3", port, script=script) for r in range(3)]
+    nodes = on_hosts(names, "2:3", port, script=script)
     try:
         _wait(lambda: all(n.envs() for n in nodes), 120, "3 workers started", nodes)
         assert sorted(n.envs()[0]["RANK"] for n in nodes) == ["0", "1", "2"]
@@ -139,7 +169,7 @@ def test_a_lost_node_restarts_on_the_nodes_present_and_a_node_added_back_joins(t
         # scale-up: node 1 comes back; it joins attempt 2, which --max-restarts 1 allows
         # (a joined node uses no restart)
         nodes[1].close()
-        nodes[1] = Node(1, "2:3", port, script=script)
+        nodes[1] = Node(1, "2:3", port, script=script, host=names[1], master=host_address(0))
         for n in nodes:
             assert n.proc.wait(timeout=150) == 0, n.stderr()[-3000:]
         assert "node 1 joined" in nodes[0].stderr()
@@ -157,8 +187,13 @@ def test_a_lost_node_restarts_on_the_nodes_present_and_a_node_added_back_joins(t
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_losing_node_0_ends_the_others_with_a_named_error():
+    with hosts(2) as (names, _):
+        _losing_node_0(names)
+
+
+def _losing_node_0(names: list[str]) -> None:
     port = _free_port()
-    nodes = [Node(r, "1:2", port) for r in range(2)]
+    nodes = on_hosts(names, "1:2", port)
     try:
         _wait(lambda: all(n.envs() for n in nodes), 120, "2 workers started", nodes)
         killed_at = nodes[0].kill()
@@ -169,7 +204,8 @@ def test_losing_node_0_ends_the_others_with_a_named_error():
         assert nodes[1].proc.wait(timeout=bound + 30) == 1
         ended = time.monotonic()
         assert ended - killed_at < bound, (ended - killed_at, nodes[1].stderr())
-        assert "lost node 0's launcher (the rendezvous host at 127.0.0.1:" in nodes[1].stderr()
+        assert (f"lost node 0's launcher (the rendezvous host at {host_address(0)}:"
+                in nodes[1].stderr())
     finally:
         for n in nodes:
             n.close()
@@ -213,10 +249,14 @@ def assert_uninterrupted(path, steps: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_fsdp_losing_a_node_finishes_on_two_to_the_uninterrupted_parameters(tmp_path):
+    with hosts(3) as (names, _):
+        _fsdp_losing_node_2(names, tmp_path)
 
+
+def _fsdp_losing_node_2(names: list[str], tmp_path: Path) -> None:
     steps, port = 8, _free_port()
     script = [str(FSDP_WORKER), str(tmp_path / "ckpt"), str(tmp_path / "out.npz"), str(steps)]
-    nodes = [Node(r, "2:3", port, script=script) for r in range(3)]
+    nodes = on_hosts(names, "2:3", port, script=script)
     try:
         _wait(lambda: any("KILLME" in line for line in list(nodes[2].out)), 240,
               "node 2 at step 4", nodes)

@@ -5,8 +5,9 @@
 ``init_process_group(backend=BACKEND)`` with no other argument (``default``: None), so the
 world comes from the launcher's variables alone. Then, by ``PARTS`` (comma-separated,
 default ``collectives,ddp,pipeline``; ``world`` is one all_reduce): every collective
-against numpy over all ranks' inputs, a DDP step against one-process training on the
-whole batch, a pipeline step against the un-pipelined model. Prints ``WORLD <rank> <size>
+against numpy over all ranks' inputs, a DDP step (``ddp``) and an FSDP stage-3 step
+(``fsdp``, not in the default) against one-process training on the whole batch, a pipeline
+step against the un-pipelined model. Prints ``WORLD <rank> <size>
 <backend>``, ``CHECK <name> ok`` per check (with MPI also ``mpi_wrong_thread``: a collective
 from another thread raises ``DistError``), ``UNSUPPORTED <name>`` where the backend raised
 the NotImplementedError it must raise, ``TIME <part>`` and ``DONE``; any mismatch raises
@@ -189,32 +190,50 @@ def loss_fn(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def ddp_step(me: int, n: int, mpi: bool) -> None:
-    """Two DDP steps on this rank's quarter of the batch == two steps on the whole batch."""
-    from jaxpg.ddp import DistributedDataParallel
-
+def _batch(n: int) -> tuple[np.ndarray, np.ndarray]:
     g = np.random.default_rng(7)
     x = g.normal(size=(4 * n, 4)).astype(np.float32)
-    y = np.sin(x.sum(-1, keepdims=True)).astype(np.float32)
-    ddp = DistributedDataParallel(Net(nnx.Rngs(0)), optax.sgd(0.1))
-    for _ in range(2):
-        ddp.train_step(loss_fn, {"x": x[4 * me: 4 * me + 4], "y": y[4 * me: 4 * me + 4]})
-    got = nnx.state(ddp.module, nnx.Param)
+    return x, np.sin(x.sum(-1, keepdims=True)).astype(np.float32)
 
-    ref = Net(nnx.Rngs(0))
-    graph, params, rest = nnx.split(ref, nnx.Param, ...)
+
+def _same_as_whole_batch_sgd(got, x, y) -> bool:
+    """Whether parameters ``got`` are two SGD steps (lr 0.1) on the whole batch, computed
+    in this process."""
+    graph, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
 
     @jax.jit
-    def sgd(params, batch):  # plain gradient descent on the whole batch, in this process
+    def sgd(params, batch):
         grads = jax.grad(lambda p: loss_fn(nnx.merge(graph, p, rest), batch))(params)
         return jax.tree.map(lambda p, d: p - 0.1 * d, params, grads)
 
     want = params
     for _ in range(2):
         want = sgd(want, {"x": x, "y": y})
-    ok = all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-    check("ddp_step", ok)
+    return all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+
+
+def ddp_step(me: int, n: int, mpi: bool) -> None:
+    """Two DDP steps on this rank's quarter of the batch == two steps on the whole batch."""
+    from jaxpg.ddp import DistributedDataParallel
+
+    x, y = _batch(n)
+    ddp = DistributedDataParallel(Net(nnx.Rngs(0)), optax.sgd(0.1))
+    for _ in range(2):
+        ddp.train_step(loss_fn, {"x": x[4 * me: 4 * me + 4], "y": y[4 * me: 4 * me + 4]})
+    check("ddp_step", _same_as_whole_batch_sgd(nnx.state(ddp.module, nnx.Param), x, y))
+
+
+def fsdp_step(me: int, n: int, mpi: bool) -> None:
+    """Two FSDP (stage 3) steps on this rank's quarter of the batch == two steps on the
+    whole batch."""
+    from jaxpg.fsdp import FullyShardedDataParallel
+
+    x, y = _batch(n)
+    fsdp = FullyShardedDataParallel(Net(nnx.Rngs(0)), optax.sgd(0.1), stage=3)
+    for _ in range(2):
+        fsdp.train_step(loss_fn, {"x": x[4 * me: 4 * me + 4], "y": y[4 * me: 4 * me + 4]})
+    check("fsdp_step", _same_as_whole_batch_sgd(fsdp.full_params(), x, y))
 
 
 def pipeline_step(me: int, n: int, mpi: bool) -> None:
@@ -246,7 +265,7 @@ def main() -> None:
           f"{os.environ.get('LOCAL_RANK', os.environ.get('SLURM_LOCALID', '-'))}", flush=True)
     mpi = jaxpg.get_backend() == "mpi"
     for name, part in (("world", world_sum), ("collectives", collectives), ("ddp", ddp_step),
-                       ("pipeline", pipeline_step)):
+                       ("fsdp", fsdp_step), ("pipeline", pipeline_step)):
         if name in parts:
             start = time.monotonic()
             part(me, n, mpi)
