@@ -17,6 +17,15 @@ a step adds its microbatches' gradients to what is there, then (``scale_grads=Tr
 default) divides all of it by the number of microbatches, torch's ``scale_grads`` rule.
 ``zero_grad()`` clears them (``None``, as torch's ``set_to_none``).
 
+**Data parallelism over the pipelines** (torchtitan wraps each stage's module in DDP over
+the ``dp`` mesh dimension): ``data_parallel_group=mesh["dp"]`` of a ``("dp", "pp")`` mesh
+with ``group=mesh["pp"]``. Each dp replica runs its own pipeline on its own part of the
+batch, and after every step the step's gradients are averaged over the replicas (one
+``all_reduce`` of the stage's flattened gradients, ``ReduceOp.AVG``) before they are added
+to ``grads``: ``grads`` is then the gradient of the global batch's mean loss, the same on
+every replica, and one optax update keeps the replicas equal. ``losses`` stay each
+replica's own microbatches'.
+
 Example (two processes, ``jaxpg-run --nproc-per-node 2``)::
 
     stage = PipelineStage(my_stage_module, jaxpg.get_rank(), 2)
@@ -43,6 +52,7 @@ from flax import nnx
 from jaxpg.groups import world
 from jaxpg.groups.device_mesh import DeviceMesh
 from jaxpg.groups.process_group import ProcessGroup
+from jaxpg.groups.resolve import resolve_group
 
 __all__ = ["PipelineStage"]
 
@@ -87,11 +97,14 @@ class PipelineStage:
         output_args: accepted for torch's signature (outputs are computed from the inputs).
         group: the pipeline's process group (a ProcessGroup or a 1-D DeviceMesh, e.g.
             ``mesh["pp"]``); default the world.
+        data_parallel_group: the data-parallel group of this stage's replicas (e.g.
+            ``mesh["dp"]``: the processes holding the same stage of the other pipelines),
+            whose step gradients are averaged; None: no data parallelism.
     """
 
     def __init__(self, module: nnx.Module, stage_index: int, num_stages: int,
                  device: Any = None, *, input_args: Any = None, output_args: Any = None,
-                 group: Any = None) -> None:
+                 group: Any = None, data_parallel_group: Any = None) -> None:
         if not isinstance(module, nnx.Module):
             raise TypeError(f"PipelineStage module must be a flax.nnx.Module, got "
                             f"{type(module).__name__}.")
@@ -123,6 +136,25 @@ class PipelineStage:
         self.output_args = output_args
         self.grads: nnx.State | None = None
         self.graphdef = nnx.graphdef(module)
+        self.dp_group = self._data_parallel_group(data_parallel_group)
+
+    def _data_parallel_group(self, given: Any) -> ProcessGroup | None:
+        """``data_parallel_group=`` resolved and checked against the pipeline group."""
+        if given is None:
+            return None
+        dp = resolve_group(given, api="PipelineStage", arg="data_parallel_group")
+        me = self.group.ranks[self.group_rank]
+        if me not in dp.ranks:
+            raise ValueError(f"PipelineStage data_parallel_group={dp!r} does not hold this "
+                             f"process's rank {me}; pass this process's data-parallel group "
+                             "(e.g. mesh['dp'] of the ('dp', 'pp') mesh).")
+        shared = sorted(set(dp.ranks) & set(self.group.ranks))
+        if shared != [me]:
+            raise ValueError(f"PipelineStage data_parallel_group={dp!r} shares ranks "
+                             f"{shared} with the pipeline group {self.group!r}; the two must "
+                             "be different dimensions of one mesh, meeting only at this "
+                             "process (e.g. mesh['dp'] and mesh['pp']).")
+        return dp
 
     @property
     def is_first(self) -> bool:

@@ -10,7 +10,8 @@ stages that differ (``jaxpg.pipeline.stage_runner``). As in torch, every process
 (``losses`` is filled with each microbatch's ``loss_fn(output, target)``), ``step()`` in
 between. The last stage's ``step`` returns its outputs, the microbatches' concatenated.
 After a step each stage's ``grads`` hold its parameters' gradients, accumulated as torch
-accumulates ``.grad`` (see ``jaxpg.pipeline.pipeline_stage``).
+accumulates ``.grad`` (see ``jaxpg.pipeline.pipeline_stage``), and averaged over the
+stage's ``data_parallel_group`` when it has one.
 
 Placement, as torch's: with one stage per process the stage's index is its pipeline rank;
 ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` put stage ``s`` on rank
@@ -31,12 +32,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 
+from jaxpg.collectives.reductions import all_reduce
 from jaxpg.pipeline._simulate import simulate
 from jaxpg.pipeline.pipeline_stage import PipelineStage
 from jaxpg.pipeline.schedules import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_v
 from jaxpg.pipeline.stage_runner import exchange_shapes, rank_setup, run_step
 from jaxpg.pipeline.timetable import Action, Timetable
+from jaxpg.reduce_op import ReduceOp
 
 __all__ = [
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
@@ -58,6 +62,12 @@ def interleaved_zero_bubble(p: int, m: int, v: int) -> Timetable:
 def _split_rows(leaves: tuple, m: int) -> tuple:
     """Each leaf cut into ``m`` equal parts along dimension 0 (one program)."""
     return tuple(tuple(jnp.split(a, m)) for a in leaves)
+
+
+def _data_parallel_mean(grads: Any, group: Any) -> Any:
+    """``grads`` averaged over the data-parallel ``group`` (one all_reduce of them all)."""
+    flat, unravel = ravel_pytree(grads)
+    return unravel(all_reduce(flat, op=ReduceOp.AVG, group=group))
 
 
 @jax.jit
@@ -170,8 +180,10 @@ class _PipelineSchedule:
         grads, mb_losses, outs = run_step(self._tt, self._setup, self._stages, self._shapes,
                                           self._loss_fn, mb_args, targets, timeout, self._what)
         factor = self._n_microbatches if self.scale_grads else 1
-        for s, st in self._stages.items():
-            st.grads = _accumulate(st.grads, grads[s], factor)
+        for s, st in sorted(self._stages.items()):  # the same order on every replica
+            step_grads = grads[s] if st.dp_group is None else \
+                _data_parallel_mean(grads[s], st.dp_group)
+            st.grads = _accumulate(st.grads, step_grads, factor)
         if last and losses is not None:
             losses.clear()
             losses.extend(mb_losses[i] for i in range(self._n_microbatches))

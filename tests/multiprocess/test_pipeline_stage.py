@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,24 @@ def test_paddle_pipeline_layer_trains_as_the_un_pipelined_model(results):
         assert len(params) == (1 + 2 * 6 if r == 0 else 2 * 6 + 2), params
         for key in params:
             _close(got[key], got["paddle/ref_params/" + key[len("paddle/params/"):]], key)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_data_parallel_pipelines_average_their_stage_gradients():
+    """dp = 2 pipelines of 2 stages over 4 processes (``data_parallel_group=mesh["dp"]``):
+    two 1F1B steps with SGD between them give every stage the whole batch's gradients, each
+    replica its own microbatch losses, and equal replicas (pipeline_stage_dp_worker.py)."""
+    env = child_env()
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "4",
+           str(WORKER.with_name("pipeline_stage_dp_worker.py"))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(4):
+        checks = set(re.findall(rf"\[rank {rank}\] CHECK (\w+) ok", proc.stdout))
+        want = {"dp_averaged_grads_step0", "dp_averaged_grads_step1",
+                "replicas_equal_after_sgd"}
+        if rank % 2:  # the last stage's processes: their replica's losses
+            want |= {"replica_losses_step0", "replica_losses_step1"}
+        assert checks == want, (rank, checks, proc.stdout[-3000:])

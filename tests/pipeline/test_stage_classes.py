@@ -47,6 +47,21 @@ def test_stage_checks_its_arguments(world):
     assert [(o.shape, o.dtype) for o in out] == [((2, 4), jnp.float32)]
 
 
+def test_stage_checks_its_data_parallel_group(world):
+    import jaxpg
+
+    mesh = jaxpg.init_device_mesh((2, 4), ("dp", "pp"))
+    with pytest.raises(ValueError, match=r"shares ranks \[0, 1, 2, 3\] with the pipeline group"):
+        PipelineStage(Block(), 0, 4, group=mesh["pp"], data_parallel_group=mesh["pp"])
+    with pytest.raises(ValueError, match=r"does not hold this process's rank 0"):
+        PipelineStage(Block(), 0, 4, group=mesh["pp"],
+                      data_parallel_group=jaxpg.new_group([4, 5]))
+    with pytest.raises(TypeError, match=r"data_parallel_group"):
+        PipelineStage(Block(), 0, 4, group=mesh["pp"], data_parallel_group="dp")
+    stage = PipelineStage(Block(), 0, 4, group=mesh["pp"], data_parallel_group=mesh["dp"])
+    assert list(stage.dp_group.ranks) == [0, 4]
+
+
 def test_schedules_check_placement_and_counts(world):
     stage = PipelineStage(Block(), 0, 8)
     with pytest.raises(ValueError, match=r"n_microbatches=0 must be an int >= 1"):
