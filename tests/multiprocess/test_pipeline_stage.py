@@ -1,12 +1,15 @@
-"""torch's PipelineStage and schedule classes across 2 processes (one launch runs them all).
+"""torch's PipelineStage and schedule classes across 2 and 4 processes (one launch each).
 
-* torch's pipelining tutorial model (embedding + blocks + norm + head, 2 unequal stages):
-  jaxpg's ``Schedule1F1B`` and ``ScheduleGPipe`` give torch pipelining's per-microbatch
-  losses and every parameter gradient on the same weights and data (1e-5), including
-  torch's accumulation without ``zero_grad`` (its ``scale_grads`` rule) and a step after
-  an SGD update (3.11 leg, where torch is installed);
+* torch's pipelining tutorial model (embedding + blocks + norm + head, 2 unequal stages, and
+  4 stages): jaxpg's ``Schedule1F1B`` and ``ScheduleGPipe`` give torch pipelining's
+  per-microbatch losses and every parameter gradient on the same weights and data (1e-5),
+  including torch's accumulation without ``zero_grad`` (its ``scale_grads`` rule) and a
+  step after an SGD update (3.11 leg, where torch is installed), and the un-pipelined
+  model's (both legs);
 * every schedule class gives the un-pipelined model's losses and gradients, with stages of
-  different shapes (both legs).
+  different shapes (both legs, 2 processes);
+* data-parallel pipelines (dp = 2 x pp = 2, ``data_parallel_group=``) average their stage
+  gradients to the whole batch's (4 processes).
 """
 
 from __future__ import annotations
@@ -36,26 +39,38 @@ def _close(got, want, what, tol=1e-5):
     np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale, err_msg=what)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipeline_stage")
+def _launch(out: Path, world: int) -> tuple[list[dict], list[str]]:
+    """The worker on ``world`` processes: each rank's npz, and each rank's output."""
     env = child_env()
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     port, torch_port = free_port(), free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(port),
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port),
                                str(torch_port), str(out)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]  # fmt: skip
+             for r in range(world)]  # fmt: skip
     runs = finish(procs, timeout=840)
     for rc, text in runs:
         assert rc == 0 and "DONE" in text, text[-5000:]
-    return [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
+    return [dict(np.load(out / f"rank{r}.npz")) for r in range(world)], [t for _, t in runs]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("pipeline_stage"), 2)[0]
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("pipeline_stage4"), 4)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_tutorial_model_matches_torch_pipelining(results):
+@pytest.mark.parametrize("world", [2, 4])
+def test_tutorial_model_matches_torch_pipelining(request, world):
     import_or_skip("torch", "torch pipelining is the reference of this comparison")
+    results = request.getfixturevalue("results") if world == 2 else \
+        request.getfixturevalue("results4")[0]
     for r, got in enumerate(results):
         torch_keys = [k for k in got if k.startswith("torch/")]
         assert torch_keys, f"rank {r} ran no torch pipeline"
@@ -69,11 +84,15 @@ def test_tutorial_model_matches_torch_pipelining(results):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
-def test_tutorial_model_matches_the_un_pipelined_model(results, sched):
-    """Schedule1F1B and ScheduleGPipe over 2 unequal stages (int tokens in, [b, s, 16]
-    between, logits out): the whole model's microbatch losses and mean gradients."""
-    _close(results[1][f"jax/{sched}/losses1"], results[0]["ref/losses1"], "losses")
+def test_tutorial_model_matches_the_un_pipelined_model(request, sched, world):
+    """Schedule1F1B and ScheduleGPipe over 2 unequal stages, and 4 (int tokens in,
+    [b, s, 16] between, logits out): the whole model's microbatch losses and mean
+    gradients."""
+    results = request.getfixturevalue("results") if world == 2 else \
+        request.getfixturevalue("results4")[0]
+    _close(results[-1][f"jax/{sched}/losses1"], results[0]["ref/losses1"], "losses")
     seen = 0
     for r, got in enumerate(results):
         for key, value in got.items():
@@ -86,7 +105,7 @@ def test_tutorial_model_matches_the_un_pipelined_model(results, sched):
             for key in (k for k in got if k.startswith("jax/1f1b/grad1/")):
                 # no zero_grad between steps 1 and 2: torch's rule, (g1 + m g1) / m
                 _close(got[key.replace("grad1", "grad2")], got[key] * (M + 1) / M, key)
-        last = results[1]
+        last = results[-1]
         # the third step, after an optax SGD update over stage.grads, has lower losses
         assert last["jax/1f1b/losses3"].mean() < last["jax/1f1b/losses1"].mean() - 1e-3
 
@@ -125,21 +144,15 @@ def test_paddle_pipeline_layer_trains_as_the_un_pipelined_model(results):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_data_parallel_pipelines_average_their_stage_gradients():
+@pytest.mark.timeout(900)
+def test_data_parallel_pipelines_average_their_stage_gradients(results4):
     """dp = 2 pipelines of 2 stages over 4 processes (``data_parallel_group=mesh["dp"]``):
     two 1F1B steps with SGD between them give every stage the whole batch's gradients, each
     replica its own microbatch losses, and equal replicas (pipeline_stage_dp_worker.py)."""
-    env = child_env()
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "jaxpg.run", "--nproc-per-node", "4",
-           str(WORKER.with_name("pipeline_stage_dp_worker.py"))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for rank in range(4):
-        checks = set(re.findall(rf"\[rank {rank}\] CHECK (\w+) ok", proc.stdout))
+    for rank, text in enumerate(results4[1]):
+        checks = set(re.findall(r"^CHECK (\w+) ok$", text, re.M))
         want = {"dp_averaged_grads_step0", "dp_averaged_grads_step1",
                 "replicas_equal_after_sgd"}
         if rank % 2:  # the last stage's processes: their replica's losses
             want |= {"replica_losses_step0", "replica_losses_step1"}
-        assert checks == want, (rank, checks, proc.stdout[-3000:])
+        assert checks == want, (rank, checks, text[-3000:])

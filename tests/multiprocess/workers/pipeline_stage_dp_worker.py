@@ -1,5 +1,5 @@
-"""PipelineStage with data parallelism: 4 processes under jaxpg-run, a ("dp", "pp") = (2, 2)
-mesh, two pipelines of the two unequal stages of pipeline_stage_worker.py's hetero model
+"""PipelineStage with data parallelism, run by pipeline_stage_worker.py with 4 processes: a
+("dp", "pp") = (2, 2) mesh, two pipelines of the two unequal stages of its hetero model
 (pieces 0-1 | 2-3), each on its own half of the batch, ``data_parallel_group=mesh["dp"]``.
 
 After two ``Schedule1F1B`` steps with an SGD update between them, every process's stage
@@ -8,19 +8,14 @@ un-pipelined model, one program in this process), its replica's microbatch losse
 reference's, and its updated parameters the reference's. Prints ``CHECK <name> ok``.
 """
 
-import sys
-from pathlib import Path
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from pipeline_stage_worker import LR, B, Chain, ce_loss, piece
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from pipeline_stage_worker import LR, B, Chain, S, V, ce_loss, piece  # noqa: E402
-
-import jaxpg  # noqa: E402
-from jaxpg.pipeline import PipelineStage, Schedule1F1B  # noqa: E402
+import jaxpg
+from jaxpg.pipeline import PipelineStage, Schedule1F1B
 
 M = 2  # microbatches per replica: 2 of 2 rows from each replica's 4
 STEPS = 2
@@ -62,13 +57,10 @@ def reference(tokens, labels):
     return out, nnx.to_pure_dict(params)["pieces"]
 
 
-def main():
-    jaxpg.init_process_group()
+def run_data_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
+    """The checks above, in a world of 4 (pipeline_stage_worker.py's)."""
     mesh = jaxpg.init_device_mesh((2, 2), ("dp", "pp"))
     dp, pp = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, V, size=(B, S)).astype(np.int32)
-    labels = rng.integers(0, V, size=(B, S)).astype(np.int32)
     steps, final = reference(jnp.asarray(tokens), jnp.asarray(labels))
 
     stage = PipelineStage(Chain([piece(i) for i in PIECES[pp]]), pp, 2, group=mesh["pp"],
@@ -93,9 +85,3 @@ def main():
     got = nnx.to_pure_dict(stage.params())["pieces"]
     check("replicas_equal_after_sgd", close([got[j] for j in range(2)],
                                             [final[i] for i in PIECES[pp]]))
-    jaxpg.destroy_process_group()
-    print("DONE", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,14 +2,18 @@
 
     pipeline_stage_worker.py RANK WORLD PORT TORCH_PORT OUT_DIR
 
+WORLD is 2 (everything below) or 4 (the tutorial in 4 stages, then the data-parallel
+pipelines of ``pipeline_stage_dp_worker.py``, which print ``CHECK <name> ok``).
+
 Started by ``tests/multiprocess/test_pipeline_stage.py`` (rank 0 hosts the coordination
 service; one CPU device per process). Writes ``OUT_DIR/rank{RANK}.npz`` with:
 
 * ``tutorial``: torch's pipelining tutorial model (embedding + blocks + norm + head, split
-  in 2 unequal stages), the same weights and data in torch (``torch.distributed.pipelining``
-  over gloo, when torch is installed) and in jaxpg, for ``Schedule1F1B`` (two steps without
-  ``zero_grad``, an SGD update, a third step) and ``ScheduleGPipe`` (one step): every
-  microbatch loss (``{lib}/{sched}/losses{step}``) and every parameter gradient
+  in 2 unequal stages, or in 4: embedding + block, block, block, norm + head), the same
+  weights and data in torch (``torch.distributed.pipelining`` over gloo, when torch is
+  installed) and in jaxpg, for ``Schedule1F1B`` (two steps without ``zero_grad``, an SGD
+  update, a third step) and ``ScheduleGPipe`` (one step): every microbatch loss
+  (``{lib}/{sched}/losses{step}``) and every parameter gradient
   (``{lib}/{sched}/grad{step}/{torch name}``) of this rank's stage.
   The un-pipelined model's microbatch losses and gradients: ``ref/losses1``,
   ``ref/grad1/{torch name}`` (``jax.grad`` here).
@@ -71,7 +75,10 @@ def ce_loss(logits, target):
         logits.reshape(-1, V), target.reshape(-1)).mean()
 
 
-STAGE_LAYERS = {0: [0, 1], 1: [2]}  # 2 unequal stages: embedding + 2 blocks | block + head
+# the tutorial's blocks per stage, by world size: 2 unequal stages (embedding + 2 blocks |
+# block + head), or 4 (embedding + block | block | block | norm + head)
+STAGE_LAYERS_BY_WORLD = {2: {0: [0, 1], 1: [2]}, 4: {0: [0], 1: [1], 2: [2], 3: []}}
+STAGE_LAYERS = STAGE_LAYERS_BY_WORLD[2]
 
 
 def load_stage(stage: TutorialStage, weights: dict, r: int) -> None:
@@ -166,16 +173,17 @@ def torch_model(weights: dict):
 
 
 def torch_stage(model, r):
+    """Pipeline rank ``r``'s stage of the torch model (``STAGE_LAYERS[r]``'s blocks)."""
     import copy
 
     stage = copy.deepcopy(model)
-    if r == 0:
-        del stage.layers["2"]
-        stage.norm = stage.output = None
-    else:
+    for i in range(3):
+        if i not in STAGE_LAYERS[r]:
+            del stage.layers[str(i)]
+    if r != 0:
         stage.tok_embeddings = None
-        del stage.layers["0"]
-        del stage.layers["1"]
+    if r != len(STAGE_LAYERS) - 1:
+        stage.norm = stage.output = None
     return stage
 
 
@@ -209,10 +217,12 @@ def run_torch(rank, world, port, weights, tokens, labels, out):
             losses = []
             if rank == 0:
                 sched.step(x)
-            else:
+            elif rank == world - 1:
                 sched.step(target=y, losses=losses)
                 out[f"torch/{sched_name}/losses{step}"] = np.array(
                     [float(t.detach()) for t in losses])
+            else:
+                sched.step()
             grads_of(mod, f"torch/{sched_name}/grad{step}")
     dist.destroy_process_group()
 
@@ -241,10 +251,12 @@ def run_jaxpg_tutorial(rank, world, weights, tokens, labels, out):
             losses = []
             if rank == 0:
                 sched.step(tokens)
-            else:
+            elif rank == world - 1:
                 logits = sched.step(target=labels, losses=losses)
                 assert logits.shape == (B, S, V), logits.shape
                 out[f"jax/{sched_name}/losses{step}"] = np.array([float(t) for t in losses])
+            else:
+                sched.step()
             for k, v in stage_grads_by_torch_name(stage.grads, rank).items():
                 out[f"jax/{sched_name}/grad{step}/{k}"] = v
 
@@ -252,7 +264,7 @@ def run_jaxpg_tutorial(rank, world, weights, tokens, labels, out):
 def tutorial_reference(weights, tokens, labels, out):
     """The whole tutorial model, un-pipelined: microbatch losses and mean gradients."""
     global STAGE_LAYERS
-    layers, STAGE_LAYERS = STAGE_LAYERS, {0: [0, 1, 2]}
+    layers, STAGE_LAYERS = STAGE_LAYERS, {0: [0, 1, 2]}  # the whole model as one stage
     try:
         full = TutorialStage([0, 1, 2], True, True, nnx.Rngs(0))
         load_stage(full, weights, 0)
@@ -456,6 +468,8 @@ def main() -> None:
                                               int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     import jaxpg
 
+    global STAGE_LAYERS
+    STAGE_LAYERS = STAGE_LAYERS_BY_WORLD[world]
     jaxpg.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                              world_size=world, timeout=datetime.timedelta(seconds=120))
     rng = np.random.default_rng(0)
@@ -475,6 +489,16 @@ def main() -> None:
     run_jaxpg_tutorial(rank, world, weights, tokens, labels, out)
     tutorial_reference(weights, jnp.asarray(tokens), jnp.asarray(labels), out)
     print(f"jaxpg tutorial {time.perf_counter() - start:.1f} s", flush=True)
+    if world == 4:
+        from pipeline_stage_dp_worker import run_data_parallel
+
+        start = time.perf_counter()
+        run_data_parallel(tokens, labels)
+        print(f"jaxpg data parallel {time.perf_counter() - start:.1f} s", flush=True)
+        np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
+        jaxpg.destroy_process_group()
+        print("DONE", flush=True)
+        return
     start = time.perf_counter()
     run_hetero(rank, world, jnp.asarray(tokens), jnp.asarray(labels), out)
     print(f"jaxpg hetero {time.perf_counter() - start:.1f} s", flush=True)
