@@ -1,5 +1,5 @@
 """DistributedDataParallel: bucket plans, the reducer, hooks, the DDP wrapper and its step,
-join, SyncBatchNorm, checkpoints and the sampler."""
+join, SyncBatchNorm, checkpoints, the sampler and the host-side ZeroRedundancyOptimizer."""
 
 from jaxpg.ddp.bucket_plan import Bucket, BucketPlan, make_bucket_plan
 from jaxpg.ddp.checkpoint import (
@@ -29,6 +29,7 @@ from jaxpg.ddp.powersgd import (
 from jaxpg.ddp.reducer import reduce_gradients
 from jaxpg.ddp.sampler import DistributedSampler
 from jaxpg.ddp.sync_batchnorm import convert_sync_batchnorm, sync_batchnorm_axis
+from jaxpg.ddp.zero_optimizer import ZeroRedundancyOptimizer
 
 __all__ = [
     "Bucket",
@@ -39,6 +40,7 @@ __all__ = [
     "Join",
     "PowerSGDConfig",
     "PowerSGDState",
+    "ZeroRedundancyOptimizer",
     "allreduce_hook",
     "bf16_compress_hook",
     "convert_sync_batchnorm",

@@ -9,7 +9,8 @@
 * every schedule class gives the un-pipelined model's losses and gradients, with stages of
   different shapes (both legs, 2 processes);
 * data-parallel pipelines (dp = 2 x pp = 2, ``data_parallel_group=``) average their stage
-  gradients to the whole batch's (4 processes).
+  gradients to the whole batch's, and train with ZeroRedundancyOptimizer (ZeRO-1 and 2) as
+  Adam on the whole batch (4 processes).
 """
 
 from __future__ import annotations
@@ -148,11 +149,14 @@ def test_paddle_pipeline_layer_trains_as_the_un_pipelined_model(results):
 def test_data_parallel_pipelines_average_their_stage_gradients(results4):
     """dp = 2 pipelines of 2 stages over 4 processes (``data_parallel_group=mesh["dp"]``):
     two 1F1B steps with SGD between them give every stage the whole batch's gradients, each
-    replica its own microbatch losses, and equal replicas (pipeline_stage_dp_worker.py)."""
+    replica its own microbatch losses, and equal replicas; Adam through
+    ZeroRedundancyOptimizer (ZeRO-1 and ZeRO-2) ends at whole-batch Adam's parameters
+    (pipeline_stage_dp_worker.py)."""
     for rank, text in enumerate(results4[1]):
         checks = set(re.findall(r"^CHECK (\w+) ok$", text, re.M))
         want = {"dp_averaged_grads_step0", "dp_averaged_grads_step1",
-                "replicas_equal_after_sgd"}
+                "replicas_equal_after_sgd", "zero1_adam_equals_whole_batch",
+                "zero2_adam_equals_whole_batch"}
         if rank % 2:  # the last stage's processes: their replica's losses
             want |= {"replica_losses_step0", "replica_losses_step1"}
         assert checks == want, (rank, checks, text[-3000:])

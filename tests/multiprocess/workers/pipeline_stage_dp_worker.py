@@ -5,16 +5,22 @@
 After two ``Schedule1F1B`` steps with an SGD update between them, every process's stage
 gradients must equal its pieces' gradients of the whole batch's mean loss (the
 un-pipelined model, one program in this process), its replica's microbatch losses the
-reference's, and its updated parameters the reference's. Prints ``CHECK <name> ok``.
+reference's, and its updated parameters the reference's. Then the same pipelines train two
+steps with Adam through ``ZeroRedundancyOptimizer`` over dp: ZeRO-1 on the dp-averaged
+gradients, and ZeRO-2 (``reduce_gradients=True``) on each replica's own gradients (no
+``data_parallel_group``); both must end at the parameters of Adam on the whole batch.
+Prints ``CHECK <name> ok``.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from pipeline_stage_worker import LR, B, Chain, ce_loss, piece
 
 import jaxpg
+from jaxpg.ddp import ZeroRedundancyOptimizer
 from jaxpg.pipeline import PipelineStage, Schedule1F1B
 
 M = 2  # microbatches per replica: 2 of 2 rows from each replica's 4
@@ -33,10 +39,12 @@ def close(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-def reference(tokens, labels):
+def reference(tokens, labels, tx=None):
     """Per step: the 2M microbatch losses and the pieces' gradients of their mean, and
-    the SGD update between steps (the un-pipelined model on the whole batch)."""
+    the update between steps (the un-pipelined model on the whole batch; ``tx``: an optax
+    transformation, else SGD with LR)."""
     gd, params = nnx.split(Chain([piece(i) for i in range(4)]), nnx.Param)
+    opt_state = None if tx is None else tx.init(params)
     rows = B // (2 * M)
 
     @jax.jit
@@ -53,7 +61,11 @@ def reference(tokens, labels):
         (_, per), g = grads_of(params)
         out.append((np.asarray(per), nnx.to_pure_dict(g)["pieces"],
                     nnx.to_pure_dict(params)["pieces"]))
-        params = jax.tree.map(lambda p, d: p - LR * d, params, g)
+        if tx is None:
+            params = jax.tree.map(lambda p, d: p - LR * d, params, g)
+        else:
+            updates, opt_state = tx.update(g, opt_state, params)
+            params = optax.apply_updates(params, updates)
     return out, nnx.to_pure_dict(params)["pieces"]
 
 
@@ -85,3 +97,20 @@ def run_data_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
     got = nnx.to_pure_dict(stage.params())["pieces"]
     check("replicas_equal_after_sgd", close([got[j] for j in range(2)],
                                             [final[i] for i in PIECES[pp]]))
+    _, final = reference(jnp.asarray(tokens), jnp.asarray(labels), optax.adam(0.05))
+    for zero2 in (False, True):
+        stage = PipelineStage(Chain([piece(i) for i in PIECES[pp]]), pp, 2, group=mesh["pp"],
+                              data_parallel_group=None if zero2 else mesh["dp"])
+        schedule = Schedule1F1B(stage, M, loss_fn=ce_loss)
+        zero = ZeroRedundancyOptimizer(optax.adam(0.05), stage.params(), group=mesh["dp"],
+                                       reduce_gradients=zero2)
+        for _ in range(STEPS):
+            if stage.is_first:
+                schedule.step(jnp.asarray(tokens[half]))
+            else:
+                schedule.step(target=jnp.asarray(labels[half]))
+            nnx.update(stage.submod, zero.step(stage.grads, stage.params()))
+            stage.zero_grad()
+        got = nnx.to_pure_dict(stage.params())["pieces"]
+        check(f"zero{2 if zero2 else 1}_adam_equals_whole_batch",
+              close([got[j] for j in range(2)], [final[i] for i in PIECES[pp]]))
