@@ -2,14 +2,13 @@
 ("dp", "pp") = (2, 2) mesh, two pipelines of the two unequal stages of its hetero model
 (pieces 0-1 | 2-3), each on its own half of the batch, ``data_parallel_group=mesh["dp"]``.
 
-After two ``Schedule1F1B`` steps with an SGD update between them, every process's stage
-gradients must equal its pieces' gradients of the whole batch's mean loss (the
-un-pipelined model, one program in this process), its replica's microbatch losses the
-reference's, and its updated parameters the reference's. Then the same pipelines train two
-steps with Adam through ``ZeroRedundancyOptimizer`` over dp: ZeRO-1 on the dp-averaged
-gradients, and ZeRO-2 (``reduce_gradients=True``) on each replica's own gradients (no
-``data_parallel_group``); both must end at the parameters of Adam on the whole batch.
-Prints ``CHECK <name> ok``.
+Two ``Schedule1F1B`` steps with Adam through ``ZeroRedundancyOptimizer`` over dp between
+them: at every step each process's stage gradients must equal its pieces' gradients of the
+whole batch's mean loss (the un-pipelined model, one program in this process) and its
+replica's microbatch losses the reference's; after the steps its parameters must equal
+Adam's on the whole batch, both for ZeRO-1 (on the ``data_parallel_group``-averaged
+gradients) and ZeRO-2 (``reduce_gradients=True``, on each replica's own gradients, no
+``data_parallel_group``). Prints ``CHECK <name> ok``.
 """
 
 import jax
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from pipeline_stage_worker import LR, B, Chain, ce_loss, piece
+from pipeline_stage_worker import B, Chain, ce_loss, piece
 
 import jaxpg
 from jaxpg.ddp import ZeroRedundancyOptimizer
@@ -39,12 +38,12 @@ def close(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-def reference(tokens, labels, tx=None):
-    """Per step: the 2M microbatch losses and the pieces' gradients of their mean, and
-    the update between steps (the un-pipelined model on the whole batch; ``tx``: an optax
-    transformation, else SGD with LR)."""
+def reference(tokens, labels, tx):
+    """Per step: the 2M microbatch losses and the pieces' gradients of their mean, with
+    ``tx``'s update between steps (the un-pipelined model on the whole batch), and the
+    final parameters."""
     gd, params = nnx.split(Chain([piece(i) for i in range(4)]), nnx.Param)
-    opt_state = None if tx is None else tx.init(params)
+    opt_state = tx.init(params)
     rows = B // (2 * M)
 
     @jax.jit
@@ -61,11 +60,8 @@ def reference(tokens, labels, tx=None):
         (_, per), g = grads_of(params)
         out.append((np.asarray(per), nnx.to_pure_dict(g)["pieces"],
                     nnx.to_pure_dict(params)["pieces"]))
-        if tx is None:
-            params = jax.tree.map(lambda p, d: p - LR * d, params, g)
-        else:
-            updates, opt_state = tx.update(g, opt_state, params)
-            params = optax.apply_updates(params, updates)
+        updates, opt_state = tx.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
     return out, nnx.to_pure_dict(params)["pieces"]
 
 
@@ -73,42 +69,30 @@ def run_data_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
     """The checks above, in a world of 4 (pipeline_stage_worker.py's)."""
     mesh = jaxpg.init_device_mesh((2, 2), ("dp", "pp"))
     dp, pp = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
-    steps, final = reference(jnp.asarray(tokens), jnp.asarray(labels))
-
-    stage = PipelineStage(Chain([piece(i) for i in PIECES[pp]]), pp, 2, group=mesh["pp"],
-                          data_parallel_group=mesh["dp"])
-    schedule = Schedule1F1B(stage, M, loss_fn=ce_loss)
+    steps, final = reference(jnp.asarray(tokens), jnp.asarray(labels), optax.adam(0.05))
     half = slice(dp * B // 2, (dp + 1) * B // 2)  # this replica's samples
-    for step, (want_losses, want_grads, _) in enumerate(steps):
-        losses = []
-        if stage.is_first:
-            schedule.step(jnp.asarray(tokens[half]))
-        else:
-            schedule.step(target=jnp.asarray(labels[half]), losses=losses)
-            check(f"replica_losses_step{step}",
-                  np.allclose([float(x) for x in losses], want_losses[dp * M:(dp + 1) * M],
-                              rtol=1e-5, atol=1e-6))
-        got = nnx.to_pure_dict(stage.grads)["pieces"]
-        check(f"dp_averaged_grads_step{step}",
-              close([got[j] for j in range(2)], [want_grads[i] for i in PIECES[pp]]))
-        params = stage.params()
-        nnx.update(stage.submod, jax.tree.map(lambda p, g: p - LR * g, params, stage.grads))
-        stage.zero_grad()
-    got = nnx.to_pure_dict(stage.params())["pieces"]
-    check("replicas_equal_after_sgd", close([got[j] for j in range(2)],
-                                            [final[i] for i in PIECES[pp]]))
-    _, final = reference(jnp.asarray(tokens), jnp.asarray(labels), optax.adam(0.05))
     for zero2 in (False, True):
+        # ZeRO-1 on gradients averaged by data_parallel_group (checked every step), or
+        # ZeRO-2 on each replica's own gradients, reduced by the optimizer
         stage = PipelineStage(Chain([piece(i) for i in PIECES[pp]]), pp, 2, group=mesh["pp"],
                               data_parallel_group=None if zero2 else mesh["dp"])
         schedule = Schedule1F1B(stage, M, loss_fn=ce_loss)
         zero = ZeroRedundancyOptimizer(optax.adam(0.05), stage.params(), group=mesh["dp"],
                                        reduce_gradients=zero2)
-        for _ in range(STEPS):
+        for step, (want_losses, want_grads, _) in enumerate(steps):
+            losses = []
             if stage.is_first:
                 schedule.step(jnp.asarray(tokens[half]))
             else:
-                schedule.step(target=jnp.asarray(labels[half]))
+                schedule.step(target=jnp.asarray(labels[half]), losses=losses)
+                if not zero2:
+                    check(f"replica_losses_step{step}", np.allclose(
+                        [float(x) for x in losses], want_losses[dp * M:(dp + 1) * M],
+                        rtol=1e-5, atol=1e-6))
+            if not zero2:
+                got = nnx.to_pure_dict(stage.grads)["pieces"]
+                check(f"dp_averaged_grads_step{step}",
+                      close([got[j] for j in range(2)], [want_grads[i] for i in PIECES[pp]]))
             nnx.update(stage.submod, zero.step(stage.grads, stage.params()))
             stage.zero_grad()
         got = nnx.to_pure_dict(stage.params())["pieces"]
