@@ -24,6 +24,7 @@ from typing import NoReturn
 
 import _require
 from _child_env import xla_flags
+from _procs import stop
 
 ROOT = Path(__file__).resolve().parents[2]
 MPIWRAPPER = "MPIwrapper-2.11.1"
@@ -273,13 +274,7 @@ def _slurm(root: Path, nodes: list[tuple[str, str, list[str]]],
         yield slurm
     finally:
         for proc in reversed(daemons):  # the slurmds, slurmctld, munged
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop(proc, 15)
 
 
 @contextlib.contextmanager

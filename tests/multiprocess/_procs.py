@@ -1,4 +1,5 @@
-"""Collecting worker processes' output under one deadline (shared by the multi-process tests)."""
+"""Collecting worker processes' output under one deadline, and stopping a daemon (shared by
+the multi-process tests)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,15 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
             text += "\n<killed: hung>"
         out.append((p.returncode, text))
     return out
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """Stops ``proc`` if it still runs: SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

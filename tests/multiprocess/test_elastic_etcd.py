@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from _cluster import free_port, unavailable
 from _netns import SWITCH_ADDRESS, inside
+from _procs import stop
 from test_elastic_nodes import (
     FSDP_WORKER,
     HEARTBEAT,
@@ -56,12 +57,7 @@ def running_etcd(data: Path, address: str = "127.0.0.1", client: int | None = No
             time.sleep(0.2)
         yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 30)
         log.close()
 
 

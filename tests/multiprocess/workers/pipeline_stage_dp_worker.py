@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from device_forms_worker import check, close
 from flax import nnx
 from pipeline_stage_worker import B, Chain, ce_loss, piece
 
@@ -25,17 +26,6 @@ from jaxpg.pipeline import PipelineStage, Schedule1F1B
 M = 2  # microbatches per replica: 2 of 2 rows from each replica's 4
 STEPS = 2
 PIECES = {0: [0, 1], 1: [2, 3]}
-
-
-def check(name, ok):
-    if not ok:
-        raise AssertionError(f"{name} failed on rank {jaxpg.get_rank()}")
-    print(f"CHECK {name} ok", flush=True)
-
-
-def close(a, b):
-    return all(np.allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 def reference(tokens, labels, tx):
