@@ -60,6 +60,20 @@ def test_wrapper_with_context_parallel_trains_as_one_device(case):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+def test_parallel_dims_names_the_groups_as_torchtitan():
+    """``ParallelDims(dp_shard=2, cp=4)``: FSDP over ``dims["dp_shard_cp"]`` with
+    ``context_parallel=dims`` (its cp axis) trains as one device does."""
+    from jaxpg.groups.parallel_dims import ParallelDims
+
+    want_losses, _ = one_device(optax.adam(1e-2))
+    dims = ParallelDims(dp_shard=2, cp=4)
+    model = GPT(ContextParallelAttention(group=dims, causal=True))
+    fsdp = FullyShardedDataParallel(model, optax.adam(1e-2), group=dims["dp_shard_cp"],
+                                    context_parallel=dims)
+    losses = [float(fsdp.train_step(loss_fn, b)["loss"]) for b in batches()]
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
+
+
 def test_contiguous_layout_and_another_sequence_dim():
     """``SequenceSplit(seq_dim=2, load_balance=False)``: a leaf with a leading extra axis
     after the samples, laid out contiguously, as a non-balanced layer expects."""
