@@ -20,7 +20,13 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.context_parallel.chunks import chunk_order
 from jaxpg.context_parallel.sequence_split import ResolvedSequenceSplit
 
-__all__ = ["sequence_batch_specs", "place_sequence_batch"]
+__all__ = ["sample_axes", "sequence_batch_specs", "place_sequence_batch"]
+
+
+def sample_axes(axes: tuple[Any, ...], split: ResolvedSequenceSplit | None) -> tuple:
+    """The data-parallel ``axes`` the samples (dim 0 of the batch) are split over: all but
+    the cp axis (all of them without a split)."""
+    return tuple(a for a in axes if split is None or a != split.axis)
 
 
 def _entry(axes: tuple[str, ...]) -> Any:

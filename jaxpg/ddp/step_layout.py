@@ -43,7 +43,11 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.context_parallel.sequence_split import ResolvedSequenceSplit
 from jaxpg.data_parallel.batch_placement import place_batch
 from jaxpg.data_parallel.prng_keys import is_key
-from jaxpg.data_parallel.sequence_batch import place_sequence_batch, sequence_batch_specs
+from jaxpg.data_parallel.sequence_batch import (
+    place_sequence_batch,
+    sample_axes,
+    sequence_batch_specs,
+)
 
 __all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank",
            "dense_leaves", "with_experts_reduced"]
@@ -75,8 +79,7 @@ class StepLayout:
     @property
     def sample_axes(self) -> tuple[str, ...]:
         """The data-parallel axes the samples (dim 0 of the batch) are split over."""
-        cp = None if self.sequence is None else self.sequence.axis
-        return tuple(a for a in self.dp_axes if a != cp)
+        return sample_axes(self.dp_axes, self.sequence)
 
     def batch_specs(self, batch: Any) -> Any:
         """The batch's ``PartitionSpec`` (a prefix, or one per leaf with ``sequence``)."""

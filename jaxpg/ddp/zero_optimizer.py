@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 from jaxpg.collectives.gathers import broadcast
 from jaxpg.collectives.reductions import reduce
@@ -116,16 +117,11 @@ class ZeroRedundancyOptimizer:
             groups.setdefault(self._structs[i].dtype, []).append(i)
         return groups
 
-    def _flat(self, leaves: list, indices: list[int], dtype: Any) -> jax.Array:
-        return jnp.concatenate([jnp.ravel(jnp.asarray(leaves[i], dtype)) for i in indices])
-
-    def _unflat(self, flat: Any, indices: list[int], out: list) -> None:
-        flat, at = jnp.asarray(flat), 0
-        for i in indices:
-            s = self._structs[i]
-            size = int(np.prod(s.shape))
-            out[i] = flat[at:at + size].reshape(s.shape)
-            at += size
+    @staticmethod
+    def _put(flat: Any, unravel: Any, indices: list[int], out: list) -> None:
+        """Writes ``unravel(flat)``'s leaves into ``out`` at ``indices``."""
+        for i, x in zip(indices, unravel(jnp.asarray(flat)), strict=True):
+            out[i] = x
 
     def _reduced_share(self, grads: list) -> list:
         """ZeRO-2: each owner's share of the local gradients, summed onto it and averaged."""
@@ -133,10 +129,10 @@ class ZeroRedundancyOptimizer:
         mine: list = list(grads)
         for r, indices in enumerate(self._owned):
             for dtype, idx in self._by_dtype(indices).items():
-                total = reduce(self._flat(grads, idx, dtype), dst=ranks[r], op=ReduceOp.SUM,
-                               group=self.group)
+                flat, unravel = ravel_pytree([jnp.asarray(grads[i], dtype) for i in idx])
+                total = reduce(flat, dst=ranks[r], op=ReduceOp.SUM, group=self.group)
                 if r == self._me:
-                    self._unflat(jnp.asarray(total) / jnp.asarray(n, dtype), idx, mine)
+                    self._put(jnp.asarray(total) / jnp.asarray(n, dtype), unravel, idx, mine)
         return mine
 
     def step(self, grads: Any, params: Any) -> Any:
@@ -162,7 +158,7 @@ class ZeroRedundancyOptimizer:
         ranks = self.group.ranks
         for r, indices in enumerate(self._owned):
             for dtype, idx in self._by_dtype(indices).items():
-                flat = self._flat(new, idx, dtype) if r == self._me else \
-                    jnp.zeros(sum(int(np.prod(self._structs[i].shape)) for i in idx), dtype)
-                self._unflat(broadcast(flat, src=ranks[r], group=self.group), idx, new)
+                # every rank flattens its own copy (the owner's is the new one): same layout
+                flat, unravel = ravel_pytree([jnp.asarray(new[i], dtype) for i in idx])
+                self._put(broadcast(flat, src=ranks[r], group=self.group), unravel, idx, new)
         return self._treedef.unflatten(new)

@@ -31,7 +31,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.data_parallel.batch_placement import place_batch
-from jaxpg.data_parallel.sequence_batch import place_sequence_batch, sequence_batch_specs
+from jaxpg.data_parallel.sequence_batch import (
+    place_sequence_batch,
+    sample_axes,
+    sequence_batch_specs,
+)
 
 __all__ = ["ShardGroup", "resolve_shard_group"]
 
@@ -121,8 +125,7 @@ class ShardGroup:
     @property
     def sample_axes(self) -> tuple[Hashable, ...]:
         """The axes dim 0 of the batch is split over: all but cp."""
-        cp = None if self.sequence is None else self.sequence.axis
-        return tuple(a for a in self.batch_axes if a != cp)
+        return sample_axes(self.batch_axes, self.sequence)
 
     def batch_specs(self, batch: Any) -> Any:
         """The batch's ``PartitionSpec`` (a prefix, or one per leaf with ``sequence``)."""
