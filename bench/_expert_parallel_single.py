@@ -50,14 +50,14 @@ def inputs(ep, experts, args, seed=0):
             jnp.asarray(rng.normal(size=(ep, t, d)).astype(np.float32)))
 
 
-def moe_step(ep, top_k, capacity_factor):
+def moe_step(ep, top_k, capacity_factor, grouped_matmul="auto"):
     """jit(spmd(grad of the loss)) over the first ``ep`` devices."""
     group = jaxpg.new_group(list(range(ep)))
 
     def per_rank(x, gate_w, w1, w2, cot):
         def loss(x, gate_w, w1, w2):
             y, aux = moe(x, gate_w, w1, w2, group=group, top_k=top_k,
-                         capacity_factor=capacity_factor)
+                         capacity_factor=capacity_factor, grouped_matmul=grouped_matmul)
             return jnp.sum(y * cot) + AUX_WEIGHT * aux.loss
         return jax.grad(loss, argnums=(0, 1, 2, 3))(x, gate_w, w1, w2)
 

@@ -20,10 +20,11 @@ Parts, each in fresh processes:
   (world of one GPU), and torch DDP (nccl, world of one; gloo on CPU), medians over
   interleaved steps; every variant takes the batch already on the device.
 * ``moe``: one step (``jax.grad`` in x, gate_w, w1, w2) of ``jaxpg.expert_parallel.moe`` at
-  ep = 1 (``bench/_expert_parallel_single.py``'s step) for E = 8 and 16, dropless
-  (``jax.lax.ragged_dot``) and with capacity factor 1.25, against the floor: the same
-  rows (tokens x top_k) through one dense FFN of the same width, which is what a grouped
-  matmul that skips nothing would cost.
+  ep = 1 (``bench/_expert_parallel_single.py``'s step) for E = 8 and 16, in float32 and
+  bfloat16: dropless with each grouped matmul the GPU runs (``xla``, ``tiled``, and
+  ``mosaic`` on Hopper for bfloat16), the grouped matmuls alone, and capacity factor 1.25,
+  against the floor: the same rows (tokens x top_k) through one dense FFN of the same
+  width, which is what a grouped matmul that skips nothing would cost.
 * ``zb``: the pipeline stage's pieces (``jaxpg.pipeline.stage_split``) of a residual tanh
   block, each its own jitted program on the one device: ``F``, the whole backward, and
   ZB's split ``B`` and ``W``; the question is whether ``B + W`` costs more than the whole
@@ -292,45 +293,55 @@ def part_torch(cfg: dict) -> dict:
 
 
 def _moe_row(experts: int, shape: argparse.Namespace, rounds: int) -> dict:
-    """One E's row: the moe step dropless and with capacity 1.25 against the dense floor."""
+    """One E's row, in float32 and bfloat16: the moe step with each grouped matmul this GPU
+    runs (dropless), with capacity 1.25 ("auto"), the grouped matmuls alone on the routed
+    rows (even groups), and the dense floor."""
     import jax
     import jax.numpy as jnp
     from _expert_parallel_single import AUX_WEIGHT, inputs, moe_step  # bench/ is sys.path[0]
 
     from jaxpg.expert_parallel.dispatch import expert_ffn
+    from jaxpg.expert_parallel.grouped_matmul import mosaic_applies
 
     top_k = 2
-    a = inputs(1, experts, shape)
-    x, w1, w2, cot = a[0][0], a[2][0, 0], a[3][0, 0], a[4][0]
-    xr = jnp.concatenate([x] * top_k)  # as many rows as dropless sends to the experts
-    cr = jnp.concatenate([cot] * top_k)
+    fns, impls_run = {}, {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        name = jnp.dtype(dtype).name
+        a = tuple(jnp.asarray(v, dtype) for v in inputs(1, experts, shape))
+        x, w1, w2, cot = a[0][0], a[2][0, 0], a[3][0, 0], a[4][0]
+        xr = jnp.concatenate([x] * top_k)  # as many rows as dropless sends to the experts
+        cr = jnp.concatenate([cot] * top_k)
 
-    @jax.jit
-    def floor(xr, w1, w2, cr):
-        def loss(xr, w1, w2):
-            return jnp.sum((jax.nn.gelu(xr @ w1) @ w2) * cr) + AUX_WEIGHT
-        return jax.grad(loss, argnums=(0, 1, 2))(xr, w1, w2)
+        @jax.jit
+        def floor(xr, w1, w2, cr):
+            def loss(xr, w1, w2):
+                return jnp.sum((jax.nn.gelu(xr @ w1) @ w2) * cr) + AUX_WEIGHT
+            return jax.grad(loss, argnums=(0, 1, 2))(xr, w1, w2)
 
-    # the routed rows' grouped matmuls alone (expert_ffn: lax.ragged_dot), in even groups
-    we1, we2 = a[2][0], a[3][0]
-    sizes = jnp.full((experts,), xr.shape[0] // experts, jnp.int32)
+        we1, we2 = a[2][0], a[3][0]
+        sizes = jnp.full((experts,), xr.shape[0] // experts, jnp.int32)
+        impls = ["xla", "tiled"] + ([] if mosaic_applies(we1, we2) else ["mosaic"])
+        impls_run[name] = impls
+        for impl in impls:
+            @jax.jit
+            def grouped(xr, we1, we2, cr, impl=impl, sizes=sizes):
+                def loss(xr, we1, we2):
+                    return jnp.sum(expert_ffn(xr, we1, we2, sizes, jax.nn.gelu, impl) * cr)
+                return jax.grad(loss, argnums=(0, 1, 2))(xr, we1, we2)
 
-    @jax.jit
-    def grouped(xr, we1, we2, cr):
-        def loss(xr, we1, we2):
-            return jnp.sum(expert_ffn(xr, we1, we2, sizes, jax.nn.gelu) * cr)
-        return jax.grad(loss, argnums=(0, 1, 2))(xr, we1, we2)
-
-    dropless, capacity = moe_step(1, top_k, None), moe_step(1, top_k, 1.25)
-    fns = {"dropless": lambda: dropless(*a), "capacity 1.25": lambda: capacity(*a),
-           "ragged_dot alone": lambda: grouped(xr, we1, we2, cr),
-           "dense floor": lambda: floor(xr, w1, w2, cr)}
+            step = moe_step(1, top_k, None, grouped_matmul=impl)
+            fns[f"{name} dropless {impl}"] = lambda step=step, a=a: step(*a)
+            fns[f"{name} grouped {impl}"] = (
+                lambda g=grouped, xr=xr, we1=we1, we2=we2, cr=cr: g(xr, we1, we2, cr))
+        capacity = moe_step(1, top_k, 1.25)
+        fns[f"{name} capacity 1.25 auto"] = lambda step=capacity, a=a: step(*a)
+        fns[f"{name} dense floor"] = (
+            lambda f=floor, xr=xr, w1=w1, w2=w2, cr=cr: f(xr, w1, w2, cr))
     timed = run_rounds(fns, rounds, iters=5, warmup=1)
-    med = timed.medians()
-    return {"experts": experts, "top_k": top_k, "step_ms": {k: v * 1e3 for k, v in med.items()},
-            "dropless_over_floor": med["dropless"] / med["dense floor"],
-            "ragged_dot_over_floor": med["ragged_dot alone"] / med["dense floor"],
-            **timed.loads()}
+    ms = {k: v * 1e3 for k, v in timed.medians().items()}
+    over_floor = {k: v / ms[f"{k.split()[0]} dense floor"] for k, v in ms.items()}
+    return {"experts": experts, "top_k": top_k, "impls": impls_run, "step_ms": ms,
+            "over_dense_floor": over_floor, **timed.loads()}
 
 
 def part_moe(cfg: dict) -> dict:
@@ -342,7 +353,7 @@ def part_moe(cfg: dict) -> dict:
 
     jaxpg.init_process_group()
     shape = argparse.Namespace(**{k: cfg["moe"][k] for k in ("tokens", "dim", "ffn")})
-    rows = [_moe_row(e, shape, cfg["rounds"]) for e in cfg["moe"]["experts"]]
+    rows = [_moe_row(e, shape, min(cfg["rounds"], 7)) for e in cfg["moe"]["experts"]]
     jaxpg.destroy_process_group()
     return {"shape": {**cfg["moe"], "ep": 1}, "rows": rows}
 

@@ -10,7 +10,8 @@ Shapes inside ``jit`` are static, so the exchanged buffers have a static worst-c
 ``S`` rows per pair of ranks, ``S = tokens · min(top_k, E_local)`` when dropless (every
 token of a rank may pick experts of one other rank) and at most ``E_local · capacity`` with
 a capacity. The counts are exact; the rows past them are zeros that the grouped matmul
-(``jax.lax.ragged_dot``) never multiplies. See docs/expert_parallel.md for why.
+(:mod:`jaxpg.expert_parallel.grouped_matmul`) never multiplies. See docs/expert_parallel.md
+for why.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxpg.collectives.all_to_all import all_to_all_single
 from jaxpg.collectives.gathers import all_gather_into_tensor
+from jaxpg.expert_parallel.grouped_matmul import grouped_matmul
 
 __all__ = ["slot_counts", "keep_mask", "dispatch_rows", "exchange", "expert_ffn"]
 
@@ -110,16 +111,17 @@ def _all_to_all(x: jax.Array, group: Any) -> jax.Array:
 
 
 def expert_ffn(rows: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.Array,
-               activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+               activation: Callable[[jax.Array], jax.Array], impl: str = "auto") -> jax.Array:
     """``activation(rows @ w1[e]) @ w2[e]`` for the rows of each local expert ``e``, grouped
-    in expert order (``group_sizes`` rows each; the rows after them come out zero)."""
-    hidden = lax.ragged_dot(rows, w1, group_sizes)
-    return lax.ragged_dot(activation(hidden), w2, group_sizes)
+    in expert order (``group_sizes`` rows each; the rows after them come out zero).
+    ``impl`` names the grouped matmul (:func:`.grouped_matmul.grouped_matmul`)."""
+    hidden = grouped_matmul(rows, w1, group_sizes, impl=impl)
+    return grouped_matmul(activation(hidden), w2, group_sizes, impl=impl)
 
 
 def exchange(x_rows: jax.Array, row: jax.Array, sent: jax.Array, w1: jax.Array, w2: jax.Array,
              activation: Callable[[jax.Array], jax.Array], group: Any, ep: int,
-             rows_per_rank: int) -> jax.Array:
+             rows_per_rank: int, impl: str = "auto") -> jax.Array:
     """Sends each choice's token to its expert's rank, runs the experts, and brings the
     results back: ``(tokens · top_k, d)``, zero for a dropped choice.
 
@@ -130,6 +132,7 @@ def exchange(x_rows: jax.Array, row: jax.Array, sent: jax.Array, w1: jax.Array, 
         group: the expert-parallel ProcessGroup (None: one rank, no SPMD code).
         ep: its size.
         rows_per_rank: ``S``.
+        impl: the grouped matmul's implementation.
     """
     size = ep * rows_per_rank
     send = jnp.zeros((size, x_rows.shape[1]), x_rows.dtype).at[row].set(x_rows, mode="drop")
@@ -137,7 +140,7 @@ def exchange(x_rows: jax.Array, row: jax.Array, sent: jax.Array, w1: jax.Array, 
     received = _all_to_all(send, group)
     grouped_row, group_sizes = _received_rows(received_counts, rows_per_rank)
     grouped = jnp.zeros_like(received).at[grouped_row].set(received, mode="drop")
-    out = expert_ffn(grouped, w1, w2, group_sizes, activation)
+    out = expert_ffn(grouped, w1, w2, group_sizes, activation, impl)
     valid = (grouped_row < size)[:, None]
     back = jnp.where(valid, jnp.take(out, jnp.minimum(grouped_row, size - 1), axis=0), 0)
     returned = _all_to_all(back, group)

@@ -24,6 +24,7 @@ from flax.nnx.nn.linear import default_kernel_init
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.expert_parallel.ep_group import resolve_ep_group
+from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
 from jaxpg.expert_parallel.moe import MoEAux, moe
 from jaxpg.tensor_parallel.mp_layers import make_param
 from jaxpg.tensor_parallel.tp_mesh import TPMesh
@@ -41,7 +42,8 @@ class MoELayer(nnx.Module):
         d_model: the model width ``d``.
         d_hidden: each expert's hidden width ``f``.
         num_experts: ``E``; the group's size must divide it.
-        top_k, capacity_factor, normalize_topk, activation: as :func:`~jaxpg.expert_parallel.moe`.
+        top_k, capacity_factor, normalize_topk, activation, grouped_matmul: as
+            :func:`~jaxpg.expert_parallel.moe`.
         group: the expert-parallel group (``mesh.get_group("ep")``, ``mesh["ep"]``, a
             ProcessGroup; None: the world).
         rngs: ``nnx.Rngs``; the router, then ``w1``, then ``w2`` draw from ``rngs.params()``.
@@ -53,8 +55,10 @@ class MoELayer(nnx.Module):
                  capacity_factor: float | None = None, normalize_topk: bool = True,
                  activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
                  group: Any = None, rngs: nnx.Rngs | None = None, gate_init: Any = None,
-                 w1_init: Any = None, w2_init: Any = None, param_dtype: Any = jnp.float32):
+                 w1_init: Any = None, w2_init: Any = None, param_dtype: Any = jnp.float32,
+                 grouped_matmul: str = "auto"):
         api = "MoELayer"
+        self.grouped_matmul = check_grouped_matmul(grouped_matmul, api)
         self.ep = resolve_ep_group(group, api)
         if num_experts % self.ep.size:
             raise ValueError(f"{api}: num_experts={num_experts} must be divisible by the "
@@ -89,6 +93,6 @@ class MoELayer(nnx.Module):
         y, aux = moe(x.reshape(-1, x.shape[-1]), self.gate_weight[...], self.w1[...],
                      self.w2[...], group=self.ep, top_k=self.top_k,
                      capacity_factor=self.capacity_factor, activation=self.activation,
-                     normalize_topk=self.normalize_topk)
+                     normalize_topk=self.normalize_topk, grouped_matmul=self.grouped_matmul)
         y = y.reshape(*lead, y.shape[-1])
         return (y, aux) if return_aux else y

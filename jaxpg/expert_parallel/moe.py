@@ -25,6 +25,7 @@ from jaxpg.collectives.reductions import all_reduce
 from jaxpg.expert_parallel.checks import check_moe_args
 from jaxpg.expert_parallel.dispatch import dispatch_rows, exchange, keep_mask, slot_counts
 from jaxpg.expert_parallel.ep_group import resolve_ep_group
+from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
 from jaxpg.expert_parallel.router import route
 from jaxpg.groups import world as _world
 from jaxpg.spmd import SpmdContext, current_context
@@ -61,7 +62,7 @@ def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
 def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array, *,
                   group: Any, ep: int, top_k: int, capacity_factor: float | None,
                   activation: Callable[[jax.Array], jax.Array],
-                  normalize_topk: bool) -> tuple[jax.Array, MoEAux]:
+                  normalize_topk: bool, grouped_matmul: str) -> tuple[jax.Array, MoEAux]:
     tokens, _, num_experts, local = check_moe_args(x, gate_w, w1, w2, ep, top_k,
                                                    capacity_factor)
     global_tokens = tokens * ep
@@ -75,7 +76,8 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
         rows_per_rank = min(rows_per_rank, local * capacity)
     row, sent = dispatch_rows(routing.experts, keep, num_experts, ep, rows_per_rank)
     x_rows = jnp.repeat(x, top_k, axis=0)  # choice t·k + j carries token t
-    out = exchange(x_rows, row, sent, w1, w2, activation, group, ep, rows_per_rank)
+    out = exchange(x_rows, row, sent, w1, w2, activation, group, ep, rows_per_rank,
+                   grouped_matmul)
     weights = routing.weights * keep.astype(routing.weights.dtype)
     y = jnp.einsum("tk,tkd->td", weights, out.reshape(tokens, top_k, -1)).astype(x.dtype)
     expert_counts = jnp.sum(counts, axis=(0, 1))
@@ -117,14 +119,15 @@ def _check_same_on_every_rank(pg: Any, shapes: list[tuple[int, ...]], api: str) 
 def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int = 2,
         capacity_factor: float | None = None,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-        normalize_topk: bool = True) -> tuple[jax.Array, MoEAux]:
+        normalize_topk: bool = True, grouped_matmul: str = "auto"
+        ) -> tuple[jax.Array, MoEAux]:
     """A mixture-of-experts layer with its experts split over ``group`` (expert parallelism).
 
     Each token picks its ``top_k`` experts by ``logits = x @ gate_w``; ``y = Σ weight ·
     expert(x)`` with ``expert(x) = activation(x @ w1[e]) @ w2[e]``. The tokens travel to the
     experts' ranks by ``all_to_all_single`` after the per-expert counts are exchanged, the
-    experts run a grouped matmul (``jax.lax.ragged_dot``) on exactly the tokens they got,
-    and the results come back by the inverse ``all_to_all_single``.
+    experts run a grouped matmul on exactly the tokens they got, and the results come back
+    by the inverse ``all_to_all_single``.
 
     Args:
         x: ``(tokens_local, d)`` this rank's tokens.
@@ -140,6 +143,10 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
         activation: the experts' activation.
         normalize_topk: True: the weights are the softmax over the chosen logits (Mixtral);
             False: the full softmax's probabilities of the chosen experts (GShard, Switch).
+        grouped_matmul: the experts' grouped matmul: ``"auto"`` (a tiled loop over the
+            routed rows on CPU, jax's Mosaic kernels on Hopper GPUs for 16-bit weights,
+            else ``jax.lax.ragged_dot``), or one of ``"tiled"``, ``"mosaic"``, ``"xla"``
+            (:mod:`jaxpg.expert_parallel.grouped_matmul`).
 
     Returns:
         ``(y, aux)``: ``y`` ``(tokens_local, d)``, and an :class:`MoEAux`.
@@ -154,10 +161,12 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
         >>> y, aux = jaxpg.spmd(lambda *a: moe(*a, group=g), group=g)(x, gate_w, w1, w2)
     """
     api = "moe"
+    check_grouped_matmul(grouped_matmul, api)
     ep_group = resolve_ep_group(group, api)
     pg, ep = ep_group.group, ep_group.size
     options = dict(group=pg, ep=ep, top_k=top_k, capacity_factor=capacity_factor,
-                   activation=activation, normalize_topk=normalize_topk)
+                   activation=activation, normalize_topk=normalize_topk,
+                   grouped_matmul=grouped_matmul)
     if current_context() is not None:
         return _moe_per_rank(x, gate_w, w1, w2, **options)
     if _binds_axis(ep_group, api):  # a plain jax.shard_map over the group's mesh
@@ -176,5 +185,5 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
     def body(lay: Any, x: Any, gate_w: Any, w1: Any, w2: Any) -> Any:
         return _moe_per_rank(x, gate_w, w1, w2, **options)
 
-    static = (top_k, capacity_factor, activation, normalize_topk)
+    static = (top_k, capacity_factor, activation, normalize_topk, grouped_matmul)
     return run_eager(pg, api, static, body, {"x": x, "gate_w": gate_w, "w1": w1, "w2": w2})

@@ -31,8 +31,10 @@ def _run(group, *args, **options):
     (lambda x, g, a, b: (x, g, a, b[:, :5]), {}, r"w2 must be \(E_local, f, d\) = \(4, 16, 8\)"),
     (lambda x, g, a, b: (x[0], g, a, b), {}, r"x must be \(tokens_local, d\)"),
     (lambda x, g, a, b: (x, g, a, b), {"capacity_factor": 0.0}, r"capacity_factor=0.0"),
+    (lambda x, g, a, b: (x, g, a, b), {"grouped_matmul": "megablox"},
+     r"grouped_matmul='megablox' must be one of 'auto', 'xla', 'tiled', 'mosaic'"),
 ], ids=["E-not-divisible", "top_k-over-E", "top_k-zero", "gate-width", "w1-shape",
-        "w2-shape", "x-rank", "capacity"])
+        "w2-shape", "x-rank", "capacity", "grouped-matmul"])
 def test_bad_arguments_raise_before_running(change, options, match):
     group = jaxpg.new_group([0, 1])
     with pytest.raises(ValueError, match=match):
@@ -61,6 +63,8 @@ def test_layer_checks_its_sizes():
         MoELayer(8, 16, 6, group=group)
     with pytest.raises(ValueError, match="top_k=9 must be an int between 1 and num_experts=8"):
         MoELayer(8, 16, 8, top_k=9, group=group)
+    with pytest.raises(ValueError, match="MoELayer: grouped_matmul='dense' must be one of"):
+        MoELayer(8, 16, 8, group=group, grouped_matmul="dense")
     with pytest.raises(TypeError, match="pass rngs=nnx.Rngs"):
         MoELayer(8, 16, 8, group=group)
 

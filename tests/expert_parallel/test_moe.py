@@ -40,13 +40,17 @@ def _ep_loss(ep, group, **options):
 @pytest.mark.parametrize("top_k,capacity_factor,normalize",
                          [(1, None, True), (2, None, True), (1, 1.0, False), (2, 1.25, True)],
                          ids=["k1-dropless", "k2-dropless", "k1-cap1.0-gshard", "k2-cap1.25"])
-def test_moe_equals_one_device_reference(ep, top_k, capacity_factor, normalize):
+def test_moe_equals_one_device_reference(ep, top_k, capacity_factor, normalize,
+                                        grouped_matmul="auto"):
     x, gate_w, w1, w2, cot = _inputs(ep)
     options = dict(top_k=top_k, capacity_factor=capacity_factor, normalize_topk=normalize)
+    reference_options = dict(options)
+    options["grouped_matmul"] = grouped_matmul
     group = jaxpg.new_group(list(range(ep)))
 
-    want, want_grads = reference_loss_and_grads(x, gate_w, w1, w2, cot, **options)
-    y_ref, aux_ref, counts_ref, dropped_ref = reference_moe(x, gate_w, w1, w2, **options)
+    want, want_grads = reference_loss_and_grads(x, gate_w, w1, w2, cot, **reference_options)
+    y_ref, aux_ref, counts_ref, dropped_ref = reference_moe(x, gate_w, w1, w2,
+                                                            **reference_options)
     stacked = (x.reshape(ep, T, D), np.broadcast_to(gate_w, (ep, D, E)),
                w1.reshape(ep, E // ep, D, F), w2.reshape(ep, E // ep, F, D),
                cot.reshape(ep, T, D))
@@ -68,6 +72,13 @@ def test_moe_equals_one_device_reference(ep, top_k, capacity_factor, normalize):
                                rtol=TOL, atol=TOL)
     np.testing.assert_allclose(np.asarray(gw2).reshape(E, F, D), want_grads[3],
                                rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("top_k,capacity_factor", [(2, None), (1, 1.0)],
+                         ids=["k2-dropless", "k1-cap1.0"])
+def test_moe_with_xlas_ragged_dot_equals_the_reference(top_k, capacity_factor):
+    # "auto" is the tiled loop on CPU; XLA's ragged_dot is what other GPUs and float32 take.
+    test_moe_equals_one_device_reference(4, top_k, capacity_factor, True, grouped_matmul="xla")
 
 
 def test_moe_from_host_code_with_stacked_ranks():
