@@ -110,8 +110,10 @@ def pytest_make_collect_report(collector):
     _forbid_skip(outcome.get_result())
 
 
-# Fixtures that give a test the 8-rank world of simulated CPU devices.
-_EIGHT_DEVICE_FIXTURES = {"world", "fresh_world", "mesh"}
+# Fixtures that give a test the 8-rank world of simulated CPU devices. The directories'
+# ``fresh_world`` fixtures request ``world``, so it is in their tests' fixture closure; one
+# that overrides it without (tests/expert_parallel/kernels) leaves its tests to the GPU too.
+_EIGHT_DEVICE_FIXTURES = {"world", "mesh"}
 
 
 def pytest_collection_modifyitems(config, items):

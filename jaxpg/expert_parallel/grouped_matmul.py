@@ -208,10 +208,18 @@ def _mosaic_ragged(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                    transpose_rhs: bool) -> jax.Array:
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    out = ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes,
-                                     transpose_rhs=transpose_rhs, **_MOSAIC_BLOCKS)
-    used = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)  # the kernel leaves the tail
+    m = lhs.shape[0]
+    out = ragged_dot_mgpu.ragged_dot(_pad_rows(lhs, _mosaic_rows(m)), rhs,
+                                     group_sizes=group_sizes, transpose_rhs=transpose_rhs,
+                                     **_MOSAIC_BLOCKS)[:m]
+    used = jnp.arange(m) < jnp.sum(group_sizes)  # the kernel leaves the tail
     return jnp.where(used[:, None], out, 0).astype(lhs.dtype)
+
+
+def _mosaic_rows(m: int) -> int:
+    """Rows padded to whole blocks: the kernels' memory tiling needs it (zero rows, unused)."""
+    block = _MOSAIC_BLOCKS["block_m"]
+    return -(-m // block) * block
 
 
 @jax.custom_vjp
@@ -229,8 +237,10 @@ def _mosaic_bwd(res: Any, d_out: jax.Array) -> tuple[Any, Any, None]:
     lhs, rhs, group_sizes = res
     d_out = d_out.astype(lhs.dtype)
     d_lhs = _mosaic_ragged(d_out, rhs, group_sizes, transpose_rhs=True)
+    rows = _mosaic_rows(lhs.shape[0])
     d_rhs = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        lhs, d_out, group_sizes=group_sizes, **_MOSAIC_BLOCKS)
+        _pad_rows(lhs, rows), _pad_rows(d_out, rows), group_sizes=group_sizes,
+        **_MOSAIC_BLOCKS)
     return d_lhs, d_rhs.astype(rhs.dtype), None
 
 

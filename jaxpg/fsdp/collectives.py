@@ -5,7 +5,8 @@ before use, reduce-scatter (and average) the gradient after.
 policy's ``param_dtype``), all-gathers it over the shard axes (tiled on dim 0) and drops
 the padding rows. :func:`reduce_leaf` is its adjoint with torch FSDP2's numerics: the
 unsharded gradient is cast to the reduce dtype, padded, reduce-scattered over the shard
-axes, summed over the HSDP replica axes and divided by the number of ranks (float32 and
+axes, summed over the HSDP replica axes (and, for a parameter not split over them, over the
+expert-parallel axes) and divided by the number of ranks (float32 and
 bfloat16: after the sum, as NCCL's ``AVG``; float16: part before and part after, by
 torch's ``_get_gradient_divide_factors``), then cast to the shard's dtype for the
 optimizer. :func:`gather_param` ties the two into one differentiable operation
@@ -37,18 +38,30 @@ class Comm:
     Attributes:
         shard_axes: the mesh axes parameters are split over.
         replicate_axes: the HSDP replica axes (empty for FSDP).
-        size: all ranks (shards x replicas): the gradient average's divisor.
+        size: all ranks the batch is split over (shards x replicas x expert-parallel
+            ranks): the gradient average's divisor.
         policy: the mixed-precision policy.
+        expert_axes: expert-parallel axes the batch is split over too (``("ep",)``); a
+            parameter split over them (an expert) is not summed over them, every other
+            one is.
     """
 
     shard_axes: tuple[Hashable, ...]
     replicate_axes: tuple[Hashable, ...]
     size: int
     policy: MixedPrecisionPolicy
+    expert_axes: tuple[Hashable, ...] = ()
 
     @property
     def all_axes(self) -> tuple[Hashable, ...]:
         return (*self.replicate_axes, *self.shard_axes)
+
+    def extra_axes(self, layout: ShardLayout) -> tuple[Hashable, ...]:
+        """The expert-parallel axes ``layout``'s gradient is summed over besides the shard
+        and replica axes: all of them for a dense parameter, none for an expert."""
+        named = {a for e in layout.base_spec if e is not None
+                 for a in (e if isinstance(e, tuple) else (e,))}
+        return () if named & set(self.expert_axes) else self.expert_axes
 
 
 def divide_factors(n: int, dtype: Any) -> tuple[float | None, float | None]:
@@ -102,8 +115,9 @@ def reduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
     pre, post = divide_factors(comm.size, rd)
     if pre is not None:
         g = g / jnp.asarray(pre, rd)
+    extra = comm.extra_axes(layout)
     if not layout.sharded:
-        g = jax.lax.psum(g, comm.all_axes)
+        g = jax.lax.psum(g, (*comm.all_axes, *extra))
     else:
         g = _padded(g, layout)
         if _size(comm.shard_axes) > 1:
@@ -111,6 +125,8 @@ def reduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
                                      tiled=True)
         if comm.replicate_axes and _size(comm.replicate_axes) > 1:
             g = jax.lax.psum(g, comm.replicate_axes)
+        if extra and _size(extra) > 1:
+            g = jax.lax.psum(g, extra)
     if post is not None:
         g = g / jnp.asarray(post, rd)
     return g.astype(layout.dtype)
@@ -125,7 +141,7 @@ def allreduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Arra
     pre, post = divide_factors(comm.size, rd)
     if pre is not None:
         g = g / jnp.asarray(pre, rd)
-    g = jax.lax.psum(g, comm.all_axes)
+    g = jax.lax.psum(g, (*comm.all_axes, *comm.extra_axes(layout)))
     if post is not None:
         g = g / jnp.asarray(post, rd)
     return g.astype(layout.dtype)

@@ -81,6 +81,12 @@ class FullyShardedDataParallel:
             and cp dimensions flattened (``mesh["dp_shard", "cp"]._flatten(...)``,
             ``dims["dp_shard_cp"]``); parameters are sharded over both, and each process
             passes its samples with whole sequences, laid out over cp as DDP's are.
+        expert_axes: expert parallelism (``jaxpg.expert_parallel.MoELayer`` on a
+            ``("dp", "ep")`` mesh, ``group`` its data-parallel ranks over both axes, e.g.
+            the world or ``mesh["dp", "ep"]._flatten()``): ``expert_axes=("ep",)``. The
+            batch is split over both axes; parameters are sharded over the others, the
+            experts on top of their ep split; the experts' gradients are averaged over
+            those axes only, every other one over ep too (torchtitan's and Paddle's rule).
 
     Raises:
         TypeError: for a module, optimizer, policy or group of the wrong kind.
@@ -93,7 +99,8 @@ class FullyShardedDataParallel:
                  group: Any = None, stage: int = 3, reshard_after_forward: bool = True,
                  mp_policy: MixedPrecisionPolicy | None = None, units: Any = None,
                  broadcast_params: bool = True, donate: bool = True,
-                 device_mesh: Any = None, context_parallel: Any = None) -> None:
+                 device_mesh: Any = None, context_parallel: Any = None,
+                 expert_axes: tuple[str, ...] = ()) -> None:
         from jaxpg.context_parallel.sequence_split import resolve_sequence_split
         from jaxpg.groups.resolve import one_of
 
@@ -112,6 +119,9 @@ class FullyShardedDataParallel:
         if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
             raise TypeError(f"{_API}: mp_policy must be a MixedPrecisionPolicy or None, got "
                             f"{type(mp_policy).__name__}.")
+        if isinstance(expert_axes, str) or not all(isinstance(a, str) for a in expert_axes):
+            raise TypeError(f"{_API}: {expert_axes=} must be a tuple of axis names, e.g. "
+                            "expert_axes=('ep',).")
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"{_API}: optimizer must be an optax.GradientTransformation "
                             f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}.")
@@ -122,8 +132,8 @@ class FullyShardedDataParallel:
         graphdef, params, rest = param_sync.split_model(module)
         sequence = None if context_parallel is None else \
             resolve_sequence_split(context_parallel, _API)
-        self.group, self._model_layout = compose_with_model_mesh(self.group, group, params,
-                                                                 rest, _API, sequence)
+        self.group, self._model_layout = compose_with_model_mesh(
+            self.group, group, params, rest, _API, sequence, tuple(expert_axes))
         signatures = param_sync.gather_param_signatures(params, self.group.process_group)
         param_sync.verify_param_shapes(signatures, list(self.group.process_group.ranks))
         self.units = resolve_units(module, units)
@@ -165,7 +175,8 @@ class FullyShardedDataParallel:
             graphdef=wrapped, layouts=self.layouts, owners=owners,
             units=self.units, stage=stage,
             reshard_after_forward=reshard_after_forward,
-            comm=Comm(axes, self.group.replicate_axes, self.group.size, self.mp_policy),
+            comm=Comm(axes, self.group.replicate_axes, self.group.size, self.mp_policy,
+                      self.group.expert_axes),
             group=self.group, optimizer=optimizer, opt_shardings=opt_shardings,
             rest_specs=None if tp is None else tp.rest_specs)
         self.step = 0

@@ -19,6 +19,13 @@ DeviceMesh holds global arrays laid out on that mesh (a column-parallel kernel
 
 HSDP (a 2-D ``group``) of a tensor-parallel model is refused: pass the data-parallel
 dimension's process group.
+
+Expert parallelism (``expert_axes=("ep",)``, a ``jaxpg.expert_parallel.MoELayer`` on a
+``("dp", "ep")`` mesh, ``group`` the whole mesh's data-parallel ranks): the batch is split
+over ``dp`` and ``ep``; each parameter is sharded over ``dp`` only, the experts on top of
+their ``ep`` split; an expert's gradient is reduce-scattered over ``dp`` only (the
+``all_to_all`` already brought it every token of its ep group), every other gradient also
+summed over ``ep``; all are divided by ``dp · ep``.
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ def _elsewhere(group: ShardGroup, tree: Any) -> bool:
 
 
 def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: Any,
-                            api: str, sequence: Any = None) -> tuple[ShardGroup, StepLayout | None]:
+                            api: str, sequence: Any = None,
+                            expert_axes: tuple[str, ...] = ()
+                            ) -> tuple[ShardGroup, StepLayout | None]:
     """``group`` extended to the mesh a tensor-parallel model lives on (or the
     ``context_parallel`` group's), and that mesh's layout of ``params`` and ``rest`` (None
     for a plain model: ``group`` unchanged).
@@ -62,6 +71,7 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
         rest: the rest of its state.
         api: the caller's name, for errors.
         sequence: the batch's sequence split (``context_parallel=``), or None.
+        expert_axes: the expert-parallel axes of the group (``expert_axes=``).
 
     Raises:
         ValueError: for an HSDP group with a tensor-parallel model or context
@@ -70,7 +80,16 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
             :func:`jaxpg.ddp.step_layout.step_layout`).
     """
     if sequence is None and not _elsewhere(group, (params, rest)):
+        if expert_axes:
+            raise ValueError(
+                f"{api}: expert_axes={tuple(expert_axes)} with a model that no mesh splits: "
+                "the experts must be laid out on the mesh whose axes they name (a MoELayer "
+                "built with group=mesh['ep'] on a ('dp', 'ep') mesh); drop expert_axes for "
+                "a dense model.")
         return group, None
+    if expert_axes and sequence is not None:
+        raise ValueError(f"{api}: expert_axes with context_parallel= is not supported; use "
+                         "one of them.")
     if group.replicate_axes:  # HSDP: a 2-D DeviceMesh, a HybridCommunicateGroup
         if sequence is not None:
             raise ValueError(
@@ -85,10 +104,13 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
             "parallelism here; pass the data-parallel dimension's process group, e.g. "
             "group=mesh.get_group('dp'), to shard over dp on top of the tp split."
         )
-    layout = step_layout(group.process_group, params, rest, api=api, sequence=sequence)
+    layout = step_layout(group.process_group, params, rest, api=api, sequence=sequence,
+                         expert_axes=tuple(expert_axes))
     model_axes = tuple(a for a in layout.mesh.axis_names if a not in layout.dp_axes)
-    composed = dataclasses.replace(group, mesh=layout.mesh, shard_axes=layout.dp_axes,
-                                   replicate_axes=(), model_axes=model_axes, sequence=sequence)
+    shard_axes = tuple(a for a in layout.dp_axes if a not in expert_axes)
+    composed = dataclasses.replace(group, mesh=layout.mesh, shard_axes=shard_axes,
+                                   replicate_axes=(), model_axes=model_axes, sequence=sequence,
+                                   expert_axes=tuple(expert_axes))
     return composed, layout
 
 

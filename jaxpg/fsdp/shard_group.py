@@ -56,6 +56,9 @@ class ShardGroup:
             position along them trains on the same samples.
         sequence: the batch's sequence split over a cp axis (one of ``shard_axes``:
             torchtitan's ``dp_shard_cp``), or None.
+        expert_axes: expert-parallel axes (``("ep",)``): the batch is split over them as
+            over the shard axes, the experts are split over them by the model, and every
+            other parameter is replicated over them (sharded over ``shard_axes`` only).
     """
 
     mesh: Mesh
@@ -65,10 +68,15 @@ class ShardGroup:
     process_group: Any
     model_axes: tuple[Hashable, ...] = ()
     sequence: Any = None
+    expert_axes: tuple[Hashable, ...] = ()
 
     @property
     def batch_axes(self) -> tuple[Hashable, ...]:
-        """Every axis of the group: the batch is split over all of them."""
+        """Every axis of the group: the batch is split over all of them (with expert axes,
+        in the mesh's order, as DDP splits it)."""
+        if self.expert_axes:
+            mine = {*self.shard_axes, *self.expert_axes}
+            return tuple(a for a in self.mesh.axis_names if a in mine)
         return (*self.replicate_axes, *self.shard_axes)
 
     @property
@@ -83,8 +91,9 @@ class ShardGroup:
 
     @property
     def size(self) -> int:
-        """All data-parallel ranks of the group (shards x replicas)."""
-        return self.num_shards * self.num_replicas
+        """All data-parallel ranks of the group (shards x replicas x expert-parallel ranks)."""
+        return self.num_shards * self.num_replicas * math.prod(
+            self.mesh.shape[a] for a in self.expert_axes)
 
     def local_count(self) -> int:
         """Devices of the mesh held by this process."""
@@ -195,6 +204,9 @@ class ShardGroup:
         if self.replicate_axes:
             rep = "x".join(map(str, self.replicate_axes))
             shard = f"replicate over {rep} ({self.num_replicas}) x {shard}"
+        if self.expert_axes:
+            sizes = math.prod(self.mesh.shape[a] for a in self.expert_axes)
+            shard += f", experts split over {'x'.join(map(str, self.expert_axes))} ({sizes})"
         if self.model_axes:
             sizes = math.prod(self.mesh.shape[a] for a in self.model_axes)
             shard += f", model split over {'x'.join(map(str, self.model_axes))} ({sizes})"
