@@ -41,6 +41,7 @@ from jaxpg.pipeline.schedules import gpipe, interleaved_1f1b, one_f_one_b, zero_
 from jaxpg.pipeline.stage_runner import exchange_shapes, rank_setup, run_step
 from jaxpg.pipeline.timetable import Action, Timetable
 from jaxpg.reduce_op import ReduceOp
+from jaxpg.supervision.collective_call import recorded_region
 
 __all__ = [
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
@@ -176,9 +177,13 @@ class _PipelineSchedule:
                 raise ValueError(f"{self._what}: the microbatches' shapes changed from "
                                  f"{self._shapes[0][0]} to {structs}; a schedule keeps the "
                                  "shapes of its first step (as torch's): make a new schedule.")
-        timeout = self._stages[min(self._stages)].group.timeout.total_seconds()
-        grads, mb_losses, outs = run_step(self._tt, self._setup, self._stages, self._shapes,
-                                          self._loss_fn, mb_args, targets, timeout, self._what)
+        group = self._stages[min(self._stages)].group
+        timeout = group.timeout.total_seconds()
+        fingerprint = (f"{type(self).__name__}.step", (self._n_microbatches,), ())
+        with recorded_region(group, f"{type(self).__name__}.step", fingerprint, "pipeline"):
+            grads, mb_losses, outs = run_step(self._tt, self._setup, self._stages,
+                                              self._shapes, self._loss_fn, mb_args, targets,
+                                              timeout, self._what)
         factor = self._n_microbatches if self.scale_grads else 1
         for s, st in sorted(self._stages.items()):  # the same order on every replica
             step_grads = grads[s] if st.dp_group is None else \

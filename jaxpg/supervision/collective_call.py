@@ -16,6 +16,7 @@ watchdog. Time the dispatching thread spends tracing and compiling does not coun
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import re
 import threading
 import time
@@ -30,7 +31,8 @@ from jaxpg.supervision.progress import progress as _progress
 from jaxpg.supervision.runner import Job
 from jaxpg.supervision.runner import runner as _runner
 
-__all__ = ["configure", "group_store", "run_collective", "submit", "wait_job", "timeout_text"]
+__all__ = ["configure", "group_store", "run_collective", "submit", "wait_job", "timeout_text",
+           "recorded_region"]
 
 _detail = False  # JAXPG_DEBUG=DETAIL, read at init_process_group
 _heartbeat = 10.0  # JAXPG_HEARTBEAT_TIMEOUT, read at init_process_group
@@ -200,6 +202,33 @@ def has_peers(group: Any) -> bool:
         peers = group.__dict__["_jaxpg_has_peers"] = \
             hang_diagnosis.processes_of(state, group.members) != [state.process_index]
     return peers
+
+
+@contextlib.contextmanager
+def recorded_region(group: Any, api: str, fingerprint: Any = None,
+                    kind: str = "region") -> Any:
+    """A stretch of host code that runs its own collectives and waits (a pipeline schedule's
+    step: its lanes' transfers, each with its timeout and its named errors) as one numbered,
+    recorded call on ``group``: it takes the group's next sequence number, notes it as this
+    process's progress, and starts a flight-recorder record, completed when the region
+    ends and failed with the error that ends it otherwise. Every rank of ``group`` must
+    enter its regions in the same order, as with any collective.
+
+    Yields:
+        The region's sequence number on ``group``.
+    """
+    seq = group.next_seq()
+    if has_peers(group):
+        _progress.note(group, seq, fingerprint)
+    record = recorder.start(group, seq, api, kind, fingerprint,
+                            capture_caller() if recorder.enabled else None)
+    rid = record.id
+    try:
+        yield seq
+    except BaseException as err:
+        record.fail("failed", f"{type(err).__name__}: {err}", rid)
+        raise
+    record.complete(rid)
 
 
 def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool, kind: str,

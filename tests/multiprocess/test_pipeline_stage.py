@@ -43,7 +43,7 @@ def _close(got, want, what, tol=1e-5):
 def _launch(out: Path, world: int) -> tuple[list[dict], list[str]]:
     """The worker on ``world`` processes: each rank's npz, and each rank's output."""
     env = child_env()
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAXPG_FR_BUFFER_SIZE="500")
     port, torch_port = free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port),
                                str(torch_port), str(out)], env=env, stdout=subprocess.PIPE,
@@ -101,6 +101,16 @@ def test_tutorial_model_matches_the_un_pipelined_model(request, sched, world):
                 _close(value, results[0]["ref/grad1/" + key.split("/", 3)[3]], f"rank {r} {key}")
                 seen += 1
     assert seen == 1 + 3 * 6 + 4, seen  # every parameter of the model
+    # each step is one numbered, completed flight-recorder record on the pipeline group,
+    # the same numbers on every rank
+    name, steps = {"1f1b": ("Schedule1F1B", 3), "gpipe": ("ScheduleGPipe", 1)}[sched]
+    recorded = [[e for e in got[f"jax/{sched}/recorded"] if e.startswith(f"{name}.step #")]
+                for got in results]
+    assert len(recorded[0]) == steps and all(r == recorded[0] for r in recorded), recorded
+    seqs = [int(entry.split("#")[1].split()[0]) for entry in recorded[0]]
+    assert seqs == list(range(seqs[0], seqs[0] + steps)), recorded[0]
+    assert all(e.startswith(f"{name}.step #") and e.endswith(" completed")
+               for e in recorded[0]), recorded[0]
     if sched == "1f1b":
         for got in results:
             for key in (k for k in got if k.startswith("jax/1f1b/grad1/")):

@@ -259,6 +259,16 @@ def run_jaxpg_tutorial(rank, world, weights, tokens, labels, out):
                 sched.step()
             for k, v in stage_grads_by_torch_name(stage.grads, rank).items():
                 out[f"jax/{sched_name}/grad{step}/{k}"] = v
+        out[f"jax/{sched_name}/recorded"] = np.array(recorded_steps(stage.group))
+
+
+def recorded_steps(group):
+    """This process's flight-recorder records of schedule steps on ``group``, oldest first:
+    ``"Schedule1F1B.step #3 completed"``."""
+    from jaxpg.supervision.flight_recorder import recorder
+
+    return [f"{r.op} #{r.seq} {r.state}" for r in recorder.records()
+            if r.kind == "pipeline" and r.group == group.group_name]
 
 
 def tutorial_reference(weights, tokens, labels, out):
