@@ -183,23 +183,30 @@ def _tiled_weight_grad(lhs: jax.Array, d_out: jax.Array, group_sizes: jax.Array,
     return grad.astype(dtype)
 
 
-@jax.custom_vjp
-def _tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return _tiled_forward(lhs, rhs, group_sizes, transpose_rhs=False)
+def _with_vjp(ragged: Any, weight_grad: Any) -> Any:
+    """The grouped matmul ``ragged(lhs, rhs, group_sizes, transpose_rhs)`` as a
+    differentiable function of ``(lhs, rhs, group_sizes)``: the rows' gradient is ``ragged``
+    against the transposed matrices, the matrices' is
+    ``weight_grad(lhs, d_out, group_sizes, num_groups, dtype)``."""
+
+    @jax.custom_vjp
+    def fn(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return ragged(lhs, rhs, group_sizes, False)
+
+    def fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> Any:
+        return fn(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+    def bwd(res: Any, d_out: jax.Array) -> tuple[Any, Any, None]:
+        lhs, rhs, group_sizes = res
+        d_out = d_out.astype(lhs.dtype)
+        d_lhs = ragged(d_out, rhs, group_sizes, True).astype(lhs.dtype)
+        return d_lhs, weight_grad(lhs, d_out, group_sizes, rhs.shape[0], rhs.dtype), None
+
+    fn.defvjp(fwd, bwd)
+    return fn
 
 
-def _tiled_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> Any:
-    return _tiled(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
-
-
-def _tiled_bwd(res: Any, d_out: jax.Array) -> tuple[Any, Any, None]:
-    lhs, rhs, group_sizes = res
-    d_lhs = _tiled_forward(d_out, rhs, group_sizes, transpose_rhs=True).astype(lhs.dtype)
-    d_rhs = _tiled_weight_grad(lhs, d_out, group_sizes, rhs.shape[0], rhs.dtype)
-    return d_lhs, d_rhs, None
-
-
-_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+_tiled = _with_vjp(_tiled_forward, _tiled_weight_grad)
 
 
 # ---- "mosaic": jax's Hopper kernels ---------------------------------------------------------
@@ -222,26 +229,16 @@ def _mosaic_rows(m: int) -> int:
     return -(-m // block) * block
 
 
-@jax.custom_vjp
-def _mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return _mosaic_ragged(lhs, rhs, group_sizes, transpose_rhs=False)
-
-
-def _mosaic_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> Any:
-    return _mosaic(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
-
-
-def _mosaic_bwd(res: Any, d_out: jax.Array) -> tuple[Any, Any, None]:
+def _mosaic_weight_grad(lhs: jax.Array, d_out: jax.Array, group_sizes: jax.Array,
+                        num_groups: int, dtype: Any) -> jax.Array:
+    """``d rhs[e] = lhs[rows of e]ᵀ · d_out[rows of e]`` by the transposed kernel."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-    lhs, rhs, group_sizes = res
-    d_out = d_out.astype(lhs.dtype)
-    d_lhs = _mosaic_ragged(d_out, rhs, group_sizes, transpose_rhs=True)
     rows = _mosaic_rows(lhs.shape[0])
-    d_rhs = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+    grad = transposed_ragged_dot_mgpu.transposed_ragged_dot(
         _pad_rows(lhs, rows), _pad_rows(d_out, rows), group_sizes=group_sizes,
         **_MOSAIC_BLOCKS)
-    return d_lhs, d_rhs.astype(rhs.dtype), None
+    return grad.astype(dtype)
 
 
-_mosaic.defvjp(_mosaic_fwd, _mosaic_bwd)
+_mosaic = _with_vjp(_mosaic_ragged, _mosaic_weight_grad)
