@@ -22,11 +22,12 @@ def batches():
                rng.normal(size=(ROWS, D)).astype(np.float32))
 
 
-def one_device_params():
+def one_device_params(opt=None):
+    """The parameters after one-device training on the whole batches (SGD 0.5 by default)."""
     group, _ = jaxpg.new_subgroups(group_size=1)
     model = Net(group, nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    opt = optax.sgd(0.5)
+    opt = opt or optax.sgd(0.5)
     opt_state = opt.init(state)
     for batch in batches():
         grads = jax.grad(lambda s, b=batch: loss_fn(nnx.merge(graphdef, s), b))(state)
@@ -44,8 +45,11 @@ def test_experts_are_averaged_over_dp_only_as_one_device_training(reduction):
     assert w1.sharding.spec[0] == "ep" and w1.addressable_shards[0].data.shape[0] == 2
     for batch in batches():
         ddp.train_step(loss_fn, batch)
-    want = one_device_params()
-    got = jax.tree.leaves(ddp.params)
+    assert_leaves_close(ddp.params, one_device_params())
+
+
+def assert_leaves_close(tree, want):
+    got = jax.tree.leaves(tree)
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)

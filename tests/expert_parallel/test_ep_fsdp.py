@@ -3,27 +3,14 @@ stage: parameters sharded over dp (the experts on top of their ep split), the ex
 gradients averaged over dp only, the rest over both; against one-device SGD and Adam on the
 whole batch; and the errors of the option."""
 
-import jax
-import numpy as np
 import optax
 import pytest
 from _ep_ddp_net import Net, loss_fn
 from flax import nnx
-from test_ep_ddp import batches
+from test_ep_ddp import assert_leaves_close, batches, one_device_params
 
 import jaxpg
 from jaxpg.fsdp import FullyShardedDataParallel
-
-
-def one_device_params(opt):
-    group, _ = jaxpg.new_subgroups(group_size=1)
-    graphdef, state = nnx.split(Net(group, nnx.Rngs(0)))
-    opt_state = opt.init(state)
-    for batch in batches():
-        grads = jax.grad(lambda s, b=batch: loss_fn(nnx.merge(graphdef, s), b))(state)
-        updates, opt_state = opt.update(grads, opt_state, state)
-        state = optax.apply_updates(state, updates)
-    return jax.tree.leaves(state)
 
 
 @pytest.mark.parametrize("stage,opt", [(1, "adam"), (2, "sgd"), (3, "sgd"), (3, "adam")])
@@ -41,11 +28,7 @@ def test_experts_are_averaged_over_dp_only_as_one_device_training(stage, opt):
         assert dense.addressable_shards[0].data.shape == (4, 8)  # over dp, replicated over ep
     for batch in batches():
         fsdp.train_step(loss_fn, batch)
-    want = one_device_params(make_opt())
-    got = jax.tree.leaves(fsdp.full_params())
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+    assert_leaves_close(fsdp.full_params(), one_device_params(make_opt()))
 
 
 def test_expert_axes_errors():
