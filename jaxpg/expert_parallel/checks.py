@@ -10,7 +10,8 @@ __all__ = ["check_moe_args"]
 
 
 def check_moe_args(x: Any, gate_w: Any, w1: Any, w2: Any, ep: int, top_k: Any,
-                   capacity_factor: Any, api: str = "moe") -> tuple[int, int, int, int]:
+                   capacity_factor: Any, api: str = "moe",
+                   replicated_tokens: Any = False) -> tuple[int, int, int, int]:
     """Checks one rank's arguments; returns ``(tokens, d, E, E_local)``.
 
     Raises:
@@ -51,4 +52,9 @@ def check_moe_args(x: Any, gate_w: Any, w1: Any, w2: Any, ep: int, top_k: Any,
             and float(capacity_factor) > 0):
         raise ValueError(f"{api}: capacity_factor={capacity_factor!r} must be a positive "
                          "number, or None for dropless routing.")
+    if not isinstance(replicated_tokens, bool):
+        raise TypeError(f"{api}: replicated_tokens must be a bool; got {replicated_tokens!r}.")
+    if replicated_tokens and tokens % ep:
+        raise ValueError(f"{api}: replicated_tokens=True splits the {tokens} tokens over the "
+                         f"ep={ep} ranks; pass a number of tokens divisible by {ep}.")
     return tokens, d, num_experts, local

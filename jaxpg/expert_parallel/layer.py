@@ -42,8 +42,10 @@ class MoELayer(nnx.Module):
         d_model: the model width ``d``.
         d_hidden: each expert's hidden width ``f``.
         num_experts: ``E``; the group's size must divide it.
-        top_k, capacity_factor, normalize_topk, activation, grouped_matmul: as
-            :func:`~jaxpg.expert_parallel.moe`.
+        top_k, capacity_factor, normalize_topk, activation, grouped_matmul,
+            replicated_tokens: as :func:`~jaxpg.expert_parallel.moe` (``replicated_tokens``:
+            the layer sits in a tensor-parallel region, e.g. a stage of a tensor-parallel
+            pipeline whose model axis is the group).
         group: the expert-parallel group (``mesh.get_group("ep")``, ``mesh["ep"]``, a
             ProcessGroup; None: the world).
         rngs: ``nnx.Rngs``; the router, then ``w1``, then ``w2`` draw from ``rngs.params()``.
@@ -56,9 +58,13 @@ class MoELayer(nnx.Module):
                  activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
                  group: Any = None, rngs: nnx.Rngs | None = None, gate_init: Any = None,
                  w1_init: Any = None, w2_init: Any = None, param_dtype: Any = jnp.float32,
-                 grouped_matmul: str = "auto"):
+                 grouped_matmul: str = "auto", replicated_tokens: bool = False):
         api = "MoELayer"
         self.grouped_matmul = check_grouped_matmul(grouped_matmul, api)
+        if not isinstance(replicated_tokens, bool):
+            raise TypeError(f"{api}: replicated_tokens must be a bool; got "
+                            f"{replicated_tokens!r}.")
+        self.replicated_tokens = replicated_tokens
         self.ep = resolve_ep_group(group, api)
         if num_experts % self.ep.size:
             raise ValueError(f"{api}: num_experts={num_experts} must be divisible by the "
@@ -93,6 +99,7 @@ class MoELayer(nnx.Module):
         y, aux = moe(x.reshape(-1, x.shape[-1]), self.gate_weight[...], self.w1[...],
                      self.w2[...], group=self.ep, top_k=self.top_k,
                      capacity_factor=self.capacity_factor, activation=self.activation,
-                     normalize_topk=self.normalize_topk, grouped_matmul=self.grouped_matmul)
+                     normalize_topk=self.normalize_topk, grouped_matmul=self.grouped_matmul,
+                     replicated_tokens=self.replicated_tokens)
         y = y.reshape(*lead, y.shape[-1])
         return (y, aux) if return_aux else y

@@ -29,6 +29,12 @@ from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
 from jaxpg.expert_parallel.router import route
 from jaxpg.groups import world as _world
 from jaxpg.spmd import SpmdContext, current_context
+from jaxpg.tensor_parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
 
 __all__ = ["MoEAux", "moe", "expert_capacity"]
 
@@ -62,7 +68,17 @@ def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
 def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array, *,
                   group: Any, ep: int, top_k: int, capacity_factor: float | None,
                   activation: Callable[[jax.Array], jax.Array],
-                  normalize_topk: bool, grouped_matmul: str) -> tuple[jax.Array, MoEAux]:
+                  normalize_topk: bool, grouped_matmul: str,
+                  replicated_tokens: bool = False) -> tuple[jax.Array, MoEAux]:
+    check_moe_args(x, gate_w, w1, w2, ep, top_k, capacity_factor,
+                   replicated_tokens=replicated_tokens)
+    axis = None
+    if replicated_tokens and group is not None:
+        # a tensor-parallel region: every rank holds the same tokens; each routes its share,
+        # and Megatron's region operators give the gradients tensor parallelism's rule
+        axis = _group_axis(group)
+        x = scatter_to_tensor_parallel_region(x, axis, dim=0)
+        gate_w = copy_to_tensor_parallel_region(gate_w, axis)
     tokens, _, num_experts, local = check_moe_args(x, gate_w, w1, w2, ep, top_k,
                                                    capacity_factor)
     global_tokens = tokens * ep
@@ -82,13 +98,34 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
     y = jnp.einsum("tk,tkd->td", weights, out.reshape(tokens, top_k, -1)).astype(x.dtype)
     expert_counts = jnp.sum(counts, axis=(0, 1))
     prob_sum = jnp.sum(routing.probs, axis=0)
-    if group is not None:
+    if axis is not None:  # the same loss on every rank: its gradient is not summed again
+        prob_sum = reduce_from_tensor_parallel_region(prob_sum, axis)
+    elif group is not None:
         prob_sum = all_reduce(prob_sum, group=group)
     share = expert_counts.astype(jnp.float32) / (global_tokens * top_k)
     loss = num_experts * jnp.sum(share * prob_sum / global_tokens)
     dropped = (jnp.int32(0) if capacity is None
                else jnp.sum(jnp.maximum(expert_counts - capacity, 0)).astype(jnp.int32))
+    if axis is not None:
+        y = gather_from_tensor_parallel_region(y, axis, dim=0)
     return y, MoEAux(loss, expert_counts.astype(jnp.int32), dropped)
+
+
+def _global_view(x: Any, gate_w: Any, w1: Any) -> bool:
+    """Whether traced code (``jax.jit``, ``jax.eval_shape``) outside SPMD code passes the
+    layer's global arrays: ``x`` ``(tokens, d)`` and every expert, ``w1`` ``(E, d, f)``."""
+    return (any(isinstance(a, jax.core.Tracer) for a in (x, gate_w, w1))
+            and np.ndim(x) == 2 and np.ndim(gate_w) == 2 and np.ndim(w1) == 3
+            and np.shape(w1)[0] == np.shape(gate_w)[1])
+
+
+def _group_axis(group: Any) -> str:
+    """The mesh axis the SPMD code binds for ``group`` (one mesh dimension)."""
+    axes = current_context().layout(group).native_axes
+    if axes is None or len(axes) != 1:
+        raise ValueError(f"moe: replicated_tokens=True needs the expert-parallel group to be "
+                         f"one axis of the mesh the code runs over; {group!r} is not.")
+    return axes[0]
 
 
 def _binds_axis(ep_group: Any, api: str) -> bool:
@@ -119,8 +156,8 @@ def _check_same_on_every_rank(pg: Any, shapes: list[tuple[int, ...]], api: str) 
 def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int = 2,
         capacity_factor: float | None = None,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-        normalize_topk: bool = True, grouped_matmul: str = "auto"
-        ) -> tuple[jax.Array, MoEAux]:
+        normalize_topk: bool = True, grouped_matmul: str = "auto",
+        replicated_tokens: bool = False) -> tuple[jax.Array, MoEAux]:
     """A mixture-of-experts layer with its experts split over ``group`` (expert parallelism).
 
     Each token picks its ``top_k`` experts by ``logits = x @ gate_w``; ``y = Σ weight ·
@@ -147,6 +184,12 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
             routed rows on CPU, jax's Mosaic kernels on Hopper GPUs for 16-bit weights,
             else ``jax.lax.ragged_dot``), or one of ``"tiled"``, ``"mosaic"``, ``"xla"``
             (:mod:`jaxpg.expert_parallel.grouped_matmul`).
+        replicated_tokens: ``x`` is the same on every rank of the group, as inside a
+            tensor-parallel region (a stage of a tensor-parallel pipeline whose model
+            axis is the group): each rank routes its ``1/ep`` share of the tokens (which
+            must divide), and ``y`` is gathered back whole on every rank. Gradients follow
+            tensor parallelism's rule: ``x``'s and ``gate_w``'s are whole on every rank, each
+            expert's is its own.
 
     Returns:
         ``(y, aux)``: ``y`` ``(tokens_local, d)``, and an :class:`MoEAux`.
@@ -166,24 +209,28 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
     pg, ep = ep_group.group, ep_group.size
     options = dict(group=pg, ep=ep, top_k=top_k, capacity_factor=capacity_factor,
                    activation=activation, normalize_topk=normalize_topk,
-                   grouped_matmul=grouped_matmul)
+                   grouped_matmul=grouped_matmul, replicated_tokens=replicated_tokens)
     if current_context() is not None:
         return _moe_per_rank(x, gate_w, w1, w2, **options)
     if _binds_axis(ep_group, api):  # a plain jax.shard_map over the group's mesh
         with SpmdContext(ep_group.mesh, _world.current()):
             return _moe_per_rank(x, gate_w, w1, w2, **options)
-    if ep == 1:  # no communication: plain code on these arrays; jit and grad work
-        return _moe_per_rank(x, gate_w, w1, w2, **{**options, "group": None})
+    if ep == 1 or _global_view(x, gate_w, w1):
+        # no communication: plain code on these arrays (ep = 1, or traced global arrays
+        # holding every expert, which XLA partitions as they are laid out)
+        return _moe_per_rank(x, gate_w, w1, w2, **{**options, "group": None, "ep": 1,
+                                                   "replicated_tokens": False})
     # Host code: this process's ranks' arguments (stacked when it holds several).
     n_local = len(pg.local_members())
     per_rank = [np.shape(a)[1:] if n_local > 1 else np.shape(a) for a in (x, gate_w, w1, w2)]
     if pg._world.multiprocess:  # first, so that every rank takes part before any raises
         _check_same_on_every_rank(pg, [tuple(s) for s in per_rank], api)
     check_moe_args(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in per_rank), ep, top_k,
-                   capacity_factor, api)
+                   capacity_factor, api, replicated_tokens)
 
     def body(lay: Any, x: Any, gate_w: Any, w1: Any, w2: Any) -> Any:
         return _moe_per_rank(x, gate_w, w1, w2, **options)
 
-    static = (top_k, capacity_factor, activation, normalize_topk, grouped_matmul)
+    static = (top_k, capacity_factor, activation, normalize_topk, grouped_matmul,
+              replicated_tokens)
     return run_eager(pg, api, static, body, {"x": x, "gate_w": gate_w, "w1": w1, "w2": w2})

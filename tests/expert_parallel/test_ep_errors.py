@@ -33,8 +33,10 @@ def _run(group, *args, **options):
     (lambda x, g, a, b: (x, g, a, b), {"capacity_factor": 0.0}, r"capacity_factor=0.0"),
     (lambda x, g, a, b: (x, g, a, b), {"grouped_matmul": "megablox"},
      r"grouped_matmul='megablox' must be one of 'auto', 'xla', 'tiled', 'mosaic'"),
+    (lambda x, g, a, b: (x[:3], g, a, b), {"replicated_tokens": True},
+     r"replicated_tokens=True splits the 3 tokens over the ep=2 ranks"),
 ], ids=["E-not-divisible", "top_k-over-E", "top_k-zero", "gate-width", "w1-shape",
-        "w2-shape", "x-rank", "capacity", "grouped-matmul"])
+        "w2-shape", "x-rank", "capacity", "grouped-matmul", "replicated-tokens"])
 def test_bad_arguments_raise_before_running(change, options, match):
     group = jaxpg.new_group([0, 1])
     with pytest.raises(ValueError, match=match):
@@ -65,6 +67,8 @@ def test_layer_checks_its_sizes():
         MoELayer(8, 16, 8, top_k=9, group=group)
     with pytest.raises(ValueError, match="MoELayer: grouped_matmul='dense' must be one of"):
         MoELayer(8, 16, 8, group=group, grouped_matmul="dense")
+    with pytest.raises(TypeError, match="MoELayer: replicated_tokens must be a bool; got 1"):
+        MoELayer(8, 16, 8, group=group, replicated_tokens=1)
     with pytest.raises(TypeError, match="pass rngs=nnx.Rngs"):
         MoELayer(8, 16, 8, group=group)
 

@@ -92,3 +92,52 @@ def test_moe_from_host_code_with_stacked_ranks():
     np.testing.assert_allclose(np.asarray(y).reshape(ep * T, D), y_ref, rtol=TOL, atol=TOL)
     np.testing.assert_allclose(np.asarray(aux.loss), [loss_ref] * ep, rtol=TOL)
     np.testing.assert_array_equal(np.asarray(aux.counts)[1], counts_ref)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("top_k,capacity_factor", [(2, None), (1, 1.0)],
+                         ids=["k2-dropless", "k1-cap1.0"])
+def test_replicated_tokens_follow_tensor_parallelism(ep, top_k, capacity_factor):
+    """Every rank holds all the tokens (a tensor-parallel region) and takes gradients
+    itself, as a tensor-parallel pipeline stage does: y, x's and the router's gradients are
+    the whole one-device ones on every rank, each expert's gradient its own."""
+    x, gate_w, w1, w2, cot = _inputs(ep, seed=2)
+    options = dict(top_k=top_k, capacity_factor=capacity_factor)
+    group = jaxpg.new_group(list(range(ep)))
+
+    def per_rank(x, gate_w, w1, w2, cot):
+        def loss(x, gate_w, w1, w2):
+            y, aux = moe(x, gate_w, w1, w2, group=group, replicated_tokens=True, **options)
+            return jnp.sum(y * cot) + aux.loss, (y, aux)
+        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, gate_w, w1, w2)
+
+    every = lambda a: np.broadcast_to(a, (ep, *a.shape))  # noqa: E731
+    grads, (y, aux) = jax.jit(jaxpg.spmd(per_rank, group=group))(
+        every(x), every(gate_w), w1.reshape(ep, E // ep, D, F), w2.reshape(ep, E // ep, F, D),
+        every(cot))
+    _, want_grads = reference_loss_and_grads(x, gate_w, w1, w2, cot, **options)
+    y_ref, aux_ref, counts_ref, dropped_ref = reference_moe(x, gate_w, w1, w2, **options)
+    for r in range(ep):
+        np.testing.assert_allclose(np.asarray(y[r]), y_ref, rtol=TOL, atol=TOL)
+        np.testing.assert_allclose(np.asarray(grads[0][r]), want_grads[0], rtol=TOL, atol=TOL)
+        np.testing.assert_allclose(np.asarray(grads[1][r]), want_grads[1], rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(grads[2]).reshape(E, D, F), want_grads[2],
+                               rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(grads[3]).reshape(E, F, D), want_grads[3],
+                               rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(aux.loss), np.full(ep, aux_ref), rtol=TOL)
+    np.testing.assert_array_equal(np.asarray(aux.counts), np.tile(counts_ref, (ep, 1)))
+    np.testing.assert_array_equal(np.asarray(aux.dropped), np.full(ep, dropped_ref))
+
+
+def test_traced_global_arrays_outside_spmd_code_run_the_whole_layer():
+    # jax.jit (or eval_shape) of the layer's global arrays, every expert held: plain code
+    # that XLA partitions as the arrays are laid out; the values are the one-device ones.
+    ep = 4
+    x, gate_w, w1, w2, _ = _inputs(ep, seed=3)
+    group = jaxpg.new_group(list(range(ep)))
+    y, aux = jax.jit(lambda *a: moe(*a, group=group, top_k=2))(x, gate_w, w1, w2)
+    y_ref, loss_ref, counts_ref, _ = reference_moe(x, gate_w, w1, w2, top_k=2)
+    np.testing.assert_allclose(np.asarray(y), y_ref, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(float(aux.loss), loss_ref, rtol=TOL)
+    np.testing.assert_array_equal(np.asarray(aux.counts), counts_ref)

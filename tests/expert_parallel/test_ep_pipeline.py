@@ -1,0 +1,81 @@
+"""Expert parallelism inside pipeline stages: a ``("dp", "pp", "ep")`` mesh, each stage a
+block with an ``MoELayer`` over ``ep`` (``replicated_tokens=True``: the stage's activations
+are the same on every ep rank, as in a tensor-parallel stage), run by the lockstep executor
+with ``param_specs``; the loss and every gradient against the un-pipelined model on one
+device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jaxpg
+from jaxpg.expert_parallel import MoELayer
+from jaxpg.pipeline import StagedParams, module_fn, pipeline_value_and_grad
+from jaxpg.tensor_parallel import param_specs
+
+D, F, E, STAGES, BATCH, SEQ = 8, 16, 4, 2, 8, 4
+
+
+class Block(nnx.Module):
+    def __init__(self, group, seed, replicated):
+        rngs = nnx.Rngs(seed)
+        self.ln = nnx.LayerNorm(D, rngs=rngs)
+        self.moe = MoELayer(D, F, E, top_k=2, group=group, rngs=rngs,
+                            replicated_tokens=replicated)
+
+    def __call__(self, x):
+        return x + self.moe(self.ln(x))
+
+
+def _embed(first, ids):
+    return jnp.tanh(ids @ first["w"])
+
+
+def _loss(last, y, targets):
+    return jnp.mean((y @ last["w"] - targets) ** 2)
+
+
+def _data():
+    r = np.random.default_rng(0)
+    first = {"w": jnp.asarray(r.normal(size=(D, D)) / 3, jnp.float32)}
+    last = {"w": jnp.asarray(r.normal(size=(D, 3)) / 3, jnp.float32)}
+    x = jnp.asarray(r.normal(size=(BATCH, SEQ, D)), jnp.float32)
+    t = jnp.asarray(r.normal(size=(BATCH, SEQ, 3)), jnp.float32)
+    return first, last, x, t
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_moe_stages_of_a_dp_pp_ep_pipeline_equal_the_un_pipelined_model(schedule):
+    mesh = jaxpg.init_device_mesh((2, 2, 2), ("dp", "pp", "ep"))
+    one, _ = jaxpg.new_subgroups(group_size=1)
+    blocks = [Block(one, 10 + s, False) for s in range(STAGES)]  # whole arrays, ep = 1
+    first, last, x, t = _data()
+    graph = nnx.split(blocks[0])[0]
+    # host copies: the one-device layers' arrays live on a one-rank group's mesh
+    stages = jax.tree.map(lambda *a: jnp.asarray(np.stack([np.asarray(x) for x in a])),
+                          *[nnx.state(b) for b in blocks])
+
+    def reference(stages, first, last):
+        h = _embed(first, x)
+        for s in range(STAGES):
+            h = nnx.merge(graph, jax.tree.map(lambda a, s=s: a[s], stages))(h)
+        return _loss(last, h, t)
+
+    want, want_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(
+        stages, first, last)
+
+    template = Block(mesh["ep"], 10, True)  # the stage's code and one stage's specs
+    ep_graph, ep_state = nnx.split(template)
+    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    specs = StagedParams(param_specs(ep_state), replicated(first), replicated(last))
+    loss, grads = pipeline_value_and_grad(
+        module_fn(ep_graph), _loss, StagedParams(stages, first, last), x, t, mesh=mesh,
+        schedule=schedule, num_microbatches=2, first_fn=_embed, param_specs=specs)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    for got, exp in ((grads.stages, want_grads[0]), (grads.first, want_grads[1]),
+                     (grads.last, want_grads[2])):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(exp), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
