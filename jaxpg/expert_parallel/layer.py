@@ -42,10 +42,11 @@ class MoELayer(nnx.Module):
         d_model: the model width ``d``.
         d_hidden: each expert's hidden width ``f``.
         num_experts: ``E``; the group's size must divide it.
-        top_k, capacity_factor, normalize_topk, activation, grouped_matmul,
-            replicated_tokens: as :func:`~jaxpg.expert_parallel.moe` (``replicated_tokens``:
-            the layer sits in a tensor-parallel region, e.g. a stage of a tensor-parallel
-            pipeline whose model axis is the group).
+        top_k, capacity_factor, normalize_topk, activation, grouped_matmul: as
+            :func:`~jaxpg.expert_parallel.moe`.
+        replicated_tokens: as :func:`~jaxpg.expert_parallel.moe`: the layer sits in a
+            tensor-parallel region, e.g. a stage of a tensor-parallel pipeline whose model
+            axis is the group.
         group: the expert-parallel group (``mesh.get_group("ep")``, ``mesh["ep"]``, a
             ProcessGroup; None: the world).
         rngs: ``nnx.Rngs``; the router, then ``w1``, then ``w2`` draw from ``rngs.params()``.
