@@ -7,7 +7,6 @@ device."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -47,8 +46,7 @@ def _data():
     return first, last, x, t
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_moe_stages_of_a_dp_pp_ep_pipeline_equal_the_un_pipelined_model(schedule):
+def test_moe_stages_of_a_dp_pp_ep_pipeline_equal_the_un_pipelined_model():
     mesh = jaxpg.init_device_mesh((2, 2, 2), ("dp", "pp", "ep"))
     one, _ = jaxpg.new_subgroups(group_size=1)
     blocks = [Block(one, 10 + s, False) for s in range(STAGES)]  # whole arrays, ep = 1
@@ -73,7 +71,7 @@ def test_moe_stages_of_a_dp_pp_ep_pipeline_equal_the_un_pipelined_model(schedule
     specs = StagedParams(param_specs(ep_state), replicated(first), replicated(last))
     loss, grads = pipeline_value_and_grad(
         module_fn(ep_graph), _loss, StagedParams(stages, first, last), x, t, mesh=mesh,
-        schedule=schedule, num_microbatches=2, first_fn=_embed, param_specs=specs)
+        schedule="1f1b", num_microbatches=2, first_fn=_embed, param_specs=specs)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
     for got, exp in ((grads.stages, want_grads[0]), (grads.first, want_grads[1]),
                      (grads.last, want_grads[2])):
