@@ -190,7 +190,15 @@ def run_attempt(args: argparse.Namespace, nodes: Any, attempt: int, port: int,
         finally:
             group.stop(args.grace_period)
             group.join_output()
-        for rank in failed_ranks[:8]:
+        # A rank that was still ending on its own error when the others were stopped (its
+        # exit slowed by load, after a peer had already named it lost) is named too: its
+        # own exit code, not a signal's.
+        stopped = (128 + signal.SIGTERM, 128 + signal.SIGKILL)
+        late = [(r, rc) for r, rc in group.failed()
+                if rc > 0 and rc not in stopped and r not in failed_ranks]
+        for rank, rc in late:
+            _say(f"rank {rank} exited with code {rc} on its own while the others were stopped")
+        for rank in (failed_ranks + [r for r, _ in late])[:8]:
             if (diagnosis := group.diagnosis(rank)) is not None:
                 _say(f"rank {rank}: {diagnosis}")
     finally:

@@ -120,9 +120,13 @@ def test_chained_faults_each_resume_to_the_uninterrupted_parameters(tmp_path, re
     resumed = {int(a): int(s) for s, a in
                re.findall(r"\[rank 0\] RESUMED step=(\d+) attempt=(\d+)", result.stdout)}
     assert sorted(resumed) == list(range(len(CHAIN) + 1)), result.stdout[-3000:]
-    # raise:1:2: named first, or listed if rank 0's own error exit was seen in the same poll
+    # raise:1:2: named first, or listed if rank 0's own error exit was seen in the same poll,
+    # or (a loaded machine, where rank 1's exit outlasts rank 0's finding it lost) named by
+    # rank 0's error, which the launcher quotes
     assert "RuntimeError: rank 1 fails at step 2" in ended[0]
-    assert re.search(r"rank 1 (exited )?with code 1", ended[0]), ended[0][-2000:]
+    assert re.search(r"rank 1 (exited )?with code 1|\[jaxpg-run\] rank 0: DistNetworkError: "
+                     r"barrier #\d+ on group 'WORLD': lost ranks \[1\]", ended[0]), \
+        ended[0][-2000:]
     assert resumed[1] == 2
     # ckpt:0:3: the last complete checkpoint, not the partial 3
     assert "dying while committing checkpoint 3" in result.stdout

@@ -349,3 +349,27 @@ def test_a_master_port_in_use_is_named_not_a_crash():
     assert result.returncode == 1
     assert f"port {port} is in use on this machine" in result.stderr
     assert "ENV" not in result.stdout  # no worker started
+
+
+def test_a_rank_ending_with_its_own_code_while_the_others_stop_is_named_too(tmp_path):
+    # rank 1 is still ending on its own error (here: when the stop reaches it) after rank 0
+    # failed: the launcher names it with its own exit code, not only the first failure
+    worker, ready = tmp_path / "late.py", tmp_path / "ready"
+    worker.write_text(
+        "import os, signal, sys, time\n"
+        "if os.environ['RANK'] == '0':  # fails once rank 1's handler is in place\n"
+        f"    deadline = time.monotonic() + 60\n"
+        f"    while not os.path.exists({str(ready)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    sys.exit(3)\n"
+        "def late(*_):\n"
+        "    print('RuntimeError: rank 1 fails late', file=sys.stderr, flush=True)\n"
+        "    os._exit(5)\n"
+        "signal.signal(signal.SIGTERM, late)\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "time.sleep(60)\n")
+    result = launch("--nproc-per-node", "2", str(worker))
+    assert result.returncode == 3, result.stderr
+    assert "rank 0 exited with code 3; stopping the other workers" in result.stderr
+    assert "rank 1 exited with code 5 on its own while the others were stopped" in \
+        result.stderr, result.stderr
