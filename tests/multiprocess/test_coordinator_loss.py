@@ -24,8 +24,10 @@ CPP_ABORTS = ("Terminating process because", "Check failure stack trace", "termi
               "exception not rethrown")
 
 
-def _start(world: int, case: str) -> list[subprocess.Popen]:
+def _start(world: int, case: str, handshake: Path | None = None) -> list[subprocess.Popen]:
     env = child_env()
+    if handshake is not None:
+        env["JAXPG_TEST_HANDSHAKE_DIR"] = str(handshake)
     # docs/launcher.md: a heartbeat timeout under 10 s declares live ranks dead on a loaded
     # machine. The group timeout (40 s) stays well above it, so a lost rank is found by the
     # heartbeat (DistNetworkError), never by the group timeout.
@@ -86,12 +88,12 @@ def test_lost_rank0_is_a_named_python_error_in_every_survivor(case, world):
 
 
 @pytest.mark.slow
-def test_store_get_waiting_on_a_lost_rank_names_it():
+def test_store_get_waiting_on_a_lost_rank_names_it(tmp_path):
     """A ``TCPStore.get`` (and ``wait``, ``multi_get``) whose key only the lost rank would set
     raises ``DistNetworkError`` naming it within the heartbeat timeout, not a bare timeout
     after the store's 300 s; so do ``new_group``'s store barrier and ``save_checkpoint``
     (docs/debugging.md, "A lost rank")."""
-    procs = _start(3, "storeget")
+    procs = _start(3, "storeget", tmp_path)
     try:
         outs = [p.communicate(timeout=150)[0] for p in procs]  # 3 starts: ~90 s at load 35
     finally:

@@ -10,8 +10,9 @@ Every rank runs one all_reduce (the world works), then CASE:
 * ``raise``: rank 1 raises before the second all_reduce (a Python error, exit code 1);
 * ``storeget``: every rank makes a DDP, then rank 1 dies (SIGKILL); the others wait in
   ``TCPStore.get`` for a key only rank 1 would set (store timeout 300 s): ``wait`` and
-  ``multi_get``, then ``new_group`` and ``save_checkpoint`` (each caught), then ``get``,
-  instead of the second all_reduce;
+  ``multi_get``, then ``new_group`` and ``save_checkpoint`` (each caught), then, once every
+  survivor got there (files in ``$JAXPG_TEST_HANDSHAKE_DIR``), ``get``, instead of the
+  second all_reduce;
 * ``exit3``: rank 1 SIGSTOPs itself; rank 0 catches the second all_reduce's error (its
   collective thread stays stuck in XLA) and calls ``sys.exit(3)``;
 * ``none``: no fault.
@@ -77,6 +78,14 @@ if case == "storeget":
             call()
         except jaxpg.DistNetworkError as err:
             print(f"CAUGHT {name} DistNetworkError: {err}", flush=True)
+    # The survivors end together: one that ran through its calls first and exited would
+    # be lost too by the time a slower one (a loaded machine) first asks who is.
+    handshake = os.environ["JAXPG_TEST_HANDSHAKE_DIR"]
+    open(os.path.join(handshake, f"done{rank}"), "w").close()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(handshake, f"done{r}")) for r in range(world) if r != 1):
+        time.sleep(0.05)
     store.get("set by rank 1")
 y = jaxpg.all_reduce(jnp.ones(4) * (rank + 1))
 print(f"DONE {float(y[0])}", flush=True)
