@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["ShardLayout", "make_layouts", "pad_leaf", "unpad_leaf", "layout_bytes"]
+__all__ = ["ShardLayout", "make_layouts", "pad_leaf", "unpad_leaf", "layout_bytes", "spec_axes"]
 
 
 def _spec_entries(spec: P, ndim: int) -> list[Any]:
@@ -44,6 +44,11 @@ def _spec_entries(spec: P, ndim: int) -> list[Any]:
     if len(entries) > ndim:
         raise ValueError(f"{spec=} has more entries than the array's {ndim} dimensions.")
     return entries
+
+
+def spec_axes(spec: P) -> set[Hashable]:
+    """The mesh axes a ``PartitionSpec`` names, in any of its entries."""
+    return {a for entry in spec for a in _as_tuple(entry)}
 
 
 def _as_tuple(entry: Any) -> tuple[Hashable, ...]:

@@ -48,6 +48,7 @@ from jaxpg.data_parallel.sequence_batch import (
     sample_axes,
     sequence_batch_specs,
 )
+from jaxpg.data_parallel.shard_layout import spec_axes
 
 __all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank",
            "dense_leaves", "with_experts_reduced"]
@@ -134,9 +135,6 @@ def _group_axes(mesh: Mesh, pg: Any) -> tuple[str, ...] | None:
     return None
 
 
-def _named(spec: P) -> set[str]:
-    return {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))}
-
 
 def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataParallel",
                 expert_axes: tuple[str, ...] = (),
@@ -208,7 +206,7 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
         if _leaf_mesh(x) != mesh:
             return P()
         s = x.sharding.spec
-        split = _named(s) & set(axes) - set(allowed)
+        split = spec_axes(s) & set(axes) - set(allowed)
         if split:
             why = ("DDP replicates parameters over them (sharded data parallelism is FSDP's; "
                    "experts split over an expert-parallel axis: name it in expert_axes)"
@@ -223,7 +221,7 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
 
     with_path = jax.tree_util.tree_map_with_path
     param_specs = with_path(lambda p, x: spec(p, x, expert_axes), params)
-    reduce_axes = jax.tree.map(lambda s: tuple(a for a in axes if a not in _named(s)),
+    reduce_axes = jax.tree.map(lambda s: tuple(a for a in axes if a not in spec_axes(s)),
                                param_specs, is_leaf=lambda s: isinstance(s, P))
     return StepLayout(mesh, axes, param_specs, with_path(spec, rest), True, reduce_axes,
                       sequence)
@@ -318,7 +316,7 @@ def _from_first(xs: list, specs: list, axes: tuple[str, ...], mesh: Mesh,
                 broadcast: bool) -> list:
     """Fresh copies of global arrays; with ``broadcast``, data-parallel rank 0's values over
     the data-parallel axes each is replicated on (an expert keeps its own block over ep)."""
-    leaf_axes = [tuple(a for a in axes if a not in _named(P(*s))) for s in specs]
+    leaf_axes = [tuple(a for a in axes if a not in spec_axes(P(*s))) for s in specs]
 
     def first_of(v, over):
         if not over:

@@ -69,12 +69,11 @@ def resolve_grouped_matmul(impl: str, lhs: Any, rhs: Any) -> str:
     Raises:
         ValueError: ``"mosaic"`` asked for where it cannot run, with the reason.
     """
-    why_not = mosaic_applies(lhs, rhs)
     if impl == "auto":
         if jax.default_backend() == "cpu":
             return "tiled"
-        return "mosaic" if why_not is None else "xla"
-    if impl == "mosaic" and why_not is not None:
+        return "mosaic" if mosaic_applies(lhs, rhs) is None else "xla"
+    if impl == "mosaic" and (why_not := mosaic_applies(lhs, rhs)) is not None:
         raise ValueError(f"grouped_matmul='mosaic' cannot run here: {why_not}. Use 'auto'.")
     return impl
 
@@ -121,13 +120,18 @@ def _work_items(group_sizes: jax.Array, num_tiles: int) -> tuple[jax.Array, ...]
     return last_item[-1], group, tile, starts, ends
 
 
+def _round_up(m: int, block: int) -> int:
+    """``m`` rounded up to whole blocks."""
+    return -(-m // block) * block
+
+
 def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
 
 
 def _tile_loop(body: Any, init: Any, group_sizes: jax.Array, m: int) -> Any:
     """Runs ``body(group, row0, mask, carry)`` over the work items; returns the carry."""
-    num_tiles = -(-m // TILE_ROWS)
+    num_tiles = _round_up(m, TILE_ROWS) // TILE_ROWS
     count, group, tile, starts, ends = _work_items(group_sizes, num_tiles)
     offsets = jnp.arange(TILE_ROWS, dtype=jnp.int32)
 
@@ -145,7 +149,7 @@ def _tiled_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                    transpose_rhs: bool) -> jax.Array:
     """``lhs[r] @ rhs[e(r)]`` (``rhs[e]ᵀ`` when ``transpose_rhs``)."""
     m = lhs.shape[0]
-    padded = -(-m // TILE_ROWS) * TILE_ROWS
+    padded = _round_up(m, TILE_ROWS)
     lhs_p = _pad_rows(lhs, padded)
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -167,7 +171,7 @@ def _tiled_weight_grad(lhs: jax.Array, d_out: jax.Array, group_sizes: jax.Array,
                        num_groups: int, dtype: Any) -> jax.Array:
     """``d rhs[e] = lhs[rows of e]ᵀ · d_out[rows of e]``: ``(E, k, n)``."""
     m = lhs.shape[0]
-    padded = -(-m // TILE_ROWS) * TILE_ROWS
+    padded = _round_up(m, TILE_ROWS)
     lhs_p, d_out_p = _pad_rows(lhs, padded), _pad_rows(d_out, padded)
 
     def body(e: jax.Array, row0: jax.Array, mask: jax.Array, grad: jax.Array) -> jax.Array:
@@ -225,8 +229,7 @@ def _mosaic_ragged(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
 def _mosaic_rows(m: int) -> int:
     """Rows padded to whole blocks: the kernels' memory tiling needs it (zero rows, unused)."""
-    block = _MOSAIC_BLOCKS["block_m"]
-    return -(-m // block) * block
+    return _round_up(m, _MOSAIC_BLOCKS["block_m"])
 
 
 def _mosaic_weight_grad(lhs: jax.Array, d_out: jax.Array, group_sizes: jax.Array,

@@ -70,8 +70,9 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
                   activation: Callable[[jax.Array], jax.Array],
                   normalize_topk: bool, grouped_matmul: str,
                   replicated_tokens: bool = False) -> tuple[jax.Array, MoEAux]:
-    check_moe_args(x, gate_w, w1, w2, ep, top_k, capacity_factor,
-                   replicated_tokens=replicated_tokens)
+    tokens, _, num_experts, local = check_moe_args(x, gate_w, w1, w2, ep, top_k,
+                                                   capacity_factor,
+                                                   replicated_tokens=replicated_tokens)
     axis = None
     if replicated_tokens and group is not None:
         # a tensor-parallel region: every rank holds the same tokens; each routes its share,
@@ -79,8 +80,7 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
         axis = _group_axis(group)
         x = scatter_to_tensor_parallel_region(x, axis, dim=0)
         gate_w = copy_to_tensor_parallel_region(gate_w, axis)
-    tokens, _, num_experts, local = check_moe_args(x, gate_w, w1, w2, ep, top_k,
-                                                   capacity_factor)
+        tokens //= ep
     global_tokens = tokens * ep
     capacity = expert_capacity(capacity_factor, global_tokens, top_k, num_experts)
     routing = route(x, gate_w, top_k, normalize_topk)

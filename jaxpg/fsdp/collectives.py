@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpg.data_parallel.shard_layout import ShardLayout
+from jaxpg.data_parallel.shard_layout import ShardLayout, spec_axes
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["Comm", "divide_factors", "gather_leaf", "reduce_leaf", "allreduce_leaf",
@@ -59,9 +59,7 @@ class Comm:
     def extra_axes(self, layout: ShardLayout) -> tuple[Hashable, ...]:
         """The expert-parallel axes ``layout``'s gradient is summed over besides the shard
         and replica axes: all of them for a dense parameter, none for an expert."""
-        named = {a for e in layout.base_spec if e is not None
-                 for a in (e if isinstance(e, tuple) else (e,))}
-        return () if named & set(self.expert_axes) else self.expert_axes
+        return () if spec_axes(layout.base_spec) & set(self.expert_axes) else self.expert_axes
 
 
 def divide_factors(n: int, dtype: Any) -> tuple[float | None, float | None]:
