@@ -92,8 +92,12 @@ class ShardGroup:
     @property
     def size(self) -> int:
         """All data-parallel ranks of the group (shards x replicas x expert-parallel ranks)."""
-        return self.num_shards * self.num_replicas * math.prod(
-            self.mesh.shape[a] for a in self.expert_axes)
+        return self.num_shards * self.num_replicas * self.num_expert_ranks
+
+    @property
+    def num_expert_ranks(self) -> int:
+        """Ranks along the expert axes (1 without them)."""
+        return math.prod(self.mesh.shape[a] for a in self.expert_axes)
 
     def local_count(self) -> int:
         """Devices of the mesh held by this process."""
@@ -205,8 +209,8 @@ class ShardGroup:
             rep = "x".join(map(str, self.replicate_axes))
             shard = f"replicate over {rep} ({self.num_replicas}) x {shard}"
         if self.expert_axes:
-            sizes = math.prod(self.mesh.shape[a] for a in self.expert_axes)
-            shard += f", experts split over {'x'.join(map(str, self.expert_axes))} ({sizes})"
+            shard += (f", experts split over {'x'.join(map(str, self.expert_axes))} "
+                      f"({self.num_expert_ranks})")
         if self.model_axes:
             sizes = math.prod(self.mesh.shape[a] for a in self.model_axes)
             shard += f", model split over {'x'.join(map(str, self.model_axes))} ({sizes})"
