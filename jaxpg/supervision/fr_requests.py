@@ -133,7 +133,7 @@ def _stop_thread() -> None:
         return
     _s.stopping.set()
     if thread is not threading.current_thread():
-        thread.join(timeout=2.0)
+        thread.join(timeout=10.0)  # out of its RPC (liveness.stop says why)
 
 
 def stop() -> None:

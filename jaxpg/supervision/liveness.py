@@ -176,8 +176,9 @@ def stop(leaving: bool = False) -> None:
     monitor.stop()
     if threading.current_thread() is not monitor._thread:
         # out of its RPC before the interpreter ends: a daemon thread woken inside C++
-        # during finalization aborts the process
-        monitor._thread.join(timeout=2.0)
+        # during finalization aborts the process ("FATAL: exception not rethrown"); an RPC
+        # of a loaded machine can take seconds
+        monitor._thread.join(timeout=10.0)
     if leaving and not monitor.aborted:
         try:
             monitor._client.key_value_set(f"{_LEFT}{monitor._me}", "1")
