@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _arrays
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _arrays import allclose  # noqa: E402
 from _ddp_models import MLP, Reference, group, loss_fn, make_batches  # noqa: E402, F401
 
 import jaxpg  # noqa: E402
@@ -30,7 +32,7 @@ def check(name, cond=True):
 def close(a, b, tol=1e-5):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(
-        np.allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+        allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
         for x, y in zip(la, lb, strict=True))
 
 

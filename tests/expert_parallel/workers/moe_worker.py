@@ -6,11 +6,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _arrays
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _arrays import allclose  # noqa: E402
 from _ep_ddp_net import Net, loss_fn  # noqa: E402
 from _moe_reference import reference_loss_and_grads, reference_moe  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -80,14 +82,14 @@ def case(name, group, ep, top_k, capacity_factor, seed):
     rows = slice(me * T, (me + 1) * T)
     experts = slice(me * local, (me + 1) * local)
     gate_sum = jaxpg.all_reduce(jnp.asarray(mine(grads[1])), group=group)  # ranks' parts
-    ok = (np.allclose(mine(y), y_ref[rows], rtol=TOL, atol=TOL)
-          and np.allclose(mine(aux.loss), loss_ref, rtol=TOL)
+    ok = (allclose(mine(y), y_ref[rows], rtol=TOL, atol=TOL)
+          and allclose(mine(aux.loss), loss_ref, rtol=TOL)
           and np.array_equal(mine(aux.counts), counts_ref)
           and int(mine(aux.dropped)) == dropped_ref
-          and np.allclose(mine(grads[0]), want[0][rows], rtol=TOL, atol=TOL)
-          and np.allclose(np.asarray(gate_sum), want[1], rtol=TOL, atol=TOL)
-          and np.allclose(mine(grads[2]), want[2][experts], rtol=TOL, atol=TOL)
-          and np.allclose(mine(grads[3]), want[3][experts], rtol=TOL, atol=TOL))
+          and allclose(mine(grads[0]), want[0][rows], rtol=TOL, atol=TOL)
+          and allclose(np.asarray(gate_sum), want[1], rtol=TOL, atol=TOL)
+          and allclose(mine(grads[2]), want[2][experts], rtol=TOL, atol=TOL)
+          and allclose(mine(grads[3]), want[3][experts], rtol=TOL, atol=TOL))
     check(name, ok and (capacity_factor is None or dropped_ref > 0))  # the capacity drops
 
 
@@ -124,7 +126,7 @@ def ddp_case(mesh, ep2):
     whole = nnx.state(ddp.module)  # gathered: every process holds the full arrays
     got, want = jax.tree.leaves(whole), jax.tree.leaves(state)
     check("ddp_expert_axes", len(got) == len(want) and all(
-        np.allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+        allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
         for g, w in zip(got, want, strict=True)))
 
 
@@ -144,8 +146,8 @@ def main():
     y, aux = moe(x, gate_w, w1[rank * 2:rank * 2 + 2], w2[rank * 2:rank * 2 + 2], group=world)
     xs = np.concatenate([rank_inputs(5, r, 4)[0] for r in range(4)])
     y_ref, loss_ref, _, _ = reference_moe(xs, gate_w, w1, w2, top_k=2)
-    check("host_call", np.allclose(np.asarray(y), y_ref[rank * T:(rank + 1) * T], atol=TOL)
-          and np.allclose(float(aux.loss), loss_ref, rtol=TOL))
+    check("host_call", allclose(np.asarray(y), y_ref[rank * T:(rank + 1) * T], atol=TOL)
+          and allclose(float(aux.loss), loss_ref, rtol=TOL))
     # Experts of another shape on one rank: a clear error on every rank, before running.
     narrow = rank == 0  # rank 0's experts are 8 wide, the others' 16: each valid alone
     try:

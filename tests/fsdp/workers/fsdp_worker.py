@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _arrays
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "pipeline"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _arrays import allclose  # noqa: E402
 from _fsdp_models import HIDDEN, Block, Net, Reference, loss_fn, make_batches  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -37,7 +39,7 @@ def check(name, cond=True):
 def close(a, b, tol=1e-5):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(
-        np.allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=tol, atol=tol)
+        allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=tol, atol=tol)
         for x, y in zip(la, lb, strict=True))
 
 

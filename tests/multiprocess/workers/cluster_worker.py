@@ -17,11 +17,15 @@ the NotImplementedError it must raise, ``TIME <part>`` and ``DONE``; any mismatc
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _arrays
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _arrays import allclose
 from collectives_worker import check, close, data
 from flax import nnx
 
@@ -209,7 +213,7 @@ def _same_as_whole_batch_sgd(got, x, y) -> bool:
     want = params
     for _ in range(2):
         want = sgd(want, {"x": x, "y": y})
-    return all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    return all(allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
 
 
@@ -248,8 +252,8 @@ def pipeline_step(me: int, n: int, mpi: bool) -> None:
     params, x, t = w.data()
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(
         lambda p: w.mse(None, w.stage(p, x), t)))(params)
-    ok = np.allclose(np.asarray(loss), ref_loss, rtol=1e-5) and all(
-        np.allclose(np.asarray(grads[k]).reshape(ref.shape), ref, rtol=1e-4, atol=1e-5)
+    ok = allclose(np.asarray(loss), ref_loss, rtol=1e-5) and all(
+        allclose(np.asarray(grads[k]).reshape(ref.shape), ref, rtol=1e-4, atol=1e-5)
         for k, ref in ref_grads.items())
     check("pipeline_step", ok)
 

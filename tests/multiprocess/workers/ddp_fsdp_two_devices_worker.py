@@ -7,6 +7,7 @@ mismatch raises."""
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _arrays
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ddp"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fsdp"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tensor_parallel"))
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tensor_parallel" /
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _arrays import allclose  # noqa: E402
 from _ddp_models import MLP, Reference, loss_fn, make_batches  # noqa: E402
 from _fsdp_models import Block, Net  # noqa: E402
 from _fsdp_models import Reference as FsdpReference  # noqa: E402
@@ -36,7 +38,7 @@ def check(name, cond):
 def close(a, b, tol=1e-5):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(
-        np.allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol) for x, y in zip(la, lb))
+        allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol) for x, y in zip(la, lb))
 
 
 jaxpg.init_process_group()

@@ -1,10 +1,16 @@
 """The forms of every API that takes devices, one device per process (under jaxpg-run),
 each checked against a local reference. Prints ``CHECK <name> ok``; a mismatch raises."""
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _arrays
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _arrays import allclose
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -24,7 +30,7 @@ def check(name, cond=True):
 
 
 def close(a, b):
-    return all(np.allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    return all(allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
@@ -40,12 +46,12 @@ def main():
     x = jnp.full((3,), rank + 1.0)
     want = np.full(3, world * (world + 1) / 2)
     got = [jaxpg.all_reduce(x, group=g) for g in (None, dims.get_group("dp_shard"), dims["dp"])]
-    check("collectives", all(np.allclose(np.asarray(g), want) for g in got))
+    check("collectives", all(allclose(np.asarray(g), want) for g in got))
     f = jaxpg.spmd(lambda v: jaxpg.all_reduce(v, group=dims["dp_shard"]), mesh=dims,
                    in_specs=P(ORDER), out_specs=P(ORDER))
     out = f(jax.make_array_from_process_local_data(
         jax.sharding.NamedSharding(dims.jax_mesh, P(ORDER)), np.asarray(x)[None]))
-    check("spmd_mesh", np.allclose(np.asarray(out.addressable_data(0))[0], want))
+    check("spmd_mesh", allclose(np.asarray(out.addressable_data(0))[0], want))
 
     k1, k2 = jax.random.split(jax.random.key(1))
     batch = {"x": jax.random.normal(k1, (4 * world, 4)), "y": jax.random.normal(k2, (4 * world, 2))}
@@ -70,7 +76,7 @@ def main():
                                    ColwiseParallel())
         y = jax.jit(lambda m, v: m(v), out_shardings=jax.sharding.NamedSharding(
             tp_dims.jax_mesh, P()))(model, xs)
-        check(name, np.allclose(np.asarray(y.addressable_data(0)), np.asarray(dense(xs)),
+        check(name, allclose(np.asarray(y.addressable_data(0)), np.asarray(dense(xs)),
                                 rtol=1e-5, atol=1e-6))
 
     ws = jax.random.normal(jax.random.key(3), (world, 3, 3)) * 0.5
@@ -94,7 +100,7 @@ def main():
                        ("pipeline_parallel_dims", jaxpg.ParallelDims(pp=world))]:
         loss, _ = pipeline_value_and_grad(block, head_loss, StagedParams(ws, (), ()), xp, tp_,
                                           mesh=form, schedule="gpipe", num_microbatches=2)
-        check(name, np.allclose(float(loss), float(want_loss), rtol=1e-5))
+        check(name, allclose(float(loss), float(want_loss), rtol=1e-5))
     jaxpg.destroy_process_group()
 
 

@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _arrays
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _arrays import allclose  # noqa: E402
 from _tp_models import Block, block_plan  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -51,7 +53,7 @@ def same_shards(global_array, full, tol=TOL) -> bool:
     full = np.asarray(full)
     shards = global_array.addressable_shards
     return bool(shards) and global_array.shape == full.shape and all(
-        np.allclose(np.asarray(s.data), full[s.index], rtol=tol, atol=tol) for s in shards)
+        allclose(np.asarray(s.data), full[s.index], rtol=tol, atol=tol) for s in shards)
 
 
 def spmd_value_and_grad(loss, mesh, state, x, x_spec=None, reduce_loss=False):
@@ -107,7 +109,7 @@ def paddle_layers(mesh4):
     want_local = np.asarray(x @ w["a"] + w["ab"])[:, rank * 4:(rank + 1) * 4]
     whole = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)  # replicated output
     check("paddle_host_local_output", local.shape == (4, 4)
-          and np.allclose(np.asarray(local), want_local, atol=TOL)
+          and allclose(np.asarray(local), want_local, atol=TOL)
           and same_shards(whole, jax.nn.gelu(x @ w["a"] + w["ab"]) @ w["b"] + w["bb"]))
 
 
@@ -143,7 +145,6 @@ def vocab_loss(mesh22):
     check("vocab_parallel_cross_entropy_tp2", abs(float(got) - float(want)) < TOL
           and same_shards(g_["emb"]["weight"][...], wg["e"])
           and same_shards(g_["head"]["weight"][...], wg["h"]))
-
 
 
 def dp_ranks_here(mesh) -> list[int]:
@@ -247,12 +248,12 @@ def against_torch(torch_port: int):
     for name in ("up", "down"):  # torch's [out, in] weights: Shard(0) for up, Shard(1) down
         tw = getattr(tmodel, name).weight.to_local().detach().numpy()
         mine = ddp.params[name]["kernel"][...].addressable_shards[0].data
-        ok = ok and tw.shape == np.asarray(mine).T.shape and np.allclose(
+        ok = ok and tw.shape == np.asarray(mine).T.shape and allclose(
             np.asarray(mine).T, tw, atol=1e-6)
         tb = getattr(tmodel, name).bias
         tb = (tb.to_local() if hasattr(tb, "to_local") else tb).detach().numpy()
         mine_b = ddp.params[name]["bias"][...].addressable_shards[0].data
-        ok = ok and np.allclose(np.asarray(mine_b), tb, atol=1e-6)
+        ok = ok and allclose(np.asarray(mine_b), tb, atol=1e-6)
     check("torch_parallelize_module_6_sgd_steps_tp4", ok)
     dist.destroy_process_group()
 
