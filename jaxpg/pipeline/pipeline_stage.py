@@ -26,6 +26,19 @@ to ``grads``: ``grads`` is then the gradient of the global batch's mean loss, th
 every replica, and one optax update keeps the replicas equal. ``losses`` stay each
 replica's own microbatches'.
 
+**Tensor-parallel stages** (torchtitan's PP x TP): on a ``("pp", "tp")`` mesh (or ``("dp",
+"pp", "tp")``), one process per device, model stage ``s`` is held by the tp processes of
+pp coordinate ``s``. Each of them parallelizes its stage's module over ``mesh["tp"]``
+(``parallelize_module(module, mesh["tp"], plan)``) and passes
+``PipelineStage(module, s, n, group=mesh["pp"], tensor_parallel_group=mesh["tp"])``
+(``None`` infers the group from the module's arrays, as torch reads a DTensor's mesh). The
+module's arrays move onto the stage's own mesh (the tp group's devices; each device keeps
+its shard), its forward and backward run as SPMD programs over the tp group
+(``jaxpg.pipeline.stage_tp``), activations are replicated over tp and travel between the
+same tp ranks of neighbouring stages, and ``grads`` keep the parameters' own tp-sharded
+layout, so an optax update over them trains the stage. Every process of a stage calls
+``step`` with the same inputs (the first stage) or targets (the last).
+
 Example (two processes, ``jaxpg-run --nproc-per-node 2``)::
 
     stage = PipelineStage(my_stage_module, jaxpg.get_rank(), 2)
@@ -53,6 +66,8 @@ from jaxpg.groups import world
 from jaxpg.groups.device_mesh import DeviceMesh
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.resolve import resolve_group
+from jaxpg.pipeline.stage_tp import stage_tensor_parallel
+from jaxpg.pipeline.stage_tp_programs import tp_output_structs
 
 __all__ = ["PipelineStage"]
 
@@ -100,11 +115,15 @@ class PipelineStage:
         data_parallel_group: the data-parallel group of this stage's replicas (e.g.
             ``mesh["dp"]``: the processes holding the same stage of the other pipelines),
             whose step gradients are averaged; None: no data parallelism.
+        tensor_parallel_group: the tensor-parallel group holding this stage (e.g.
+            ``mesh["tp"]``: the processes of this pp coordinate), over which ``module``
+            was parallelized; None: inferred from the module (a plain module has none).
     """
 
     def __init__(self, module: nnx.Module, stage_index: int, num_stages: int,
                  device: Any = None, *, input_args: Any = None, output_args: Any = None,
-                 group: Any = None, data_parallel_group: Any = None) -> None:
+                 group: Any = None, data_parallel_group: Any = None,
+                 tensor_parallel_group: Any = None) -> None:
         if not isinstance(module, nnx.Module):
             raise TypeError(f"PipelineStage module must be a flax.nnx.Module, got "
                             f"{type(module).__name__}.")
@@ -135,8 +154,12 @@ class PipelineStage:
                                  for a in _as_tuple(input_args)))  # fmt: skip
         self.output_args = output_args
         self.grads: nnx.State | None = None
-        self.graphdef = nnx.graphdef(module)
         self.dp_group = self._data_parallel_group(data_parallel_group)
+        found = stage_tensor_parallel(module, tensor_parallel_group, device=self.device,
+                                      me=self.group.ranks[self.group_rank], pipeline=self.group,
+                                      data_parallel=self.dp_group)
+        self.tp_group, self.tp = found if found is not None else (None, None)
+        self.graphdef = nnx.graphdef(module)
 
     def _data_parallel_group(self, given: Any) -> ProcessGroup | None:
         """``data_parallel_group=`` resolved and checked against the pipeline group."""
@@ -174,6 +197,11 @@ class PipelineStage:
         """The module's state other than ``nnx.Param`` (read as constants by the stage)."""
         return nnx.state(self.submod, nnx.Not(nnx.Param))
 
+    def placed(self, state: nnx.State) -> nnx.State:
+        """``state`` where the stage's programs take it: on its device, or on its
+        tensor-parallel mesh (``state``'s arrays each keeping their layout)."""
+        return jax.device_put(state, self.device) if self.tp is None else self.tp.place(state)
+
     def zero_grad(self) -> None:
         """Clears ``grads`` (to ``None``, as torch's ``zero_grad(set_to_none=True)``)."""
         self.grads = None
@@ -190,6 +218,9 @@ class PipelineStage:
 
     def output_structs(self, inputs: tuple) -> tuple:
         """The shapes and dtypes of the stage's outputs for inputs of ``inputs``' shapes."""
+        if self.tp is not None:
+            return tp_output_structs(self.graphdef, self.tp, self.params(),
+                                     self.frozen_state(), tuple(inputs))
         return jax.eval_shape(lambda p, *x: self(p, *x), self.params(), *inputs)
 
     def __repr__(self) -> str:

@@ -11,7 +11,9 @@ stages that differ (``jaxpg.pipeline.stage_runner``). As in torch, every process
 between. The last stage's ``step`` returns its outputs, the microbatches' concatenated.
 After a step each stage's ``grads`` hold its parameters' gradients, accumulated as torch
 accumulates ``.grad`` (see ``jaxpg.pipeline.pipeline_stage``), and averaged over the
-stage's ``data_parallel_group`` when it has one.
+stage's ``data_parallel_group`` when it has one. A tensor-parallel stage
+(``tensor_parallel_group=``) runs as SPMD programs over its tp group; each of its processes
+calls ``step`` as if it held the stage alone, with the same inputs or targets.
 
 Placement, as torch's: with one stage per process the stage's index is its pipeline rank;
 ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` put stage ``s`` on rank
@@ -187,7 +189,8 @@ class _PipelineSchedule:
         factor = self._n_microbatches if self.scale_grads else 1
         for s, st in sorted(self._stages.items()):  # the same order on every replica
             step_grads = grads[s] if st.dp_group is None else \
-                _data_parallel_mean(grads[s], st.dp_group)
+                _data_parallel_mean(grads[s], st.dp_group) if st.tp is None else \
+                st.tp.data_parallel_mean(grads[s], st.dp_group)
             st.grads = _accumulate(st.grads, step_grads, factor)
         if last and losses is not None:
             losses.clear()

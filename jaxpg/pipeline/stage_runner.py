@@ -14,87 +14,39 @@ soon as made and waited for right before they are read.
   its output's with ``jax.eval_shape`` and ``send_meta`` s them to the next rank. Each rank
   waits only for the stage before its own, so the chain cannot deadlock. They fix every
   message's receive buffer from then on.
-* **Programs.** Per stage, jitted: ``F`` runs ``jax.vjp`` of the stage (of stage and loss
-  on the last) and keeps the pullback's residuals until the backward; ``B`` applies it
-  (with a split backward, ``B`` makes only the input gradient and ``W`` only the weight
-  gradient, XLA dropping the other half of each).
+* **Programs.** Per stage, jitted (``jaxpg.pipeline.stage_programs``): ``F`` keeps the
+  pullback until ``B`` (or ``B`` and ``W``) applies it. A tensor-parallel stage's programs
+  are SPMD programs over its tp group (``jaxpg.pipeline.stage_tp_programs``); activations
+  still travel as each process's own (replicated) copy, to the same tp rank of the next
+  stage.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxpg.pipeline.action_walk import run_beside_lanes, walk_actions
 from jaxpg.pipeline.p2p_lanes import StepMail, lane_between
 from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
 from jaxpg.pipeline.stage_meta import format_struct
+from jaxpg.pipeline.stage_programs import StagePrograms, plain_programs
+from jaxpg.pipeline.stage_tp_programs import tp_stage_programs
 
 __all__ = ["StagePrograms", "stage_programs", "RankSetup", "rank_setup", "exchange_shapes",
            "run_step"]
 
 
-def _add(acc: Any, value: Any) -> Any:
-    return value if acc is None else jax.tree.map(jnp.add, acc, value)
-
-
-class StagePrograms(NamedTuple):
-    """One stage's jitted programs (see the module docstring)."""
-
-    forward: Callable  # (p, rest, args) -> (out, vjp)
-    forward_loss: Callable  # (p, rest, args, target) -> (loss, out, vjp)
-    backward: Callable  # (vjp, dy, g) -> (dx, g + dp)
-    backward_input: Callable  # (vjp, dy) -> dx
-    weight: Callable  # (vjp, dy, g) -> g + dp
-
-
 def stage_programs(stage: Any, loss_fn: Callable | None) -> StagePrograms:
     """The programs of ``stage`` (a PipelineStage) with ``loss_fn``; stages of the same
     structure (graph) share them, so every schedule of a model compiles them once."""
-    return _programs(stage.graphdef, loss_fn, stage.is_first)
-
-
-@functools.lru_cache(maxsize=64)
-def _programs(graphdef: Any, loss_fn: Callable | None, first: bool) -> StagePrograms:
-    def call(p, rest, *a):
-        out = nnx.merge(graphdef, p, rest)(*a)
-        return tuple(out) if isinstance(out, tuple | list) else (out,)
-
-    def pullback(f, p, rest, args, **kw):
-        if first:  # the model's inputs take no gradient (token ids, say)
-            return jax.vjp(lambda p: f(p, rest, *args), p, **kw)
-        return jax.vjp(lambda p, *a: f(p, rest, *a), p, *args, **kw)
-
-    def forward(p, rest, args):
-        return pullback(call, p, rest, args)
-
-    def forward_loss(p, rest, args, target):
-        def f(p, rest, *a):
-            out = call(p, rest, *a)
-            return loss_fn(out[0] if len(out) == 1 else out, target), out
-
-        loss, vjp, out = pullback(f, p, rest, args, has_aux=True)
-        return loss, out, vjp
-
-    def backward(vjp, dy, g):
-        grads = vjp(dy)
-        return tuple(grads[1:]), _add(g, grads[0])
-
-    def backward_input(vjp, dy):
-        return tuple(vjp(dy)[1:])
-
-    def weight(vjp, dy, g):
-        return _add(g, vjp(dy)[0])
-
-    return StagePrograms(jax.jit(forward), jax.jit(forward_loss),
-                         jax.jit(backward, donate_argnums=(2,)), jax.jit(backward_input),
-                         jax.jit(weight, donate_argnums=(2,)))  # fmt: skip
+    if stage.tp is not None:
+        return tp_stage_programs(stage.graphdef, loss_fn, stage.is_first, stage.tp)
+    return plain_programs(stage.graphdef, loss_fn, stage.is_first)
 
 
 class RankSetup(NamedTuple):
@@ -205,8 +157,8 @@ class _StageActions:
     outputs per microbatch."""
 
     def __init__(self, setup, stages, loss_fn, args, targets) -> None:
-        self.params = {s: jax.device_put(st.params(), st.device) for s, st in stages.items()}
-        self.rests = {s: st.frozen_state() for s, st in stages.items()}
+        self.params = {s: st.placed(st.params()) for s, st in stages.items()}
+        self.rests = {s: st.placed(st.frozen_state()) for s, st in stages.items()}
         self.progs = {s: stage_programs(st, loss_fn) for s, st in stages.items()}
         self.split = any(op.kind == "W" for op in setup.ops)
         self.args, self.targets = args, targets

@@ -10,7 +10,10 @@
   different shapes (both legs, 2 processes);
 * data-parallel pipelines (dp = 2 x pp = 2, ``data_parallel_group=``) average their stage
   gradients to the whole batch's, and train with ZeroRedundancyOptimizer (ZeRO-1 and 2) as
-  Adam on the whole batch (4 processes).
+  Adam on the whole batch (4 processes);
+* tensor-parallel stages (pp = 2 x tp = 2, ``tensor_parallel_group=``) give the un-pipelined,
+  un-sharded model's losses and gradients, in the parameters' tp-sharded layout, and an SGD
+  step over them its parameters (4 processes, the same launch).
 """
 
 from __future__ import annotations
@@ -163,9 +166,27 @@ def test_data_parallel_pipelines_average_their_stage_gradients(results4):
     ZeRO-2 on the replicas' own gradients) ends at whole-batch Adam's parameters
     (pipeline_stage_dp_worker.py)."""
     for rank, text in enumerate(results4[1]):
-        checks = set(re.findall(r"^CHECK (\w+) ok$", text, re.M))
+        checks = {c for c in re.findall(r"^CHECK (\w+) ok$", text, re.M)
+                  if not c.startswith("tp_")}  # the tensor-parallel stages' own, below
         want = {"dp_averaged_grads_step0", "dp_averaged_grads_step1",
                 "zero1_adam_equals_whole_batch", "zero2_adam_equals_whole_batch"}
         if rank % 2:  # the last stage's processes: their replica's losses
             want |= {"replica_losses_step0", "replica_losses_step1"}
+        assert checks == want, (rank, checks, text[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tensor_parallel_stages_give_the_un_sharded_gradients(results4):
+    """pp = 2 stages, each tensor parallel over its 2 processes (``("pp", "tp")`` mesh,
+    ``tensor_parallel_group=mesh["tp"]``): a Schedule1F1B step, an SGD step over
+    ``stage.grads`` and a ScheduleGPipe step give the whole model's microbatch losses (on
+    both tp ranks of the last stage), gradients (gathered from their tp shards, which keep
+    the parameters' layout) and SGD parameters (pipeline_stage_tp_worker.py)."""
+    for rank, text in enumerate(results4[1]):
+        checks = {c for c in re.findall(r"^CHECK (\w+) ok$", text, re.M) if c.startswith("tp_")}
+        want = {"tp_grads_1f1b", "tp_grads_keep_the_param_layout", "tp_sgd_params",
+                "tp_grads_gpipe"}
+        if rank >= 2:  # the last stage's processes (pp coordinate 1)
+            want |= {"tp_losses_1f1b", "tp_losses_gpipe"}
         assert checks == want, (rank, checks, text[-3000:])

@@ -4,9 +4,12 @@ themselves, across processes, are in tests/multiprocess/test_pipeline_stage.py.)
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpg.pipeline import (
     LayerDesc,
@@ -60,6 +63,96 @@ def test_stage_checks_its_data_parallel_group(world):
         PipelineStage(Block(), 0, 4, group=mesh["pp"], data_parallel_group="dp")
     stage = PipelineStage(Block(), 0, 4, group=mesh["pp"], data_parallel_group=mesh["dp"])
     assert list(stage.dp_group.ranks) == [0, 4]
+
+
+class Mlp(nnx.Module):
+    def __init__(self, seed: int = 0):
+        rngs = nnx.Rngs(seed)
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+        self.up = nnx.Linear(4, 8, rngs=rngs)
+        self.down = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(self.norm(x))))
+
+
+def _tp_mlp(tp_mesh):
+    from jaxpg.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(Mlp(), tp_mesh, {"up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+
+
+def test_stage_checks_its_tensor_parallel_group(world):
+    import jaxpg
+
+    mesh = jaxpg.init_device_mesh((4, 2), ("pp", "tp"))  # this process acts as rank 0
+    with pytest.raises(ValueError, match=r"tensor_parallel_group=ProcessGroup.* \(ranks \[4, "
+                                         r"5\]\) does not hold this process's rank 0"):
+        PipelineStage(_tp_mlp(mesh["tp"]), 0, 4, group=mesh["pp"],
+                      tensor_parallel_group=jaxpg.new_group([4, 5]))
+    with pytest.raises(ValueError, match=r"tensor_parallel_group=DeviceMesh\(\[0, 2, 4, 6\].* "
+                                         r"shares ranks \[0, 2, 4, 6\] with the pipeline group"):
+        PipelineStage(_tp_mlp(mesh["tp"]), 0, 4, group=mesh["pp"],
+                      tensor_parallel_group=mesh["pp"])
+    with pytest.raises(ValueError, match=r"array 'down.bias' is laid out as SingleDevice.* not "
+                                         r"on the group's mesh \{'pp': 4, 'tp': 2\}.*"
+                                         r"parallelize_module\(module, mesh\['tp'\], plan\)"):
+        PipelineStage(Mlp(), 0, 4, group=mesh["pp"], tensor_parallel_group=mesh["tp"])
+    other = jaxpg.new_group([0, 1])  # the same ranks, but not the mesh the module is on
+    with pytest.raises(ValueError, match=r"tensor_parallel_group=ProcessGroup.*: the module's "
+                                         r"array 'down.bias' is laid out .* not on the group's"):
+        PipelineStage(_tp_mlp(mesh["tp"]), 0, 4, group=mesh["pp"], tensor_parallel_group=other)
+    with pytest.raises(TypeError, match=r"tensor_parallel_group"):
+        PipelineStage(_tp_mlp(mesh["tp"]), 0, 4, group=mesh["pp"], tensor_parallel_group="tp")
+    mesh3 = jaxpg.init_device_mesh((2, 2, 2), ("dp", "pp", "tp"))
+    with pytest.raises(ValueError, match=r"shares ranks \[0, 4\] with the data-parallel group"):
+        PipelineStage(_tp_mlp(mesh3["tp"]), 0, 2, group=mesh3["pp"],
+                      data_parallel_group=mesh3["dp"], tensor_parallel_group=mesh3["dp"])
+    module = _tp_mlp(mesh["tp"])
+    # None: inferred from the module, as torch's DTensors (also once its arrays moved)
+    for given, mod in ((mesh["tp"], module), (None, module), (None, _tp_mlp(mesh["tp"]))):
+        stage = PipelineStage(mod, 0, 4, group=mesh["pp"], tensor_parallel_group=given)
+        assert stage.tp_group.ranks == (0, 1) and stage.tp.mesh.shape == {"tp": 2}
+        kernel = stage.params()["up"]["kernel"][...]
+        assert kernel.sharding.mesh == stage.tp.mesh and kernel.sharding.spec == P(None, "tp")
+    assert PipelineStage(Mlp(), 0, 4, group=mesh["pp"]).tp is None  # a plain module
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_tensor_parallel_stage_programs_give_the_unsharded_gradients(world, last):
+    """A tp = 2 stage's SPMD programs (forward, whole and split backward) against jax.vjp of
+    the unsharded module; the runs across processes are in test_pipeline_stage.py."""
+    import jaxpg
+    from jaxpg.pipeline.stage_runner import stage_programs
+
+    mesh = jaxpg.init_device_mesh((4, 2), ("pp", "tp"))
+    stage = PipelineStage(_tp_mlp(mesh["tp"]), 3 if last else 1, 4, group=mesh["pp"],
+                          tensor_parallel_group=mesh["tp"])
+    progs = stage_programs(stage, lambda y, t: jnp.mean((y - t) ** 2))
+    p, rest = stage.placed(stage.params()), stage.placed(stage.frozen_state())
+    x, t = jnp.linspace(-1, 1, 24).reshape(2, 3, 4), jnp.ones((2, 3, 4))
+    graphdef, ref_params = nnx.split(Mlp(), nnx.Param)
+
+    def ref(params, x):
+        y = nnx.merge(graphdef, params)(x)
+        return jnp.mean((y - t) ** 2) if last else jnp.sum(y)
+
+    want_loss, (want_g, want_dx) = jax.value_and_grad(ref, argnums=(0, 1))(ref_params, x)
+    if last:
+        loss, _, vjp = progs.forward_loss(p, rest, (x,), t)
+        dx, g = progs.backward(vjp, jnp.ones(()), None)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    else:
+        out, vjp = progs.forward(p, rest, (x,))
+        dy = (jnp.ones_like(out[0]),)
+        dx, g = progs.backward_input(vjp, dy), progs.weight(vjp, dy, None)
+        np.testing.assert_allclose(out[0], nnx.merge(graphdef, ref_params)(x), rtol=1e-5,
+                                   atol=1e-5)
+    np.testing.assert_allclose(dx[0], want_dx, rtol=1e-5, atol=1e-5)
+    assert g["up"]["kernel"][...].sharding.spec == P(None, "tp")
+    for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_schedules_check_placement_and_counts(world):

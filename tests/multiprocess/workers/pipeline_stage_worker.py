@@ -3,7 +3,8 @@
     pipeline_stage_worker.py RANK WORLD PORT TORCH_PORT OUT_DIR
 
 WORLD is 2 (everything below) or 4 (the tutorial in 4 stages, then the data-parallel
-pipelines of ``pipeline_stage_dp_worker.py``, which print ``CHECK <name> ok``).
+pipelines of ``pipeline_stage_dp_worker.py`` and the tensor-parallel stages of
+``pipeline_stage_tp_worker.py``, which print ``CHECK <name> ok``).
 
 Started by ``tests/multiprocess/test_pipeline_stage.py`` (rank 0 hosts the coordination
 service; one CPU device per process). Writes ``OUT_DIR/rank{RANK}.npz`` with:
@@ -505,6 +506,12 @@ def main() -> None:
         start = time.perf_counter()
         run_data_parallel(tokens, labels)
         print(f"jaxpg data parallel {time.perf_counter() - start:.1f} s", flush=True)
+        from pipeline_stage_tp_worker import run_tensor_parallel
+
+        start, cpu = time.perf_counter(), time.process_time()
+        run_tensor_parallel(tokens, labels)
+        print(f"jaxpg tensor parallel {time.perf_counter() - start:.1f} s "
+              f"({time.process_time() - cpu:.1f} s CPU)", flush=True)
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
         jaxpg.destroy_process_group()
         print("DONE", flush=True)

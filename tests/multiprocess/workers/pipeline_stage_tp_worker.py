@@ -1,0 +1,146 @@
+"""PipelineStage with tensor-parallel stages, run by pipeline_stage_worker.py with 4 processes:
+a ("pp", "tp") = (2, 2) mesh, two unequal stages (a vocabulary-parallel embedding and a
+Megatron MLP block | a block, a norm and a column-parallel head), each parallelized over
+``mesh["tp"]`` and held by its two tp processes (``tensor_parallel_group=mesh["tp"]``).
+
+A ``Schedule1F1B`` step, an optax SGD step over ``stage.grads``, then a ``ScheduleGPipe``
+step: at each step the last stage's microbatch losses (on both its tp ranks) and every
+stage's gradients, gathered from their tp shards, must equal the un-pipelined, un-sharded
+model's on the whole batch (one jitted program, on rank 0), the gradients must keep
+the parameters' own tp-sharded layout, and the parameters after the SGD step must equal
+the reference's. Prints ``CHECK <name> ok``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from device_forms_worker import check
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from pipeline_stage_worker import LR, Block, Chain, V, ce_loss
+
+import jaxpg
+from jaxpg.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
+from jaxpg.tensor_parallel import ColwiseParallel, Replicate, RowwiseParallel, parallelize_module
+
+M = 2  # microbatches
+D = 16  # the width (hidden: 32); the tutorial's, whose initializers are compiled already
+
+
+class EmbedBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.block = Block(D, rngs)
+
+    def __call__(self, tokens):
+        return self.block(self.embed(tokens))
+
+
+class BlockHead(nnx.Module):
+    def __init__(self, rngs):
+        self.block = Block(D, rngs)
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.out = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, h):
+        return self.out(self.norm(self.block(h)))
+
+
+def stage_module(s: int) -> nnx.Module:
+    return (EmbedBlock, BlockHead)[s](nnx.Rngs(20 + s))
+
+
+MLP_PLAN = {"block.fc1": ColwiseParallel(), "block.fc2": RowwiseParallel()}
+PLANS = {0: {"embed": RowwiseParallel(input_layouts=Replicate()), **MLP_PLAN},
+         1: {**MLP_PLAN, "out": ColwiseParallel(output_layouts=Replicate())}}
+
+
+def close(got, want, tol=1e-5):
+    """Every leaf of the reference's shape, within ``tol`` scaled by the reference's
+    magnitude (test_pipeline_stage's ``_close``)."""
+    def one(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = max(1.0, float(np.max(np.abs(b))))
+        return a.shape == b.shape and np.allclose(a, b, rtol=0, atol=tol * scale)
+
+    return all(one(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                                          strict=True))
+
+
+def reference(tokens, labels):
+    """The whole model on the whole batch: per step, the microbatch losses and each stage's
+    gradients of their mean, with an SGD step between; and the parameters after it (run
+    by rank 0, the others get its results: one compile instead of four)."""
+    gd, params = nnx.split(Chain([stage_module(s) for s in range(2)]), nnx.Param)
+
+    @jax.jit
+    def sgd_step(params):
+        def mean_loss(p):  # one forward of the batch; each microbatch's loss from its rows
+            logits = nnx.merge(gd, p)(tokens)
+            per = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+            per = per.reshape(M, -1).mean(axis=1)
+            return per.mean(), per
+
+        (_, per), g = jax.value_and_grad(mean_loss, has_aux=True)(params)
+        return per, g, jax.tree.map(lambda p, g: p - LR * g, params, g)
+
+    steps = []
+    for _ in range(2):
+        per, g, params = sgd_step(params)
+        steps.append((np.asarray(per), _numpy(nnx.to_pure_dict(g)["pieces"])))
+        if len(steps) == 1:
+            after_sgd = _numpy(nnx.to_pure_dict(params)["pieces"])
+    return steps, after_sgd
+
+
+def _numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def run_tensor_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
+    """The checks above, in a world of 4 (pipeline_stage_worker.py's)."""
+    mesh = jaxpg.init_device_mesh((2, 2), ("pp", "tp"))
+    s = mesh.get_local_rank("pp")
+    mine = reference(jnp.asarray(tokens), jnp.asarray(labels)) if jaxpg.get_rank() == 0 \
+        else (None, None)
+    steps, after_sgd = jaxpg.broadcast_object_list(list(mine), src=0)
+    # every process builds the same weights: each takes its shard of its own copy
+    module = parallelize_module(stage_module(s), mesh["tp"], PLANS[s], src_data_rank=None)
+    stage = PipelineStage(module, s, 2, group=mesh["pp"], tensor_parallel_group=mesh["tp"])
+    gather = jax.jit(lambda t: t, out_shardings=NamedSharding(stage.tp.mesh, P()))
+
+    def full(state):  # the stage's arrays gathered from their tp shards, as numpy
+        return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
+                            nnx.to_pure_dict(gather(state)))
+
+    tx = optax.sgd(LR)
+    opt_state = tx.init(stage.params())
+
+    @jax.jit
+    def sgd(grads, opt_state, params):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for step, (name, cls) in enumerate((("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe))):
+        want_losses, want_grads = steps[step]
+        schedule = cls(stage, M, loss_fn=ce_loss)
+        losses = []
+        if stage.is_first:
+            schedule.step(jnp.asarray(tokens))
+        else:
+            logits = schedule.step(target=jnp.asarray(labels), losses=losses)
+            check(f"tp_losses_{name}", logits.shape == (*tokens.shape, V) and
+                  close(np.array([float(x) for x in losses]), want_losses))
+        check(f"tp_grads_{name}", close(full(stage.grads), want_grads[s]))
+        if step == 0:
+            pairs = list(zip(jax.tree.leaves(stage.grads), jax.tree.leaves(stage.params()),
+                             strict=True))
+            check("tp_grads_keep_the_param_layout", all(
+                g.sharding.is_equivalent_to(p.sharding, p.ndim) for g, p in pairs) and {
+                p.sharding.spec for _, p in pairs} >= {P(None, "tp"), P("tp", None)})
+            params, opt_state = sgd(stage.grads, opt_state, stage.params())
+            nnx.update(stage.submod, params)
+            stage.zero_grad()
+            check("tp_sgd_params", close(full(stage.params()), after_sgd[s]))
