@@ -118,20 +118,9 @@ _EIGHT_DEVICE_FIXTURES = {"world", "mesh"}
 
 def pytest_collection_modifyitems(config, items):
     """Marks ``cpu_only`` the tests that need 8 simulated CPU devices or CPU worker processes
-    (tests/multiprocess/, the fixtures above, ``@pytest.mark.slow``), and puts the files that
-    start processes first (see ``_processes_first``)."""
+    (tests/multiprocess/, the fixtures above, ``@pytest.mark.slow``)."""
     for item in items:
         needs = set(getattr(item, "fixturenames", ())) & _EIGHT_DEVICE_FIXTURES
         if needs or "multiprocess" in item.path.parts or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.cpu_only)
-    _processes_first(items)
 
-
-def _processes_first(items):
-    """Reorders ``items`` so that every file with a ``slow`` test (the ones that start real
-    processes: a minute or more each) comes before the in-process files, each file's tests
-    kept together and in order. pytest-xdist's ``--dist loadfile`` hands files out in this
-    order, so CI's last minutes run short in-process files on both workers instead of one
-    long multi-process file on one. The order is the same in every worker, as xdist needs."""
-    heavy = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in heavy)  # stable: False (heavy) first
