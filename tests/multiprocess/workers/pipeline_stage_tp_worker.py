@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from device_forms_worker import check
+from device_forms_worker import allclose, check
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -61,9 +61,7 @@ def close(got, want, tol=1e-5):
     """Every leaf of the reference's shape, within ``tol`` scaled by the reference's
     magnitude (test_pipeline_stage's ``_close``)."""
     def one(a, b):
-        a, b = np.asarray(a), np.asarray(b)
-        scale = max(1.0, float(np.max(np.abs(b))))
-        return a.shape == b.shape and np.allclose(a, b, rtol=0, atol=tol * scale)
+        return allclose(a, b, rtol=0, atol=tol * max(1.0, float(np.max(np.abs(b)))))
 
     return all(one(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                                           strict=True))
