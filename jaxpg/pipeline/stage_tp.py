@@ -18,9 +18,11 @@ own processes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.flatten_util import ravel_pytree
@@ -116,6 +118,30 @@ class StageTP:
         return jax.tree.map(lambda x: next(s.data for s in x.addressable_shards
                                            if s.device == self.device), tree)
 
+    def check_replicated(self, tree: Any, what: str) -> None:
+        """Raises unless ``tree``'s arrays (outputs of an SPMD program, spec ``P()``) hold the
+        same values on every device of the stage's mesh: activations between stages are
+        replicated over tp, and a module whose last layer leaves its output sharded would
+        send each peer a different piece. One small program; every tp rank gets the same
+        answer, so all of them raise."""
+        leaves = [a for a in jax.tree.leaves(tree) if a.size]
+        if not leaves:
+            return
+        row, sharding = set(self.mesh.devices.flat), NamedSharding(self.mesh, P(self.axis))
+        stacked = [jax.make_array_from_single_device_arrays(
+            (self.mesh.size, *a.shape), sharding,
+            [s.data[None] for s in a.addressable_shards if s.device in row]) for a in leaves]
+        spread, largest = (float(v) for v in _spread(self.mesh, self.axis)(stacked))
+        if spread > 1e-5 * max(1.0, largest):
+            ids = [d.id for d in self.mesh.devices.flat]
+            raise ValueError(
+                f"PipelineStage: the {what} of a tensor-parallel stage differs across its tp "
+                f"group (devices {ids}, axis {self.axis!r}) by up to {spread:.3g}: activations "
+                "between stages are replicated over tp, but the stage's last "
+                "tensor-parallel layer leaves its output sharded. End the stage with a layer "
+                "whose output is replicated: RowwiseParallel(), or "
+                "ColwiseParallel(output_layouts=Replicate()).")
+
     def data_parallel_mean(self, grads: Any, group: ProcessGroup) -> Any:
         """``grads`` averaged over ``group``: each process's shards (one device per process),
         in one all_reduce."""
@@ -123,6 +149,20 @@ class StageTP:
         mean = unravel(all_reduce(flat, op=ReduceOp.AVG, group=group))
         return jax.tree.map(lambda g, m: jax.make_array_from_single_device_arrays(
             g.shape, g.sharding, [jax.device_put(m, self.device)]), grads, mean)
+
+
+@functools.lru_cache(maxsize=16)
+def _spread(mesh: Mesh, axis: str):
+    """A program: the largest difference of arrays (leading axis over ``axis``) from their
+    mean over ``axis``, and their largest magnitude, both replicated."""
+    def body(xs):
+        xs = [x[0].astype(jnp.float32) for x in xs]
+        spread = jnp.max(jnp.stack([jnp.max(jnp.abs(x - jax.lax.pmean(x, axis))) for x in xs]))
+        largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in xs]))
+        return jax.lax.pmax(spread, axis), jax.lax.pmax(largest, axis)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(),
+                                 check_vma=False))
 
 
 def _check_group(tp: ProcessGroup, arg: str, me: int, others: dict[str, Any]) -> None:

@@ -114,14 +114,24 @@ def tp_stage_programs(graphdef: Any, loss_fn: Callable | None, first: bool,
     bwd_input = jax.jit(backward_input, static_argnums=0)
     wgt = jax.jit(weight, static_argnums=0, donate_argnums=(3,))
 
+    checked: set[tuple] = set()  # the programs whose outputs were found replicated
+
+    def check_once(key, values, what):
+        if key not in checked:
+            layout.check_replicated(values, what)
+            checked.add(key)
+
     def run_forward(p, rest, args):
         out, res = fwd(p, rest, layout.to_global(args))
-        return layout.to_local(out), _Pullback(trees[("F", *_key(args))], res)
+        key = ("F", *_key(args))
+        check_once(key, out, "output")
+        return layout.to_local(out), _Pullback(trees[key], res)
 
     def run_forward_loss(p, rest, args, target):
         loss, out, res = fwd_loss(p, rest, layout.to_global(args), layout.to_global(target))
-        return (layout.to_local(loss), layout.to_local(out),
-                _Pullback(trees[("L", *_key((args, target)))], res))
+        key = ("L", *_key((args, target)))
+        check_once(key, (loss, out), "loss or output")
+        return (layout.to_local(loss), layout.to_local(out), _Pullback(trees[key], res))
 
     def run_backward(vjp, dy, g):
         dx, g = bwd(vjp.tree, vjp.residuals, layout.to_global(dy), g)

@@ -155,6 +155,50 @@ def test_tensor_parallel_stage_programs_give_the_unsharded_gradients(world, last
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+class Up(nnx.Module):
+    def __init__(self):
+        self.up = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.up(x)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_tensor_parallel_stage_output_must_be_replicated_over_tp(world, last):
+    """A stage ending in ColwiseParallel() would send each tp peer its own half of the
+    activations: the first forward finds it and names the fix; with
+    ``output_layouts=Replicate()`` the output is the unsharded layer's."""
+    import jaxpg
+    from jaxpg.pipeline.stage_runner import stage_programs
+    from jaxpg.tensor_parallel import ColwiseParallel, Replicate, parallelize_module
+
+    mesh = jaxpg.init_device_mesh((4, 2), ("pp", "tp"))
+    x = jnp.linspace(-1, 1, 24).reshape(2, 3, 4)
+    want = Up()(x)
+    for style, ok in ((ColwiseParallel(), False),
+                      (ColwiseParallel(output_layouts=Replicate()), True)):
+        stage = PipelineStage(parallelize_module(Up(), mesh["tp"], {"up": style}),
+                              3 if last else 1, 4, group=mesh["pp"])
+        # a loss that a sharded output would not break (as cross-entropy over a vocabulary
+        # split by tp): each rank's sum over its half of the features
+        progs = stage_programs(stage, lambda y, t: jnp.mean((y.sum(-1) - t) ** 2))
+        p, rest = stage.placed(stage.params()), stage.placed(stage.frozen_state())
+
+        def run(progs=progs, p=p, rest=rest):
+            if last:
+                return progs.forward_loss(p, rest, (x,), jnp.zeros((2, 3)))[1]
+            return progs.forward(p, rest, (x,))[0]
+
+        if ok:
+            np.testing.assert_allclose(run()[0], want, rtol=1e-5, atol=1e-6)
+        else:
+            with pytest.raises(ValueError, match=r"(output|loss or output) of a "
+                               r"tensor-parallel stage differs across its tp group \(devices "
+                               r"\[0, 1\], axis 'tp'\) by up to .*ColwiseParallel\("
+                               r"output_layouts=Replicate\(\)\)"):
+                run()
+
+
 def test_schedules_check_placement_and_counts(world):
     stage = PipelineStage(Block(), 0, 8)
     with pytest.raises(ValueError, match=r"n_microbatches=0 must be an int >= 1"):

@@ -45,13 +45,17 @@ def reference(tokens, labels, tx):
             return per.mean(), per
         return jax.value_and_grad(mean_loss, has_aux=True)(params)
 
+    @jax.jit  # one program, not one per operation of the update
+    def update(g, opt_state, params):
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     out = []
     for _ in range(STEPS):
         (_, per), g = grads_of(params)
         out.append((np.asarray(per), nnx.to_pure_dict(g)["pieces"],
                     nnx.to_pure_dict(params)["pieces"]))
-        updates, opt_state = tx.update(g, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(g, opt_state, params)
     return out, nnx.to_pure_dict(params)["pieces"]
 
 
