@@ -13,7 +13,8 @@
   Adam on the whole batch (4 processes);
 * tensor-parallel stages (pp = 2 x tp = 2, ``tensor_parallel_group=``) give the un-pipelined,
   un-sharded model's losses and gradients, in the parameters' tp-sharded layout, and an SGD
-  step over them its parameters (4 processes, the same launch).
+  step over them its parameters, also with two stages per process under
+  ``ScheduleInterleaved1F1B`` (4 processes, the same launch).
 """
 
 from __future__ import annotations
@@ -182,11 +183,13 @@ def test_tensor_parallel_stages_give_the_un_sharded_gradients(results4):
     ``tensor_parallel_group=mesh["tp"]``): a Schedule1F1B step, an SGD step over
     ``stage.grads`` and a ScheduleGPipe step give the whole model's microbatch losses (on
     both tp ranks of the last stage), gradients (gathered from their tp shards, which keep
-    the parameters' layout) and SGD parameters (pipeline_stage_tp_worker.py)."""
+    the parameters' layout) and SGD parameters; then a ScheduleInterleaved1F1B step over 4
+    tensor-parallel stages, two per process, gives the un-sharded chain's gradients
+    (pipeline_stage_tp_worker.py)."""
     for rank, text in enumerate(results4[1]):
         checks = {c for c in re.findall(r"^CHECK (\w+) ok$", text, re.M) if c.startswith("tp_")}
         want = {"tp_grads_1f1b", "tp_grads_keep_the_param_layout", "tp_sgd_params",
-                "tp_grads_gpipe"}
+                "tp_grads_gpipe", "tp_interleaved_grads"}
         if rank >= 2:  # the last stage's processes (pp coordinate 1)
             want |= {"tp_losses_1f1b", "tp_losses_gpipe"}
         assert checks == want, (rank, checks, text[-3000:])

@@ -8,7 +8,10 @@ step: at each step the last stage's microbatch losses (on both its tp ranks) and
 stage's gradients, gathered from their tp shards, must equal the un-pipelined, un-sharded
 model's on the whole batch (one jitted program, on rank 0), the gradients must keep
 the parameters' own tp-sharded layout, and the parameters after the SGD step must equal
-the reference's. Prints ``CHECK <name> ok``.
+the reference's. Then a ``ScheduleInterleaved1F1B`` step over 4 tensor-parallel stages,
+two per process (stages ``r`` and ``r + 2`` on pp coordinate ``r``): every stage's
+gradients, gathered, must equal the un-pipelined, un-sharded chain's. Prints
+``CHECK <name> ok``.
 """
 
 import jax
@@ -22,7 +25,12 @@ from jax.sharding import PartitionSpec as P
 from pipeline_stage_worker import LR, Block, Chain, V, ce_loss
 
 import jaxpg
-from jaxpg.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
+from jaxpg.pipeline import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from jaxpg.tensor_parallel import ColwiseParallel, Replicate, RowwiseParallel, parallelize_module
 
 M = 2  # microbatches
@@ -52,9 +60,16 @@ def stage_module(s: int) -> nnx.Module:
     return (EmbedBlock, BlockHead)[s](nnx.Rngs(20 + s))
 
 
-MLP_PLAN = {"block.fc1": ColwiseParallel(), "block.fc2": RowwiseParallel()}
+MLP_PLAN_FLAT = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+MLP_PLAN = {f"block.{name}": style for name, style in MLP_PLAN_FLAT.items()}
 PLANS = {0: {"embed": RowwiseParallel(input_layouts=Replicate()), **MLP_PLAN},
          1: {**MLP_PLAN, "out": ColwiseParallel(output_layouts=Replicate())}}
+
+
+def gathered(stage: PipelineStage, state) -> dict:
+    """``state``'s arrays gathered from their tp shards, as numpy."""
+    full = jax.jit(lambda t: t, out_shardings=NamedSharding(stage.tp.mesh, P()))(state)
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), nnx.to_pure_dict(full))
 
 
 def close(got, want, tol=1e-5):
@@ -107,11 +122,9 @@ def run_tensor_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
     # every process builds the same weights: each takes its shard of its own copy
     module = parallelize_module(stage_module(s), mesh["tp"], PLANS[s], src_data_rank=None)
     stage = PipelineStage(module, s, 2, group=mesh["pp"], tensor_parallel_group=mesh["tp"])
-    gather = jax.jit(lambda t: t, out_shardings=NamedSharding(stage.tp.mesh, P()))
 
-    def full(state):  # the stage's arrays gathered from their tp shards, as numpy
-        return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
-                            nnx.to_pure_dict(gather(state)))
+    def full(state):
+        return gathered(stage, state)
 
     tx = optax.sgd(LR)
     opt_state = tx.init(stage.params())
@@ -142,3 +155,37 @@ def run_tensor_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
             nnx.update(stage.submod, params)
             stage.zero_grad()
             check("tp_sgd_params", close(full(stage.params()), after_sgd[s]))
+    run_interleaved(mesh)
+
+
+def run_interleaved(mesh) -> None:
+    """``ScheduleInterleaved1F1B`` over 4 tp stages (Megatron MLP blocks), 2 per process."""
+    r = mesh.get_local_rank("pp")
+    x, t = (np.random.default_rng(seed).standard_normal((8, D)).astype(np.float32)
+            for seed in (1, 2))
+    gd, params = nnx.split(nnx.List([Block(D, nnx.Rngs(30 + s)) for s in range(4)]),
+                           nnx.Param)
+
+    @jax.jit
+    def grads(params):
+        def loss(p):
+            h = jnp.asarray(x)
+            for block in nnx.merge(gd, p):
+                h = block(h)
+            return jnp.mean((h - t) ** 2)
+
+        return jax.grad(loss)(params)
+
+    want = _numpy(nnx.to_pure_dict(grads(params)))
+    order = (r, r + 2)
+    stages = [PipelineStage(parallelize_module(Block(D, nnx.Rngs(30 + s)), mesh["tp"],
+                                               MLP_PLAN_FLAT, src_data_rank=None),
+                            s, 4, group=mesh["pp"], tensor_parallel_group=mesh["tp"])
+              for s in order]
+    schedule = ScheduleInterleaved1F1B(stages, 4, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
+    if r == 0:
+        schedule.step(jnp.asarray(x))
+    else:
+        schedule.step(target=jnp.asarray(t))
+    check("tp_interleaved_grads", all(close(gathered(st, st.grads), want[s])
+                                      for s, st in zip(order, stages, strict=True)))
