@@ -14,6 +14,8 @@ gradients, gathered, must equal the un-pipelined, un-sharded chain's. Prints
 ``CHECK <name> ok``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,10 +68,19 @@ PLANS = {0: {"embed": RowwiseParallel(input_layouts=Replicate()), **MLP_PLAN},
          1: {**MLP_PLAN, "out": ColwiseParallel(output_layouts=Replicate())}}
 
 
+@functools.cache
+def _gather(mesh):
+    return jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))
+
+
 def gathered(stage: PipelineStage, state) -> dict:
-    """``state``'s arrays gathered from their tp shards, as numpy."""
-    full = jax.jit(lambda t: t, out_shardings=NamedSharding(stage.tp.mesh, P()))(state)
+    """``state``'s arrays gathered from their tp shards, as numpy (one program per mesh)."""
+    full = _gather(stage.tp.mesh)(state)
     return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), nnx.to_pure_dict(full))
+
+
+def mse(y, t):
+    return jnp.mean((y - t) ** 2)
 
 
 def close(got, want, tol=1e-5):
@@ -123,9 +134,6 @@ def run_tensor_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
     module = parallelize_module(stage_module(s), mesh["tp"], PLANS[s], src_data_rank=None)
     stage = PipelineStage(module, s, 2, group=mesh["pp"], tensor_parallel_group=mesh["tp"])
 
-    def full(state):
-        return gathered(stage, state)
-
     tx = optax.sgd(LR)
     opt_state = tx.init(stage.params())
 
@@ -144,7 +152,7 @@ def run_tensor_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
             logits = schedule.step(target=jnp.asarray(labels), losses=losses)
             check(f"tp_losses_{name}", logits.shape == (*tokens.shape, V) and
                   close(np.array([float(x) for x in losses]), want_losses))
-        check(f"tp_grads_{name}", close(full(stage.grads), want_grads[s]))
+        check(f"tp_grads_{name}", close(gathered(stage, stage.grads), want_grads[s]))
         if step == 0:
             pairs = list(zip(jax.tree.leaves(stage.grads), jax.tree.leaves(stage.params()),
                              strict=True))
@@ -154,7 +162,7 @@ def run_tensor_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
             params, opt_state = sgd(stage.grads, opt_state, stage.params())
             nnx.update(stage.submod, params)
             stage.zero_grad()
-            check("tp_sgd_params", close(full(stage.params()), after_sgd[s]))
+            check("tp_sgd_params", close(gathered(stage, stage.params()), after_sgd[s]))
     run_interleaved(mesh)
 
 
@@ -172,7 +180,7 @@ def run_interleaved(mesh) -> None:
             h = jnp.asarray(x)
             for block in nnx.merge(gd, p):
                 h = block(h)
-            return jnp.mean((h - t) ** 2)
+            return mse(h, t)
 
         return jax.grad(loss)(params)
 
@@ -182,7 +190,7 @@ def run_interleaved(mesh) -> None:
                                                MLP_PLAN_FLAT, src_data_rank=None),
                             s, 4, group=mesh["pp"], tensor_parallel_group=mesh["tp"])
               for s in order]
-    schedule = ScheduleInterleaved1F1B(stages, 4, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
+    schedule = ScheduleInterleaved1F1B(stages, 4, loss_fn=mse)
     if r == 0:
         schedule.step(jnp.asarray(x))
     else:
