@@ -28,7 +28,7 @@ def single_process_reference(path, schedules, p, m, blocks, dim, microbatch) -> 
     ``[blocks, ...]``: what the multi-process workers must reproduce."""
     import jax
     import numpy as np
-    from _pipeline_mp_worker import CHUNKS, jaxpg_step, make_batch, make_params, staged
+    from _pipeline_mp_worker import CHUNKS, jaxpg_step, make_batch, make_params, staged, unstaged
     from jax.sharding import Mesh
 
     mesh = Mesh(np.array(jax.devices()[:p]), ("pp",))
@@ -38,8 +38,8 @@ def single_process_reference(path, schedules, p, m, blocks, dim, microbatch) -> 
     for name in schedules:
         v = CHUNKS[name]
         _, grads = jaxpg_step(name, mesh, m, blocks // (p * v))(staged(params, p * v), x, t)
-        for k, a in grads.items():
-            out[f"{name} m={m} {k}"] = np.asarray(a).reshape(blocks, *a.shape[2:])
+        for k, a in unstaged(grads).items():
+            out[f"{name} m={m} {k}"] = a
     np.savez(path, **out)
 
 

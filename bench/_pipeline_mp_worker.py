@@ -54,9 +54,15 @@ def block(w, x):
 
 @functools.cache
 def stage_fn(layers):
-    def stage(w, x):
-        for i in range(layers):
-            x = block(jax.tree.map(lambda a, i=i: a[i], w), x)
+    """A stage of ``layers`` blocks; its parameters are a list with one dict per block (as
+    torch's modules hold one ``Linear`` per layer). Slicing the blocks out of one stacked
+    array instead costs a scatter of every gradient into the stack in each backward: about
+    1.4x a 2-block stage's step at 32 rows (``bench/experiments/stage_layer_layout.py``)."""
+
+    def stage(ws, x):
+        assert len(ws) == layers, (len(ws), layers)
+        for w in ws:
+            x = block(w, x)
         return x
 
     return stage
@@ -84,30 +90,51 @@ def make_batch(rows, d, seed=1):
             np.asarray(jax.random.normal(kt, (rows, d)), np.float32))  # fmt: skip
 
 
+def per_block(params):
+    """``{k: [blocks, ...]}`` -> one dict per block (the un-pipelined model's parameters)."""
+    blocks = len(next(iter(params.values())))
+    return [{k: a[i] for k, a in params.items()} for i in range(blocks)]
+
+
 def staged(params, stages):
-    """``[blocks, ...]`` -> ``[stages, blocks / stages, ...]``, in model order."""
-    return {k: a.reshape(stages, -1, *a.shape[1:]) for k, a in params.items()}
+    """``{k: [blocks, ...]}`` -> the stages' parameters in model order: a list of
+    ``blocks / stages`` dicts (a stage's layers), each leaf ``[stages, ...]``."""
+    out = {k: a.reshape(stages, -1, *a.shape[1:]) for k, a in params.items()}
+    layers = next(iter(out.values())).shape[1]
+    return [{k: a[:, j] for k, a in out.items()} for j in range(layers)]
+
+
+def unstaged(stage_params):
+    """The inverse of ``staged`` (on host arrays): ``{k: [blocks, ...]}`` in model order."""
+    return {k: np.stack([np.asarray(layer[k]) for layer in stage_params], axis=1).reshape(
+        -1, *np.shape(stage_params[0][k])[1:]) for k in stage_params[0]}  # fmt: skip
+
+
+def stacked(layer_params):
+    """One dict per block (host or device arrays) -> ``{k: [blocks, ...]}`` on the host."""
+    return {k: np.stack([np.asarray(w[k]) for w in layer_params]) for k in layer_params[0]}
 
 
 def un_pipelined(blocks):
     """The reference step: loss and gradient of the whole model on the whole batch
-    (the mean of the microbatch losses equals the whole-batch mean: equal microbatches)."""
+    (the mean of the microbatch losses equals the whole-batch mean: equal microbatches),
+    over ``per_block`` parameters."""
     return jax.jit(jax.value_and_grad(lambda w, x, t: mse(None, stage_fn(blocks)(w, x), t)))
 
 
 def microbatched(blocks, m):
-    """The un-pipelined model run microbatch by microbatch (a ``lax.scan`` over the
-    ``m`` microbatches, gradients summed): the same matmul sizes as the pipeline's."""
+    """The un-pipelined model run microbatch by microbatch in one program (the ``m``
+    microbatches unrolled, gradients summed), over ``per_block`` parameters: the same
+    matmul sizes as the pipeline's, on one core. Unrolled: a ``lax.scan`` over the
+    microbatches runs slower on XLA:CPU (as over the layers,
+    ``bench/experiments/stage_layer_layout.py``)."""
 
     def run(w, x, t):
         xs, ts = (a.reshape(m, -1, a.shape[-1]) for a in (x, t))
         vg = jax.value_and_grad(lambda w, x, t: mse(None, stage_fn(blocks)(w, x), t))
-
-        def body(acc, xt):
-            return jax.tree.map(jnp.add, acc, vg(w, *xt)), None
-
-        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, w))
-        total, _ = jax.lax.scan(body, zero, (xs, ts))
+        total = vg(w, xs[0], ts[0])
+        for i in range(1, m):
+            total = jax.tree.map(jnp.add, total, vg(w, xs[i], ts[i]))
         return jax.tree.map(lambda a: a / m, total)
 
     return jax.jit(run)
@@ -166,7 +193,7 @@ def torch_variant(cls_name, rank, p, m, params, x, t):
             gelu = torch.nn.functional.gelu(self.up(x), approximate="tanh")
             return x + self.down(gelu)
 
-    if cls_name == "baseline":  # the whole model, un-pipelined, on this process
+    if cls_name in ("baseline", "baseline_microbatched"):  # un-pipelined, on this process
         model = torch.nn.Sequential(*[Block({k: a[i] for k, a in params.items()})
                                       for i in range(blocks)])  # fmt: skip
         tx, tt = torch.from_numpy(x.copy()), torch.from_numpy(t.copy())
@@ -175,7 +202,12 @@ def torch_variant(cls_name, rank, p, m, params, x, t):
             model.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(model(tx), tt).backward()
 
-        return whole, None
+        def by_microbatch():  # the pipeline's matmul sizes; .grad accumulates
+            model.zero_grad(set_to_none=True)
+            for xi, ti in zip(tx.chunk(m), tt.chunk(m), strict=True):
+                (torch.nn.functional.mse_loss(model(xi), ti) / m).backward()
+
+        return (whole if cls_name == "baseline" else by_microbatch), None
 
     chunks, indices_of = TORCH[cls_name]
     num_stages, indices = chunks * p, indices_of(rank, p)
@@ -252,11 +284,12 @@ def main() -> None:
 
     fns, checks = {}, {}
     ref_step = un_pipelined(args.blocks)
-    local_params = jax.device_put(params, local)
+    local_params = jax.device_put(per_block(params), local)
     for m in ms:
         x, t = make_batch(m * args.microbatch, args.dim)
         lx, lt = jax.device_put(x, local), jax.device_put(t, local)
-        ref_loss, ref_grads = jax.tree.map(np.asarray, ref_step(local_params, lx, lt))
+        ref_loss, ref_grads = ref_step(local_params, lx, lt)
+        ref_loss, ref_grads = np.asarray(ref_loss), stacked(ref_grads)
         if args.baseline and rank == 0:
             fns[f"baseline m={m}"] = functools.partial(ref_step, local_params, lx, lt)
         elif args.baseline:
@@ -266,12 +299,20 @@ def main() -> None:
             key = f"baseline_microbatched m={m}"
             fns[key] = functools.partial(mb_step, local_params, lx, lt) if rank == 0 else (
                 lambda: None)  # fmt: skip
-            loss, grads = jax.tree.map(np.asarray, mb_step(local_params, lx, lt))
+            loss, grads = mb_step(local_params, lx, lt)
+            loss, grads = np.asarray(loss), stacked(grads)
             checks[key] = {"loss": float(loss), "vs_un_pipelined": max_rel_diff(grads, ref_grads),
                            "loss_vs_un_pipelined": abs(float(loss) - float(ref_loss))}  # fmt: skip
+        if args.baseline:
+            # the same un-pipelined step on every rank at once: what the cores give when all
+            # of them are busy (shared caches, memory bandwidth, two ranks to a core at p = 4)
+            fns[f"baseline_every_rank m={m}"] = functools.partial(ref_step, local_params, lx, lt)
         if args.baseline and torch_names:
             whole = torch_variant("baseline", rank, p, m, params, x, t)[0]
             fns[f"torch baseline m={m}"] = whole if rank == 0 else lambda: None
+            fns[f"torch baseline_every_rank m={m}"] = whole
+            by_mb = torch_variant("baseline_microbatched", rank, p, m, params, x, t)[0]
+            fns[f"torch baseline_microbatched m={m}"] = by_mb if rank == 0 else lambda: None
         gx, gt = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, t))
         for name in schedules:
             v = CHUNKS[name]
@@ -285,8 +326,7 @@ def main() -> None:
                 key = f"jaxpg{'-mpmd' if executor == 'mpmd' else ''} {name} m={m}"
                 fns[key] = functools.partial(fn, sp, gx, gt)
                 loss, grads = fn(sp, gx, gt)
-                grads = {k: np.asarray(a).reshape(args.blocks, *a.shape[2:])
-                         for k, a in to_model_order(gather(grads), tt).items()}
+                grads = unstaged(to_model_order(gather(grads), tt))
                 checks[key] = {"loss": float(loss),
                                "vs_un_pipelined": max_rel_diff(grads, ref_grads),
                                "loss_vs_un_pipelined": abs(float(loss) - float(ref_loss))}

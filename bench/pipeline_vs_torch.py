@@ -86,6 +86,26 @@ def compare_rows(raw: dict, ms: list[int], executor_key: str = "jaxpg-mpmd") -> 
                    "torch_efficiency": statistics.median(
                        a * (m + p - 1) / m / p / b for a, b in zip(t1["torch"], trec["wall_s"],
                                                                   strict=True))}  # fmt: skip
+            for fw, rec in (("jaxpg", jrec), ("torch", trec)):
+                # the bound from the same microbatches run one after another on one core:
+                # the pipeline's own work, without the cost of small matmuls
+                same = times.get(f"{'torch ' if fw == 'torch' else ''}baseline_microbatched "
+                                 f"m={m}")
+                if same is not None:
+                    row[f"{fw}_efficiency_same_work"] = statistics.median(
+                        a * (m + p - 1) / m / p / b for a, b in zip(
+                            same["wall_s"], rec["wall_s"], strict=True))
+                # the bound from the un-pipelined step run on every rank at once: what the
+                # cores give with all of them busy; t1 / that step is the ceiling it puts on
+                # the efficiency above
+                both = times.get(f"{'torch ' if fw == 'torch' else ''}baseline_every_rank m={m}")
+                if both is None:
+                    continue
+                row[f"{fw}_efficiency_all_cores_busy"] = statistics.median(
+                    a * (m + p - 1) / m / p / b for a, b in zip(both["wall_s"], rec["wall_s"],
+                                                               strict=True))  # fmt: skip
+                row[f"{fw}_efficiency_ceiling"] = statistics.median(
+                    a / b for a, b in zip(t1[fw], both["wall_s"], strict=True))
             if lrec is not None:
                 row["lockstep_ms"] = lrec["median_ms"]
                 row["mpmd_over_lockstep"] = ratio_median(jrec["wall_s"], lrec["wall_s"])
@@ -121,14 +141,14 @@ def predictions(ps: list[int], ms: list[int], blocks: int, dim: int, rows: int) 
     papers' unit costs, and with one stage's F, B and W timed here (``measure_costs``)."""
     import jax
     import jax.numpy as jnp
-    from _pipeline_mp_worker import make_params, stage_fn
+    from _pipeline_mp_worker import make_params, per_block, stage_fn
 
     from jaxpg.pipeline import ActionCosts, default_costs, get_schedule, measure_costs, timed
 
     out = {}
     for p in ps:
         layers = blocks // p
-        params = jax.tree.map(jnp.asarray, make_params(layers, dim))
+        params = jax.tree.map(jnp.asarray, per_block(make_params(layers, dim)))
         x = jnp.ones((rows, dim), jnp.float32)
         whole = measure_costs(stage_fn(layers), params, x, split_backward=False, repeats=7)
         split = measure_costs(stage_fn(layers), params, x, split_backward=True, repeats=7)
@@ -149,15 +169,22 @@ def predictions(ps: list[int], ms: list[int], blocks: int, dim: int, rows: int) 
 
 def table(rows: list[dict]) -> str:
     lines = ["| p | m | jaxpg schedule | torch class | jaxpg ms | torch ms | jaxpg / torch "
-             "| CPU time ratio | efficiency jaxpg | efficiency torch | lockstep ms |",
-             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| CPU time ratio | efficiency jaxpg | efficiency torch | same-work efficiency "
+             "jaxpg | same-work efficiency torch | ceiling jaxpg | ceiling torch | lockstep ms |",
+             "|---:|---:|---|---|" + "---:|" * 11]  # fmt: skip
+
+    def f(v):
+        return "-" if v is None else f"{v:.2f}"
+
     for r in rows:
         cls = r["torch_class"] + (" (nearest)" if r["relation"] == "nearest" else "")
         lines.append(
             f"| {r['p']} | {r['m']} | {r['schedule']} | {cls} | {r['jaxpg_ms']:.0f} "
             f"| {r['torch_ms']:.0f} | {r['jaxpg_over_torch']:.2f} "
             f"| {r['jaxpg_over_torch_cpu']:.2f} | {r['jaxpg_efficiency']:.2f} "
-            f"| {r['torch_efficiency']:.2f} | "
+            f"| {r['torch_efficiency']:.2f} | {f(r.get('jaxpg_efficiency_same_work'))} "
+            f"| {f(r.get('torch_efficiency_same_work'))} | {f(r.get('jaxpg_efficiency_ceiling'))} "
+            f"| {f(r.get('torch_efficiency_ceiling'))} | "
             + (f"{r['lockstep_ms']:.0f} |" if "lockstep_ms" in r else "- |"))
     return "\n".join(lines)
 
