@@ -261,6 +261,12 @@ def main() -> None:
 
     ps = [int(v) for v in args.nprocs.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
+    chunks = max(CHUNKS.values())
+    for p in ps:
+        if args.blocks % (p * chunks):
+            raise SystemExit(f"--blocks {args.blocks} does not divide into {p * chunks} stages "
+                             f"of whole blocks (p = {p}, {chunks} chunks a rank for the "
+                             f"two-chunk schedules): pass a multiple of {p * chunks}")
     executors = "mpmd,spmd" if args.lockstep else "mpmd"
     raws, loads, load_before = [], [os.getloadavg()[0]], load_average()
     with tempfile.TemporaryDirectory() as tmp:
