@@ -7,7 +7,8 @@ Each rank prints its median step (10 steps, between barriers), then, over 5 step
 with ``jaxpg.pipeline.step_timeline``: its per-step totals (``summarize``) and the median
 span of each kind of event (``compute`` split into forward ``F`` and backward ``B``
 actions, the lanes' ``send`` and ``recv``, the host's ``wait``); and the host's own Python
-time per step over 10 steps under ``cProfile`` (the time not spent waiting on a lock).
+time per step over 10 steps under ``cProfile`` (the time not spent waiting on a lock), and
+the CPU time of the lanes' transfer threads (``jaxpg-collective``) over the same steps.
 
     python -m jaxpg.run --nproc-per-node 2 bench/experiments/mpmd_step_timeline.py [1f1b]
 """
@@ -20,6 +21,7 @@ import os
 import pstats
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +38,17 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxpg  # noqa: E402
 from jaxpg.pipeline import get_schedule, to_rank_order  # noqa: E402
 from jaxpg.pipeline.step_timeline import record_timeline, summarize  # noqa: E402
+
+
+def lane_cpu_s() -> float:
+    """CPU seconds so far of this process's ``jaxpg-collective`` threads (the lanes')."""
+    ids = {str(t.native_id) for t in threading.enumerate() if t.name == "jaxpg-collective"}
+    total = 0
+    for tid in ids:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -67,10 +80,12 @@ def main() -> None:
     spans = collections.defaultdict(list)
     for e in tl.events:
         spans[e.kind + (e.label[:1] if e.kind == "compute" else "")].append(e.end - e.start)
+    lanes_before = lane_cpu_s()
     profile = cProfile.Profile()
     profile.enable()
     run(10)
     profile.disable()
+    lanes_ms = 1e3 * (lane_cpu_s() - lanes_before) / 10
     stats = pstats.Stats(profile)
     waiting = sum(tt_ for (_, _, fn), (_, _, tt_, _, _) in stats.stats.items()
                   if "acquire" in fn or "block_until_ready" in fn)
@@ -81,7 +96,8 @@ def main() -> None:
           + "; median spans: "
           + ", ".join(f"{k} {1e3 * statistics.median(v):.2f} ms (x{len(v) // 5})"
                       for k, v in sorted(spans.items()))
-          + f"; host Python {python_ms:.1f} ms a step", flush=True)
+          + f"; host Python {python_ms:.1f} ms a step; the transfer threads' CPU "
+          f"{lanes_ms:.1f} ms a step", flush=True)
     jaxpg.destroy_process_group()
 
 
