@@ -290,11 +290,13 @@ def main() -> None:
         lx, lt = jax.device_put(x, local), jax.device_put(t, local)
         ref_loss, ref_grads = ref_step(local_params, lx, lt)
         ref_loss, ref_grads = np.asarray(ref_loss), stacked(ref_grads)
-        if args.baseline and rank == 0:
-            fns[f"baseline m={m}"] = functools.partial(ref_step, local_params, lx, lt)
-        elif args.baseline:
-            fns[f"baseline m={m}"] = lambda: None
         if args.baseline:
+            # the un-pipelined step on rank 0 alone, and on every rank at once: what the
+            # cores give when all of them are busy (shared caches, memory bandwidth, two
+            # ranks to a core at p = 4)
+            fns[f"baseline m={m}"] = functools.partial(ref_step, local_params, lx, lt) if (
+                rank == 0) else lambda: None  # fmt: skip
+            fns[f"baseline_every_rank m={m}"] = functools.partial(ref_step, local_params, lx, lt)
             mb_step = microbatched(args.blocks, m)
             key = f"baseline_microbatched m={m}"
             fns[key] = functools.partial(mb_step, local_params, lx, lt) if rank == 0 else (
@@ -303,10 +305,6 @@ def main() -> None:
             loss, grads = np.asarray(loss), stacked(grads)
             checks[key] = {"loss": float(loss), "vs_un_pipelined": max_rel_diff(grads, ref_grads),
                            "loss_vs_un_pipelined": abs(float(loss) - float(ref_loss))}  # fmt: skip
-        if args.baseline:
-            # the same un-pipelined step on every rank at once: what the cores give when all
-            # of them are busy (shared caches, memory bandwidth, two ranks to a core at p = 4)
-            fns[f"baseline_every_rank m={m}"] = functools.partial(ref_step, local_params, lx, lt)
         if args.baseline and torch_names:
             whole = torch_variant("baseline", rank, p, m, params, x, t)[0]
             fns[f"torch baseline m={m}"] = whole if rank == 0 else lambda: None

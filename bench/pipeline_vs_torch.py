@@ -61,6 +61,13 @@ PAIRS = [  # (jaxpg schedule, torch class, how they relate)
 ZERO_BUBBLE = [("zb_h1", "1f1b"), ("zb_v", "interleaved_1f1b")]
 
 
+def efficiency(bound_s: list[float], step_s: list[float], m: int, p: int) -> float:
+    """The median over rounds of ``T (m + p - 1) / m / p / step``: a step against the bound
+    that a one-core step ``T`` of round r gives."""
+    return statistics.median(a * (m + p - 1) / m / p / b
+                             for a, b in zip(bound_s, step_s, strict=True))
+
+
 def compare_rows(raw: dict, ms: list[int], executor_key: str = "jaxpg-mpmd") -> list[dict]:
     """One row per (m, jaxpg schedule, torch class) of one launch's raw times."""
     times, p = raw["times"], raw["p"]
@@ -80,32 +87,21 @@ def compare_rows(raw: dict, ms: list[int], executor_key: str = "jaxpg-mpmd") -> 
                    "jaxpg_over_torch_cpu": statistics.median(
                        sum(a) / sum(b) for a, b in zip(jrec["cpu_s_per_rank"],
                                                        trec["cpu_s_per_rank"], strict=True)),
-                   "jaxpg_efficiency": statistics.median(
-                       a * (m + p - 1) / m / p / b for a, b in zip(t1["jaxpg"], jrec["wall_s"],
-                                                                  strict=True)),
-                   "torch_efficiency": statistics.median(
-                       a * (m + p - 1) / m / p / b for a, b in zip(t1["torch"], trec["wall_s"],
-                                                                  strict=True))}  # fmt: skip
+                   "jaxpg_efficiency": efficiency(t1["jaxpg"], jrec["wall_s"], m, p),
+                   "torch_efficiency": efficiency(t1["torch"], trec["wall_s"], m, p)}
             for fw, rec in (("jaxpg", jrec), ("torch", trec)):
-                # the bound from the same microbatches run one after another on one core:
-                # the pipeline's own work, without the cost of small matmuls
-                same = times.get(f"{'torch ' if fw == 'torch' else ''}baseline_microbatched "
-                                 f"m={m}")
+                prefix = "torch " if fw == "torch" else ""
+                # against the same microbatches run one after another on one core: the
+                # pipeline's own work, without the cost of small matmuls
+                same = times.get(f"{prefix}baseline_microbatched m={m}")
                 if same is not None:
-                    row[f"{fw}_efficiency_same_work"] = statistics.median(
-                        a * (m + p - 1) / m / p / b for a, b in zip(
-                            same["wall_s"], rec["wall_s"], strict=True))
-                # the bound from the un-pipelined step run on every rank at once: what the
-                # cores give with all of them busy; t1 / that step is the ceiling it puts on
-                # the efficiency above
-                both = times.get(f"{'torch ' if fw == 'torch' else ''}baseline_every_rank m={m}")
-                if both is None:
-                    continue
-                row[f"{fw}_efficiency_all_cores_busy"] = statistics.median(
-                    a * (m + p - 1) / m / p / b for a, b in zip(both["wall_s"], rec["wall_s"],
-                                                               strict=True))  # fmt: skip
-                row[f"{fw}_efficiency_ceiling"] = statistics.median(
-                    a / b for a, b in zip(t1[fw], both["wall_s"], strict=True))
+                    row[f"{fw}_efficiency_same_work"] = efficiency(same["wall_s"], rec["wall_s"],
+                                                                   m, p)  # fmt: skip
+                # the one-core step alone against the same step on every rank at once: the
+                # ceiling that all cores busy put on any efficiency above
+                both = times.get(f"{prefix}baseline_every_rank m={m}")
+                if both is not None:
+                    row[f"{fw}_efficiency_ceiling"] = ratio_median(t1[fw], both["wall_s"])
             if lrec is not None:
                 row["lockstep_ms"] = lrec["median_ms"]
                 row["mpmd_over_lockstep"] = ratio_median(jrec["wall_s"], lrec["wall_s"])
