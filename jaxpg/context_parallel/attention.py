@@ -53,10 +53,13 @@ def _check_inputs(q: Any, k: Any, v: Any, cp: int, method: str, load_balance: bo
         dtype = jnp.result_type(arrays[name])
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"{API}: {name} must be floating point; got dtype {dtype}.")
-    if len(set(shapes.values())) != 1:
+    q_shape, k_shape = shapes["q"], shapes["k"]
+    if (shapes["k"] != shapes["v"] or q_shape[:2] != k_shape[:2] or q_shape[3] != k_shape[3]
+            or q_shape[2] % k_shape[2]):
         raise ValueError(
             f"{API}: q, k and v must have the same per-rank shape (batch, seq_local, heads, "
-            f"head_dim); got q {shapes['q']}, k {shapes['k']}, v {shapes['v']}.")
+            "head_dim), except that k and v may have fewer heads dividing q's (grouped-query "
+            f"attention); got q {shapes['q']}, k {shapes['k']}, v {shapes['v']}.")
     _, seq_local, heads, _ = shapes["q"]
     if load_balance and seq_local % 2:
         raise ValueError(
@@ -87,6 +90,9 @@ def attention(q: Any, k: Any, v: Any, *, group: Any = None, causal: bool = False
         q, k, v: this rank's shards ``(batch, seq_local, heads, head_dim)`` (host code in one
             process: stacked ``(cp, batch, seq_local, heads, head_dim)``), in the layout of
             :func:`~jaxpg.context_parallel.shard_sequence` with the same ``load_balance``.
+            ``k`` and ``v`` may have fewer heads, dividing q's (grouped-query attention:
+            query head ``h`` attends with key head ``h // (heads // kv_heads)``); the ring
+            and the all-gather send them as they are.
         group: the context-parallel group: a ProcessGroup, ``mesh["cp"]``, or None (world).
         causal: mask keys at later global positions than the query.
         method: ``"ring"`` (K/V rotated by ``ppermute``), ``"all_to_all"`` (Ulysses) or

@@ -76,3 +76,41 @@ def test_host_call_in_one_process_is_differentiable():
     for g, ref in zip((o, *grads), want):
         full = cp_.unshard_sequence(g, group, layout=xs[0].layout)
         np.testing.assert_allclose(np.asarray(full), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_query_attention_equals_full_attention_with_repeated_heads():
+    # K/V with fewer heads (2 and 4 of 8 query heads at cp = 4: the all-to-all repeats the
+    # 2 heads to 4 and sends the 4 as they are; the ring and all-gather never repeat). The
+    # reference repeats each K/V head over its query group and sums dK/dV back over it.
+    group = jaxpg.new_group(list(range(4)))
+    rng = np.random.default_rng(3)
+    heads = 8
+    q, w = (rng.standard_normal((B, S, heads, D)).astype(np.float32) for _ in range(2))
+    kvs = {g: [rng.standard_normal((B, S, g, D)).astype(np.float32) for _ in range(2)]
+           for g in (2, 4)}
+    cases = [(m, g) for m in ("ring", "all_to_all", "all_gather") for g in (2, 4)]
+
+    def shard(a):
+        return cp_.shard_sequence(a, group, load_balance=True).x
+
+    def per_rank(q, w, *kv):
+        out = []
+        for method, g in cases:
+            k, v = kv[0:2] if g == 2 else kv[2:4]
+            o, vjp = jax.vjp(lambda a, b, c, m=method: cp_.attention(
+                a, b, c, group=group, causal=True, method=m), q, k, v)
+            out.append((o, *vjp(w)))
+        return out
+
+    run = jax.jit(jaxpg.spmd(per_rank, group=group))
+    results = run(shard(q), shard(w), *(shard(a) for g in (2, 4) for a in kvs[g]))
+    for (method, g), got in zip(cases, results):
+        rep = heads // g
+        k, v = (np.repeat(a, rep, axis=2) for a in kvs[g])
+        o, dq, dk, dv = full_attention(q, k, v, True, w)
+        dk, dv = (a.reshape(B, S, g, rep, D).sum(3) for a in (dk, dv))
+        for name, a, ref in zip(("o", "dq", "dk", "dv"), got, (o, dq, dk, dv)):
+            full = np.asarray(cp_.unshard_sequence(a, group, load_balance=True))
+            assert full.shape == ref.shape, (name, full.shape, ref.shape)
+            np.testing.assert_allclose(full, ref, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} {method} kv_heads={g}")
