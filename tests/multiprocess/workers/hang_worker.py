@@ -22,6 +22,7 @@ import datetime
 import os
 import signal
 import sys
+import threading
 import time
 
 import jax
@@ -105,7 +106,11 @@ def faulty_step(sig: int) -> None:
         launches.append(1)
         if rank == 1 and len(launches) == 3:
             say("FAULT inside the step")
-            os.kill(os.getpid(), sig)
+            # to this thread, not the process: os.kill(getpid()) hands SIGSTOP to the main
+            # thread (waiting for the step), and this one runs on until that thread stops
+            # the process; meanwhile the step's all_reduce could complete with the peers,
+            # who then time out one step later. A thread's own stop signal stops it first.
+            signal.pthread_kill(threading.get_ident(), sig)
         return np.float32(0)
 
     def step(x):
