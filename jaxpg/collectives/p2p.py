@@ -344,17 +344,20 @@ def _recv(tensor: Any, src: int | None, group: Any, tag: int, group_src: int | N
 @warns_if_discarded
 def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
          group_src: int | None = None, *, dst: int | None = None, meta: bool = True,
-         timeout: float | None = None, return_src: bool = False) -> Any:
+         timeout: float | None = None, return_src: bool | None = None) -> Any:
     """Receives an array from ``src`` and **returns it; ``tensor`` is not changed** (torch
     fills ``tensor`` in place: ``dist.recv(t, src)`` is ``t = jaxpg.recv(t, src)`` here).
 
     ``tensor`` gives the shape and dtype to check; it may be None (a send's record carries
     them). With neither ``src`` nor ``group_src`` it receives from any rank of the group, as
-    torch does; torch returns the sender's rank, jaxpg returns the array, and
-    ``return_src=True`` gives ``(array, sender's global rank)``. In SPMD code pass ``dst=``
-    too; non-receivers get ``tensor`` back.
+    torch does, and returns what torch writes and what it returns: ``(array, sender's global
+    rank)`` (``array, src = jaxpg.recv(t)`` for torch's ``src = dist.recv(t)``).
+    ``return_src=True`` gives that pair for a named ``src`` too, ``return_src=False`` the
+    array alone. In SPMD code pass ``dst=`` too; non-receivers get ``tensor`` back.
     """
     del meta
+    if return_src is None:
+        return_src = src is None and group_src is None
     out = _recv(tensor, src, group, tag, group_src, dst, timeout, "recv")
     if not isinstance(out, Work):
         return out

@@ -56,6 +56,7 @@ def _member_or_sentinel(
 ) -> ProcessGroup | object:
     if any(r in group.ranks for r in state.local_ranks):
         return group
+    state.non_member_ranks = tuple(group.ranks)
     return GroupMember.NON_GROUP_MEMBER
 
 
@@ -198,13 +199,41 @@ def new_subgroups(
                                         pg_options=pg_options)
 
 
+def _non_member_ranks(api: str) -> tuple[int, ...]:
+    """The ranks torch answers for ``GroupMember.NON_GROUP_MEMBER``: those of the latest
+    group this process was left out of (torch keys them by the sentinel)."""
+    ranks = _world.current().non_member_ranks
+    if ranks is None:
+        raise ValueError(
+            f"{api}: group GroupMember.NON_GROUP_MEMBER is not registered: this process has "
+            "been left out of no group yet. Pass a group made by new_group."
+        )
+    return ranks
+
+
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
-    """Returns the global ranks of ``group`` in group-rank order."""
+    """Returns the global ranks of ``group`` in group-rank order.
+
+    For ``GroupMember.NON_GROUP_MEMBER`` it answers as torch does: the ranks of the latest
+    group this process is not a member of.
+    """
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return list(_non_member_ranks("get_process_group_ranks"))
     return list(_world._resolve_group(group, "get_process_group_ranks").ranks)
 
 
 def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
-    """Translates a global rank into ``group``'s rank; raises if it is not a member."""
+    """Translates a global rank into ``group``'s rank; raises if it is not a member.
+
+    ``GroupMember.NON_GROUP_MEMBER`` stands, as in torch, for the latest group this process
+    is not a member of.
+    """
+    if group is GroupMember.NON_GROUP_MEMBER:
+        ranks = _non_member_ranks("get_group_rank")
+        if global_rank not in ranks:
+            raise ValueError(f"get_group_rank: global_rank={global_rank} is not part of the "
+                             f"group (ranks {list(ranks)}).")
+        return ranks.index(global_rank)
     pg = _world._resolve_group(group, "get_group_rank")
     r = pg.group_rank(global_rank)
     if r < 0:
@@ -216,5 +245,12 @@ def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
 
 
 def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
-    """Translates ``group``'s rank ``group_rank`` into a global rank."""
+    """Translates ``group``'s rank ``group_rank`` into a global rank (for
+    ``GroupMember.NON_GROUP_MEMBER``, in the latest group this process is not in, as torch)."""
+    if group is GroupMember.NON_GROUP_MEMBER:
+        ranks = _non_member_ranks("get_global_rank")
+        if not (isinstance(group_rank, int) and 0 <= group_rank < len(ranks)):
+            raise ValueError(f"get_global_rank: group_rank={group_rank!r} is not part of the "
+                             f"group (ranks {list(ranks)}).")
+        return ranks[group_rank]
     return _world._resolve_group(group, "get_global_rank").global_rank(group_rank)

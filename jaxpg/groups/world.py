@@ -61,6 +61,9 @@ class WorldState:
     process_index: int = 0
     process_count: int = 1
     hybrid_group: Any = None  # the latest HybridCommunicateGroup, as Paddle's fleet keeps it
+    # the ranks of the latest group this process is not in: what torch answers for
+    # GroupMember.NON_GROUP_MEMBER (its sentinel's entry is overwritten by each such group)
+    non_member_ranks: tuple[int, ...] | None = None
     _acting: threading.local = dataclasses.field(default_factory=threading.local)
 
     def __post_init__(self) -> None:

@@ -138,13 +138,20 @@ def test_new_subgroups_by_enumeration():
 def test_non_group_member_sentinel():
     assert jaxpg.get_rank(GroupMember.NON_GROUP_MEMBER) == -1
     assert jaxpg.get_world_size(GroupMember.NON_GROUP_MEMBER) == -1
-    # torch 2.13's _warn_not_in_group: the exact text, and no call
+    # torch 2.13's _warn_not_in_group: the exact text, and no call; the input comes back
+    # unchanged (torch leaves its tensors as they were)
     text = "Running all_gather_single on global rank 0 which does not belong to the given group."
+    x = np.arange(3.0)
     with pytest.warns(UserWarning) as seen:
-        assert jaxpg.all_gather_into_tensor(np.ones(3), group=GroupMember.NON_GROUP_MEMBER) is None
+        assert jaxpg.all_gather_into_tensor(x, group=GroupMember.NON_GROUP_MEMBER) is x
     assert [str(w.message) for w in seen] == [text]
+    with pytest.warns(UserWarning, match="Running all_reduce on global rank 0"):
+        assert jaxpg.all_reduce(x, group=GroupMember.NON_GROUP_MEMBER, async_op=True) is None
     with pytest.warns(UserWarning, match="Running isend on global rank 0 which does not"):
         assert jaxpg.isend(np.ones(3), 1, GroupMember.NON_GROUP_MEMBER) is None
+    # this process holds every rank, so it was left out of no group: torch's "not registered"
+    with pytest.raises(ValueError, match="NON_GROUP_MEMBER is not registered"):
+        jaxpg.get_group_rank(GroupMember.NON_GROUP_MEMBER, 0)
 
 
 def test_destroy_subgroup_only():

@@ -156,6 +156,35 @@ def batch_isend_irecv_ring():
     return jx, th, want
 
 
+@case
+def p2p_any_source_returns_sender():
+    """test_send_recv_any_source's torch line ``src = dist.recv(x)``: without ``src`` the
+    receive gives the sender's rank (jaxpg: ``x, src = jaxpg.recv(x)``)."""
+    want = np.array(sorted([s, s] for s in range(1, W)), np.int32) if R == 0 else np.zeros(0)
+
+    def jx():
+        if R != 0:
+            jaxpg.send(np.array([R], np.int32), 0, tag=5)
+            return np.zeros(0)
+        got = []
+        for _ in range(W - 1):
+            x, s = jaxpg.recv(np.zeros(1, np.int32), tag=5)
+            got.append([int(x[0]), s])
+        return np.array(sorted(got), np.int32)
+
+    def th():
+        if R != 0:
+            dist.send(torch.tensor([R], dtype=torch.int32), 0, tag=5)
+            return np.zeros(0)
+        got = []
+        for _ in range(W - 1):
+            x = torch.zeros(1, dtype=torch.int32)
+            s = dist.recv(x, tag=5)
+            got.append([int(x[0]), s])
+        return np.array(sorted(got), np.int32)
+    return jx, th, want
+
+
 # ------------------------------------------------------------------ argument rules
 @case
 def reduce_scatter_uneven_chunks():
@@ -273,6 +302,100 @@ def warn_not_in_group():
     def th():
         g = dist.new_group([0])
         return check(lambda: dist.all_reduce(torch.ones(2), group=g))
+    return jx, th, want
+
+
+# new_group's ranks for the non-member cases: every rank but the last
+MEMBERS = list(range(W - 1))
+
+
+@case
+def non_member_rank_queries():
+    """test_c10d_common's rank translations, asked on every rank of a group that leaves out
+    the last rank: the non-member (GroupMember.NON_GROUP_MEMBER) answers as the members."""
+    members = MEMBERS
+    want = np.array([*members, 0, len(members) - 1, members[-1], R in members])
+
+    def ask(mod, g):
+        return np.array([*mod.get_process_group_ranks(g), mod.get_group_rank(g, 0),
+                         mod.get_group_rank(g, members[-1]),
+                         mod.get_global_rank(g, len(members) - 1),
+                         g is not mod.GroupMember.NON_GROUP_MEMBER])
+
+    def jx():
+        return ask(jaxpg, jaxpg.new_group(members))
+
+    def th():
+        return ask(dist, dist.new_group(members))
+    return jx, th, want
+
+
+@case
+def non_member_keeps_its_tensors():
+    """_test_warn_not_in_group's calls with data: a non-member's all_reduce, broadcast and
+    all_gather leave its tensor as it was (jaxpg: the input comes back unchanged)."""
+    members = MEMBERS
+    x = np.full(2, R + 1, np.float32)
+    if R in members:
+        want = [np.full(2, sum(r + 1 for r in members), np.float32), np.full(2, 1, np.float32),
+                np.stack([np.full(2, r + 1, np.float32) for r in members])]
+    else:
+        want = [x, x, x]
+
+    def jx():
+        g = jaxpg.new_group(members)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the non-member's warning: warn_not_in_group
+            out = [jaxpg.all_reduce(x, group=g), jaxpg.broadcast(x, src=0, group=g)]
+            gathered = jaxpg.all_gather(x, group=g)
+        return out + [np.stack(gathered) if R in members else gathered]
+
+    def th():
+        g = dist.new_group(members)
+        out = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for op in (lambda y: dist.all_reduce(y, group=g),
+                       lambda y: dist.broadcast(y, src=0, group=g)):
+                y = t(x.copy())
+                if op(y) is not None:
+                    raise AssertionError("torch's collective returned a value")
+                out.append(y.numpy())
+            y = t(x.copy())
+            lst = [torch.zeros(2) for _ in members]
+            dist.all_gather(lst, y, group=g)
+        if R in members:
+            return out + [torch.stack(lst).numpy()]
+        if any(bool(v.any()) for v in lst):
+            raise AssertionError("torch's all_gather wrote a non-member's tensor_list")
+        return out + [y.numpy()]
+    return jx, th, want
+
+
+@case
+def all_to_all_single_non_contiguous():
+    """test_all_to_all_single's contiguity rule: torch raises for a non-contiguous input;
+    JAX arrays have no strides, so jaxpg takes the same values (docs/collectives.md)."""
+    base = np.arange(2 * W * 3, dtype=np.float32).reshape(2 * W, 3) + 100 * R
+    view = np.asfortranarray(base)  # the same values, column-major: non-contiguous in torch
+    want = np.concatenate([np.arange(2 * W * 3, dtype=np.float32).reshape(2 * W, 3)
+                           [2 * R:2 * R + 2] + 100 * s for s in range(W)])
+
+    def jx():
+        return jaxpg.all_to_all_single(view)
+
+    def th():
+        strided = torch.from_numpy(base.T.copy()).T  # torch's own non-contiguous view
+        out = torch.zeros(2 * W, 3)
+        try:
+            dist.all_to_all_single(out, strided)
+        except (RuntimeError, ValueError) as err:
+            if "contiguous" not in str(err):
+                raise
+        else:
+            raise AssertionError("torch took a non-contiguous all_to_all_single input")
+        dist.all_to_all_single(out, strided.contiguous())
+        return out.numpy()
     return jx, th, want
 
 
