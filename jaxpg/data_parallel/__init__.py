@@ -4,6 +4,8 @@ pipeline) share, so that neither imports the other's private helpers.
 * :mod:`~jaxpg.data_parallel.batch_placement`: each process's samples laid out over the
   group.
 * :mod:`~jaxpg.data_parallel.local_loss`: one rank's loss from a model or a pytree.
+* :mod:`~jaxpg.data_parallel.loss_check`: a loss that depends on no parameter, named on the
+  first trace of its step.
 * :mod:`~jaxpg.data_parallel.prng_keys`: PRNG key leaves as raw data and back.
 * :mod:`~jaxpg.data_parallel.checkpoint_format`: the numbered arrays a checkpoint holds and
   the restore of a state tree from them.

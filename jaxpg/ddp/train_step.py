@@ -47,6 +47,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.data_parallel.local_loss import local_loss
+from jaxpg.data_parallel.loss_check import LossCheck
 from jaxpg.data_parallel.zero import sharded_update
 from jaxpg.ddp._axis import axis_size
 from jaxpg.ddp.bucket_plan import BucketPlan
@@ -169,6 +170,9 @@ def build_train_step(
     # default hook reduces each bucket's gradients as they are (docs/design.md, "CPU
     # all_reduce: where the time goes"; custom hooks still get flat buffers).
     on_cpu = pg.mesh.devices.flat[0].platform == "cpu"
+    # the first trace checks that the loss depends on the parameters (then no cost)
+    loss_check = LossCheck(loss_fn, api="DistributedDataParallel.train_step",
+                           model="model" if graphdef is not None else "parameter")
 
     def body(params, rest, opt_state, hook_state, acc, batch, active):
         # opt_state is None under ZeRO-1: the update then runs after the shard_map.
@@ -180,10 +184,8 @@ def build_train_step(
             weight = on.astype(jnp.float32)
         else:
             weight = jnp.float32(1)
-        (loss, (aux, new_rest)), grads = jax.value_and_grad(
-            lambda p: local_loss(loss_fn, graphdef, p, rest, batch, mode.has_aux),
-            has_aux=True,
-        )(params)
+        (loss, (aux, new_rest)), grads = loss_check.value_and_grad(
+            lambda p: local_loss(loss_fn, graphdef, p, rest, batch, mode.has_aux), params)
         if mode.join:
             grads = jax.tree.map(lambda g: jnp.where(on, g, jnp.zeros_like(g)), grads)
         if acc is not None:

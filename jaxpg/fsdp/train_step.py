@@ -34,6 +34,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.data_parallel.local_loss import local_loss
+from jaxpg.data_parallel.loss_check import LossCheck
 from jaxpg.data_parallel.zero import sharded_update
 from jaxpg.fsdp import units as _units
 from jaxpg.fsdp.collectives import Comm, accumulate, allreduce_leaf, gather_param, reduce_leaf
@@ -124,7 +125,8 @@ def _local_loss(loss_fn, plan: StepPlan, params, rest, batch, has_aux, ctx: Step
         _units.active_step().reset(token)
 
 
-def _stage3_grads(loss_fn, plan: StepPlan, mode: StepMode, shards, rest, acc, batch):
+def _stage3_grads(loss_fn, plan: StepPlan, mode: StepMode, shards, rest, acc, batch,
+                  check: LossCheck):
     comm = plan.comm
     layout_leaves = jax.tree.leaves(plan.layouts)
     no_sync = not mode.sync
@@ -144,14 +146,15 @@ def _stage3_grads(loss_fn, plan: StepPlan, mode: StepMode, shards, rest, acc, ba
         return _local_loss(loss_fn, plan, params, rest, batch, mode.has_aux, ctx)
 
     argnums = 1 if no_sync else 0
-    (loss, (aux, new_rest)), grads = jax.value_and_grad(loss_of, argnums=argnums,
-                                                        has_aux=True)(shards, acc)
+    (loss, (aux, new_rest)), grads = check.value_and_grad(loss_of, shards, acc,
+                                                          argnums=argnums)
     if no_sync:
         grads = jax.tree.map(jnp.add, acc, grads)
     return loss, aux, new_rest, grads
 
 
-def _stage12_grads(loss_fn, plan: StepPlan, mode: StepMode, params, rest, acc, batch):
+def _stage12_grads(loss_fn, plan: StepPlan, mode: StepMode, params, rest, acc, batch,
+                   check: LossCheck):
     comm = plan.comm
     ctx = StepContext(comm, stage=plan.stage, reshard_after_forward=False, unit_layouts={},
                       unit_accs=None, no_sync=not mode.sync)
@@ -161,7 +164,7 @@ def _stage12_grads(loss_fn, plan: StepPlan, mode: StepMode, params, rest, acc, b
                             p, plan.layouts)
         return _local_loss(loss_fn, plan, cast, rest, batch, mode.has_aux, ctx)
 
-    (loss, (aux, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    (loss, (aux, new_rest)), grads = check.value_and_grad(loss_of, params)
     grads = jax.tree.map(accumulate, grads, acc) if acc is not None else grads
     if not mode.sync:
         return loss, aux, new_rest, grads
@@ -193,13 +196,17 @@ def build_train_step(loss_fn: Callable[..., Any], plan: StepPlan, mode: StepMode
     axes = group.batch_axes
     rank_spec = group.rank_spec
     rest_spec = P() if plan.rest_specs is None else plan.rest_specs
+    # the first trace checks that the loss depends on the parameters (then no cost)
+    loss_check = LossCheck(loss_fn, api="FullyShardedDataParallel.train_step",
+                           model="model" if plan.graphdef is not None else "parameter")
 
     def body(params, rest, acc, batch):
         acc = jax.tree.map(lambda x: x[0], acc)
         if not mode.sync and acc is None:
             acc = _zero_acc(plan)
         grads_fn = _stage3_grads if plan.stage == 3 else _stage12_grads
-        loss, aux, new_rest, grads = grads_fn(loss_fn, plan, mode, params, rest, acc, batch)
+        loss, aux, new_rest, grads = grads_fn(loss_fn, plan, mode, params, rest, acc, batch,
+                                              loss_check)
         metrics = {"loss": jax.lax.pmean(loss.astype(jnp.float32), axes)}
         if mode.has_aux:
             metrics["aux"] = jax.tree.map(

@@ -19,7 +19,15 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jaxpg.data_parallel.loss_check import LossDoesNotTrainError, check_depends
 from jaxpg.pipeline.pipeline_config import PipelineConfig
+
+LOSS_CAUSE = (
+    "loss_fn(last_params, y, targets) must compute the loss from its arguments: y, the last "
+    "stage's output, and last_params, the head's parameters. The usual cause: a loss that "
+    "closes over a module or parameters as they were before the pipeline took them "
+    "(`lambda lp, y, t: ce(model(x), t)`) instead of using y and last_params."
+)
 
 __all__ = ["StageMeta", "infer_stage_metadata", "batch_stage_metadata", "format_struct"]
 
@@ -105,6 +113,8 @@ def infer_stage_metadata(
         ValueError: if a stage cannot take the previous stage's output, or returns an
             output of other shapes or dtypes than its input (the message names both
             stages and both shapes), or the loss is not a scalar.
+        LossDoesNotTrainError: the loss depends on neither ``last_params`` nor the last
+            stage's output (a subclass of ValueError).
     """
     num_stages = num_ranks * num_chunks
     one_stage = jax.tree.map(
@@ -142,7 +152,12 @@ def infer_stage_metadata(
         metas.append(StageMeta(stage, stage % num_ranks, stage // num_ranks, x, y))
     if loss_fn is not None:
         try:
-            loss = jax.eval_shape(loss_fn, _struct(last_params), x, _struct(targets))
+            # traced once: the loss's shape, and whether it depends on y or last_params
+            loss = check_depends(loss_fn, (_struct(last_params), x, _struct(targets)),
+                                 (True, True, False), loss_fn=loss_fn, api="pipeline",
+                                 model="last_params or y", cause=LOSS_CAUSE)
+        except LossDoesNotTrainError:
+            raise
         except Exception as err:
             raise ValueError(
                 f"loss_fn cannot take the output of {_where(num_stages - 1, num_ranks)}, "

@@ -18,7 +18,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpg.data_parallel.loss_check import check_depends
+
 __all__ = ["StagePrograms", "plain_programs", "add_grads"]
+
+LOSS_CAUSE = (
+    "A schedule's loss_fn(output, target) must compute the loss from the last stage's "
+    "output. The usual cause: a loss that closes over the module as it was before the "
+    "stage took it (`lambda out, t: ce(model(x), t)`) instead of using output."
+)
+
+
+def _structs(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), tree)
 
 
 def add_grads(acc: Any, value: Any) -> Any:
@@ -51,10 +63,18 @@ def plain_programs(graphdef: Any, loss_fn: Callable | None, first: bool) -> Stag
     def forward(p, rest, args):
         return pullback(call, p, rest, args)
 
+    checked = []  # the loss check runs on the first trace only
+
     def forward_loss(p, rest, args, target):
         def f(p, rest, *a):
             out = call(p, rest, *a)
-            return loss_fn(out[0] if len(out) == 1 else out, target), out
+            y = out[0] if len(out) == 1 else out
+            if not checked:
+                check_depends(loss_fn, (_structs(y), _structs(target)), (True, False),
+                              loss_fn=loss_fn, api="PipelineStage schedule",
+                              model="its output argument", cause=LOSS_CAUSE)
+                checked.append(True)
+            return loss_fn(y, target), out
 
         loss, vjp, out = pullback(f, p, rest, args, has_aux=True)
         return loss, out, vjp
