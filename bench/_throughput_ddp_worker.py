@@ -12,9 +12,9 @@ In the same processes, torch DDP (gloo) and jaxpg DDP train the 25M-parameter ML
   25 MB buckets, the default averaging hook, donated state);
 * ``jaxpg_flat_buckets``: the default buckets through a copy of the default hook, so each
   bucket is copied into a flat buffer and back (the path of every custom hook, and of the
-  default hook on CPU before issue 12);
+  default hook's earlier path on CPU);
 * ``jaxpg_default_copies``: the default step compiled with XLA:CPU's default copy
-  insertion (jaxpg's step before issue 12; it now uses the region analysis);
+  insertion (jaxpg's earlier step; it now uses the region analysis);
 * ``jaxpg_one_bucket`` / ``jaxpg_cap_5MB``: every gradient in one bucket / 5 MB buckets;
 * ``jaxpg_fused_pmean``: ``reduction='fused_pmean'`` (one ``pmean`` per gradient);
 * ``jaxpg_rs_ag``: a hook doing ``psum_scatter`` + ``all_gather`` instead of ``psum``;
@@ -54,7 +54,7 @@ from jaxpg.ddp.train_step import CPU_COMPILER_OPTIONS, build_train_step
 
 
 class DefaultCopiesDDP(DistributedDataParallel):
-    """DDP whose step uses XLA:CPU's default copy insertion (jaxpg before issue 12)."""
+    """DDP whose step uses XLA:CPU's default copy insertion (jaxpg's earlier step)."""
 
     def _step_fn(self, loss_fn, mode):
         key = ("default_copies", loss_fn, mode)

@@ -114,7 +114,7 @@ def table(rows: list[dict]) -> str:
 
 
 def targets(rows: list[dict]) -> dict:
-    """The issue's targets: all_reduce busbw >= 1.0x torch at >= 1 MB; small-message
+    """The goals: all_reduce busbw >= 1.0x torch at >= 1 MB; small-message
     (the smallest size) latency within 1.5x of torch's."""
     out = {}
     for n in sorted({r["n"] for r in rows}):

@@ -12,7 +12,7 @@ inside one launch. The machine is 2 cores shared with other work: read ratios.
     flock /tmp/jaxpg-bench.lock python bench/fsdp.py          # about 5 minutes
     python bench/fsdp.py --nprocs 2 --rounds 3                # quicker
 
-Writes ``bench/results/fsdp.json`` and prints a markdown table. Goals (issue 21): step
+Writes ``bench/results/fsdp.json`` and prints a markdown table. Goals: step
 time at least torch FSDP2's (``torch / jaxpg >= 1``) and stage-3 state at most 0.6x
 DDP's at N = 2 and 0.35x at N = 4.
 """

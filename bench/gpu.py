@@ -1,4 +1,4 @@
-"""GPU benchmark for the eager path and DDP (issue 8), written to run on one GPU.
+"""GPU benchmark for the eager path and DDP, written to run on one GPU.
 
 Parts, each in fresh processes:
 

@@ -7,7 +7,7 @@ In the same processes, rounds alternate three variants of ``steps`` steps each:
 * ``recorded``: ``ddp.train_step`` (the step blocks until its outputs are ready);
 * ``direct_blocking``: the underlying jitted step, ``block_until_ready`` after each step;
 * ``direct_async``: the underlying jitted step, blocking once per round (steps overlap
-  with the next one's dispatch, as before issue 22).
+  with the next one's dispatch, as an unrecorded step does).
 
 Medians over rounds of the time per step on rank 0; ``JAXPG_FR_BUFFER_SIZE=2000`` is set.
 

@@ -198,7 +198,7 @@ def jit_cache_size(fn: Any) -> int | None:
 
     Checked on jax 0.10.2 and 0.12.0.1 (the C++ ``PjitFunction``'s method). A recorded step
     reads a new program's HLO once, when this grows, instead of keying every call by its
-    arguments' shapes (which costs about 100 µs for a model's parameters).
+    arguments' shapes (which costs a model's parameters' flattening on every call).
     """
     size = getattr(fn, "_cache_size", None)
     if size is None:

@@ -62,3 +62,21 @@ def test_the_readme_links_to_pages_that_exist():
 
 def test_the_readme_is_an_entry_point():
     assert len((ROOT / "README.md").read_text().splitlines()) < 250
+
+
+_HISTORY = re.compile(
+    r"\b((first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
+    r"|\d+(st|nd|rd|th)|this|last|next|previous) session|stop \d+\b|issue \d+\b"
+    r"|the issue (asks|asked|says|is silent)|(this|last|previous) stop\b)", re.I)
+
+
+def test_no_page_or_module_narrates_the_projects_history():
+    # the manual and the code say what jaxpg does and why; the history is CHANGELOG.md's
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for folder, pattern in (("jaxpg", "**/*.py"), ("bench", "**/*.py"), ("bench", "*.md"),
+                            ("examples", "**/*.py"), ("examples", "**/*.toml"), (".ci", "*")):
+        paths += [p for p in sorted((ROOT / folder).glob(pattern)) if p.is_file()]
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+             for p in paths for i, line in enumerate(p.read_text(errors="ignore").splitlines(), 1)
+             if _HISTORY.search(line)]
+    assert found == []

@@ -1,4 +1,4 @@
-"""What the process executor's action programs cost on one core (issue 34): one process,
+"""What the process executor's action programs cost on one core: one process,
 one CPU device, the model of ``bench/pipeline_vs_torch.py`` (a stage of ``--layers``
 residual MLP blocks of width 512, one dict of arrays per block, microbatches of 32 rows).
 

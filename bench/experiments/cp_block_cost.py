@@ -1,4 +1,4 @@
-"""Why jaxpg's ring attention is slower than a torch P2P ring on CPU (issue 31): the cost of
+"""Why jaxpg's ring attention is slower than a torch P2P ring on CPU: the cost of
 one attention block, each side on one thread, in one process.
 
 The 2-process comparison (``bench/context_parallel.py --parts torch``) times whole rings.

@@ -1,4 +1,4 @@
-"""Where a process-executor step's time goes, action by action (issue 34): run under
+"""Where a process-executor step's time goes, action by action: run under
 ``python -m jaxpg.run --nproc-per-node 2``, one process per pipeline rank, each pinned to
 its own core, the model of ``bench/pipeline_vs_torch.py`` (4 residual MLP blocks of width
 512, one dict of arrays per block; m = 8 microbatches of 32 rows).

@@ -1,6 +1,6 @@
 """Where a pipeline step's time goes, per tick and per rank: compute, transfer, waiting.
 
-Three setups, each on the issue's model by default (``--blocks 4`` residual MLP blocks of
+Three setups, each on the comparison's model by default (``--blocks 4`` residual MLP blocks of
 width 512, ``--m 8`` microbatches of ``--microbatch 32`` rows, no optimizer):
 
 * ``2proc``: 2 processes under ``jaxpg-run``, one rank each, each pinned to its own core;

@@ -1,5 +1,5 @@
 """Is there a grouped matmul on the GPU that costs what the dense matmul of the same rows
-costs (issue 32)? One forward matmul, ``(rows, k) x (E, k, n)`` in ``E`` even groups, bf16:
+costs? One forward matmul, ``(rows, k) x (E, k, n)`` in ``E`` even groups, bf16:
 
 * ``lax.ragged_dot``: XLA's, as ``jaxpg.expert_parallel`` uses it (in float32 there);
 * ``ragged_dot_mgpu``: jax's Pallas/Mosaic GPU kernel for Hopper

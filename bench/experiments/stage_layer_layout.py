@@ -1,4 +1,4 @@
-"""How a stage holds its layers' parameters, and what its step costs (issue 34): one
+"""How a stage holds its layers' parameters, and what its step costs: one
 process, one CPU device.
 
 A stage of ``--layers`` residual MLP blocks ``x + W2 gelu(W1 x + b1) + b2`` (width

@@ -1,4 +1,4 @@
-"""What a tensor-parallel stage's actions spend on the host (issue 34): one process, 8
+"""What a tensor-parallel stage's actions spend on the host: one process, 8
 simulated devices.
 
 A stage of a ``("pp", "tp") = (4, 2)`` mesh holds a Megatron MLP block

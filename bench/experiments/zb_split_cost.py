@@ -1,4 +1,4 @@
-"""Where ZB-H1's step time goes against 1F1B's (issue 34): one process, 4 simulated devices.
+"""Where ZB-H1's step time goes against 1F1B's: one process, 4 simulated devices.
 
 The model is 4 residual blocks ``x + W2 tanh(W1 x + b1) + b2`` of width ``--dim``, one per
 pipeline stage, with a mean squared error; ``m = 8`` microbatches of ``--microbatch`` rows;

@@ -57,7 +57,7 @@ def _grouped_lse(lse: jax.Array, kv_heads: int) -> jax.Array:
 
 # The matmuls run heads-major, (batch, heads, seq, d): written over (batch, seq, heads, d)
 # operands, XLA:CPU computed the probabilities-times-values product transposed, and a block
-# took 2.2x as long (docs/context_parallel.md). The transposes cost O(seq * d).
+# took much longer (docs/context_parallel.md has the figures). The transposes cost O(seq * d).
 
 
 def block_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,

@@ -43,8 +43,8 @@ through):
 A stage's parameter-only layout work (``w[i]`` of a stack of layers: slices, squeezes,
 transposes) is hoisted out of the loop (``jaxpg.pipeline.stage_hoist``): the loop runs
 the stage on the prepared per-layer arrays and accumulates their gradients, which are
-turned back into gradients of the stack once, after the loop (7-10% less work for
-two-block stages at width 512 than leaving it to XLA).
+turned back into gradients of the stack once, after the loop (less work than leaving
+it to XLA; docs/pipeline_mp.md, "How it works").
 
 Slot buffers and accumulators are the conds' state and are updated in place; no
 ``lax.switch`` carries them (XLA copies every output of a conditional with more than two

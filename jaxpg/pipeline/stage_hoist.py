@@ -6,9 +6,9 @@ copies such a slice before a matmul reads it, and the weight gradient of a stack
 parameter is assembled by padding each layer's gradient to the stack's shape and
 adding them up. The SPMD executor runs all microbatches in one loop, where XLA hoists
 the slices out of the loop; the process executor runs each action as a program of its
-own, so each would copy every layer's weights and pad every layer's gradient again: a
-4-layer stage at width 512 ran its forward 1.45x and its backward 1.5x slower than the
-same stage written over per-layer arrays (``bench/pipeline_vs_torch.py``'s model).
+own, so each would copy every layer's weights and pad every layer's gradient again,
+and run slower than the same stage written over per-layer arrays (docs/pipeline_mp.md
+has the figures).
 
 :func:`hoist_stage` cuts the stage's jaxpr in two:
 

@@ -146,9 +146,9 @@ def worker_env(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[start : start + devices_per_proc])
     else:
         # XLA's CPU collectives allocate a fresh output buffer per call; with glibc's default
-        # thresholds every large one is a new mmap and pays its page faults again (64 MB:
-        # ~35 ms). Keeping big blocks in the heap made 16 MB reduce_scatter 2-3x faster
-        # (bench/results/collectives_mp.json, allocator_experiment). The user's setting wins.
+        # thresholds every large one is a new mmap and pays its page faults again. Keeping
+        # big blocks in the heap makes large reduce_scatters faster (docs/design.md;
+        # bench/results/collectives_mp.json, allocator_experiment). The user's setting wins.
         env.setdefault("GLIBC_TUNABLES", _GLIBC_TUNABLES)
         _cpu_threads(env, local_rank, local_world_size)
     return env

@@ -8,8 +8,8 @@ the caller's file and line. The last record of each group is always kept: it is 
 process tells a peer that diagnoses a hang (``jaxpg.supervision.fr_requests``). The ring buffer of
 the last N records is kept when ``JAXPG_FR_BUFFER_SIZE=N`` (or torch's
 ``TORCH_FR_BUFFER_SIZE`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is above 0, read at
-``init_process_group``; only then is the caller's frame looked up (about 1 µs), since
-nothing but a dump shows it.
+``init_process_group``; only then is the caller's frame looked up, since nothing but a
+dump shows it (docs/debugging.md has its cost).
 
 A record is created and updated without locks: a ``deque(maxlen=N)`` append and a few
 attribute writes (the GIL makes each atomic); text is made only when a dump is written.
@@ -127,7 +127,7 @@ class _Recorder:
     The ring is a pool of ``size`` records made once and reused in turn, so that a call
     allocates no record that outlives it (records that lived a thousand calls would be
     promoted through the garbage collector's generations and make its full collections
-    more frequent: about 3 µs a call, measured). A slot that still holds a group's last
+    more frequent; docs/debugging.md has the cost). A slot that still holds a group's last
     call is copied out before its reuse.
     """
 
@@ -231,7 +231,7 @@ def capture_caller() -> tuple[Any, int, Any] | None:
     """The user's frame that called into jaxpg: ``(code, line, code of the jaxpg function
     it called)``; None when the whole stack is jaxpg's (a runner thread). The function
     that calls this one is not counted (it is where the lookup happens). Each code object
-    is classified once (about 0.2 µs a frame after that)."""
+    is classified once, so later lookups only walk the frames."""
     pinned = getattr(_local, "caller", None)
     if pinned is not None:
         return pinned
