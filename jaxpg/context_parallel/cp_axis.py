@@ -16,6 +16,7 @@ from typing import Any
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxpg.groups.device_mesh import DeviceMesh
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.resolve import resolve_degree_group
 from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
@@ -73,8 +74,10 @@ def _reworded(message: str) -> str:
             .replace("mesh['tp']", "mesh['cp']").replace("tp_mesh = ", "cp_mesh = "))
 
 
-def resolve_cp_axis(group: Any, api: str) -> CPAxis:
+def resolve_cp_axis(group: Any, api: str, arg: str = "group") -> CPAxis:
     """Returns the :class:`CPAxis` of ``group`` (the world group for None).
+
+    ``arg`` is the argument's name in errors (``context_parallel`` for the wrappers).
 
     Raises:
         ValueError: a multi-dimensional DeviceMesh, a group that is not one dimension of a
@@ -83,10 +86,16 @@ def resolve_cp_axis(group: Any, api: str) -> CPAxis:
     """
     if isinstance(group, CPAxis):
         return group
+    names = tuple(getattr(group, "mesh_dim_names", None) or ())
+    if arg != "group" and isinstance(group, DeviceMesh) and group.ndim > 1:
+        raise ValueError(
+            f"{api}: {arg}= takes the context-parallel dimension, but got a {group.ndim}-D "
+            f"DeviceMesh with dimensions {names}; pass {arg}=mesh['cp'] (and the "
+            "data-parallel and cp dimensions flattened as the wrapper's group=).")
     try:
         if not isinstance(group, TPMesh):
-            group = resolve_degree_group(group, "cp", api=api)
-        tp = resolve_tp_mesh(group, api, arg="group")
+            group = resolve_degree_group(group, "cp", api=api, arg=arg)
+        tp = resolve_tp_mesh(group, api, arg=arg)
     except (ValueError, TypeError) as err:
         raise type(err)(_reworded(str(err))) from None
     pg = group if isinstance(group, ProcessGroup) else None

@@ -83,5 +83,5 @@ def resolve_sequence_split(context_parallel: Any, api: str) -> ResolvedSequenceS
     if not isinstance(split.load_balance, bool):
         raise TypeError(f"{api}: context_parallel's load_balance={split.load_balance!r} must "
                         "be a bool.")
-    cp = resolve_cp_axis(split.group, f"{api} (context_parallel=)")
+    cp = resolve_cp_axis(split.group, api, arg="context_parallel")
     return ResolvedSequenceSplit(cp.mesh, cp.axis, cp.size, split.seq_dim, split.load_balance)

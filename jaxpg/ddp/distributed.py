@@ -137,7 +137,15 @@ class DistributedDataParallel:
         from jaxpg.groups.resolve import one_of, resolve_group
 
         api = "DistributedDataParallel"
-        self.group = resolve_group(one_of(api, group=group, device_mesh=device_mesh), api=api)
+        given = one_of(api, group=group, device_mesh=device_mesh)
+        if context_parallel is not None and getattr(given, "ndim", 1) > 1:
+            from jaxpg.ddp.step_layout import cp_group_fix
+
+            raise ValueError(
+                f"{api}: group={given!r} with context_parallel=: DDP averages over one "
+                "dimension; pass the data-parallel and cp dimensions flattened, e.g. "
+                f"{cp_group_fix('dp_cp', tuple(given.mesh_dim_names))}.")
+        self.group = resolve_group(given, api=api)
         if not self.group.local_members():
             raise ValueError(
                 f"DistributedDataParallel: this process holds no rank of {self.group!r}; "

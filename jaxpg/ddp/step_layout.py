@@ -136,9 +136,20 @@ def _group_axes(mesh: Mesh, pg: Any) -> tuple[str, ...] | None:
 
 
 
+def cp_group_fix(flat: str, axes: tuple[str, ...] = ()) -> str:
+    """The group to pass with context parallelism: the data-parallel and cp dimensions
+    flattened into ``flat`` (``"dp_cp"``, DDP's; ``"dp_shard_cp"``, FSDP's), as
+    ``group=mesh[...]._flatten(flat)`` over ``axes`` (the mesh's dimensions to flatten), and
+    its ``ParallelDims`` name."""
+    axes = axes or (("dp_shard", "cp") if flat == "dp_shard_cp" else ("dp", "cp"))
+    return (f"group=mesh[{', '.join(repr(a) for a in axes)}]._flatten({flat!r}) "
+            f"(ParallelDims: dims[{flat!r}])")
+
+
 def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataParallel",
                 expert_axes: tuple[str, ...] = (),
-                sequence: ResolvedSequenceSplit | None = None) -> StepLayout:
+                sequence: ResolvedSequenceSplit | None = None,
+                cp_flat: str = "dp_cp") -> StepLayout:
     """The layout of DDP's (or FSDP's, ``api``) step for a model whose state is ``params``
     and ``rest``.
 
@@ -150,6 +161,8 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
             parallelism's ``"ep"``); such a parameter is reduced over the other ones.
         sequence: the batch's sequence split (``context_parallel=``); the step then runs
             over its mesh, whose cp axis must be one of the group's.
+        cp_flat: the flattened dimension the errors name for a group without the cp axis
+            (``"dp_cp"``, DDP's; ``"dp_shard_cp"``, FSDP's shard group).
 
     Raises:
         ValueError: if the state lives on several larger meshes, on one the group is not a
@@ -185,7 +198,7 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
             if sequence is None else
             f"{api}: group {pg!r} is not made of dimensions of the context_parallel group's "
             f"mesh {dict(mesh.shape)}; pass its data-parallel and cp dimensions flattened, "
-            "e.g. group=mesh['dp', 'cp']._flatten('dp_cp') (ParallelDims: dims['dp_cp'])."
+            f"e.g. {cp_group_fix(cp_flat)}."
         )
     if sequence is not None and sequence.axis not in axes:
         raise ValueError(
@@ -193,7 +206,7 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
             f"{dict(mesh.shape)}, not the cp axis {sequence.axis!r}: the cp ranks hold "
             "different tokens of the same samples, so the gradients are averaged over them "
             "too; pass the data-parallel and cp dimensions flattened, e.g. "
-            "group=mesh['dp', 'cp']._flatten('dp_cp') (ParallelDims: dims['dp_cp'])."
+            f"{cp_group_fix(cp_flat, (*axes, sequence.axis))}."
         )
     unknown = [a for a in expert_axes if a not in axes]
     if unknown:

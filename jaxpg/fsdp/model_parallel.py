@@ -38,7 +38,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jaxpg.data_parallel.shard_layout import ShardLayout
-from jaxpg.ddp.step_layout import StepLayout, step_layout
+from jaxpg.ddp.step_layout import StepLayout, cp_group_fix, step_layout
 from jaxpg.fsdp.shard_group import ShardGroup
 
 __all__ = ["compose_with_model_mesh", "local_block_shape", "has_block_padding"]
@@ -95,8 +95,8 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
             raise ValueError(
                 f"{api}: group={given!r} with context_parallel=: HSDP and hybrid groups do "
                 "not compose with context parallelism here; pass the shard and cp "
-                "dimensions flattened, e.g. group=mesh['dp_shard', 'cp']._flatten() "
-                "(ParallelDims: dims['dp_shard_cp'])."
+                "dimensions flattened, e.g. "
+                f"{cp_group_fix('dp_shard_cp', tuple(getattr(given, 'mesh_dim_names', ())))}."
             )
         raise ValueError(
             f"{api}: group={given!r} with a tensor-parallel model (its arrays are laid out "
@@ -105,6 +105,7 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
             "group=mesh.get_group('dp'), to shard over dp on top of the tp split."
         )
     layout = step_layout(group.process_group, params, rest, api=api, sequence=sequence,
+                         cp_flat="dp_shard_cp",
                          expert_axes=tuple(expert_axes))
     model_axes = tuple(a for a in layout.mesh.axis_names if a not in layout.dp_axes)
     shard_axes = tuple(a for a in layout.dp_axes if a not in expert_axes)

@@ -236,6 +236,20 @@ def _check_members(mesh: Mesh, what: str, api: str) -> None:
         )
 
 
+def _parallel_dims_fix(dims: Any) -> str:
+    """What to pass instead of a ``ParallelDims`` that FSDP cannot shard over whole."""
+    fixes = []
+    if dims.cp > 1:
+        flat, cp = dims.axis("dp_shard_cp"), dims.axis("cp")
+        fixes.append(f"With context parallelism pass the shard and cp dimensions flattened, "
+                     f"group=dims[{flat!r}], and context_parallel=dims[{cp!r}]"
+                     + (" (HSDP does not compose with it: dp_replicate=1)."
+                        if dims.dp_replicate > 1 else "."))
+    if dims.pp > 1 or not fixes:
+        fixes.append("For a pipeline use jaxpg.pipeline.zero (ZeRO-1/2 inside each stage).")
+    return " ".join(fixes)
+
+
 def resolve_shard_group(group: Any, api: str) -> ShardGroup:
     """The :class:`ShardGroup` for ``group`` (see the module docstring).
 
@@ -261,8 +275,7 @@ def resolve_shard_group(group: Any, api: str) -> ShardGroup:
             raise ValueError(
                 f"{api}: group={group!r} has {bad}; FullyShardedDataParallel shards over "
                 "dp_shard and replicates over dp_replicate, or shards over dp_shard on top of "
-                "a tp split. For a pipeline use jaxpg.fsdp.pipeline (ZeRO-1/2 inside each "
-                "stage).")
+                "a tp split. " + _parallel_dims_fix(group))
         if group.tp > 1:  # parallelize first, then shard over dp_shard (model_parallel.py)
             group = group.get_group(group.axis("dp_shard"))
         else:
@@ -286,8 +299,13 @@ def resolve_shard_group(group: Any, api: str) -> ShardGroup:
         if bad:
             raise ValueError(
                 f"{api}: group={group!r} has {bad}; FullyShardedDataParallel shards over its "
-                "'sharding' dimension and replicates over 'dp' only. For a pipeline use "
-                "jaxpg.pipeline.zero (ZeRO-1/2 over dp inside each stage)."
+                "'sharding' dimension and replicates over 'dp' only. "
+                + ("With context parallelism (sep) pass the sharding and sep dimensions "
+                   "flattened, group=hcg.device_mesh['sharding', 'sep']._flatten("
+                   "'sharding_sep'), and context_parallel=hcg.get_sep_parallel_group()."
+                   if "sep" in bad and "pp" not in bad else
+                   "For a pipeline use jaxpg.pipeline.zero (ZeRO-1/2 over dp inside each "
+                   "stage).")
             )
         mesh = group.device_mesh.jax_mesh
         _check_members(mesh, f"group={group!r}", api)

@@ -35,7 +35,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_wrapper_with_context_parallel_trains_as_one_device(case):
     wrapper, shape, names, flat, method = CASES[case]
-    optimizer = optax.adam(1e-2)
+    optimizer = optax.sgd(0.5)  # SGD: a gradient off by a factor moves the parameters by it
     want_losses, want_params = one_device(optimizer)
 
     mesh = jaxpg.init_device_mesh(shape, names)
@@ -107,7 +107,7 @@ def test_bad_context_parallel_layouts_are_refused_first():
         FullyShardedDataParallel(
             model, opt, group=mesh["dp"], context_parallel=SequenceSplit(mesh["cp"], 1, 1))
     with pytest.raises(ValueError, match=r"HSDP and hybrid groups do not compose with "
-                                         r"context parallelism.*_flatten\(\)"):
+                                         r"context parallelism.*_flatten\('dp_shard_cp'\)"):
         FullyShardedDataParallel(model, opt, group=mesh, context_parallel=mesh["cp"])
     ddp = DistributedDataParallel(model, opt, group=mesh["dp", "cp"]._flatten("dp_cp"),
                                         context_parallel=mesh["cp"])
@@ -120,3 +120,50 @@ def test_bad_context_parallel_layouts_are_refused_first():
                                          r"among this process's 4"):
         ddp.train_step(loss_fn, {k: v[:6] for k, v in batch.items()})
     assert ddp.step == 0
+
+
+def test_cp_errors_name_each_wrappers_flattened_dimension():
+    """DDP averages over ``dp_cp``, FSDP shards over ``dp_shard_cp``: each error names its
+    own, and a ``context_parallel=`` that is not the cp dimension says so."""
+    mesh = jaxpg.init_device_mesh((4, 2), ("dp", "cp"))
+    model = GPT(ContextParallelAttention(group=mesh["cp"]))
+    opt = optax.sgd(0.1)
+    with pytest.raises(ValueError, match=r"FullyShardedDataParallel: .*not the cp axis 'cp'.*"
+                                         r"group=mesh\['dp', 'cp'\]\._flatten\('dp_shard_cp'\) "
+                                         r"\(ParallelDims: dims\['dp_shard_cp'\]\)") as err:
+        FullyShardedDataParallel(model, opt, group=mesh["dp"], context_parallel=mesh["cp"])
+    assert "dp_cp" not in str(err.value)
+    with pytest.raises(ValueError, match=r"HSDP and hybrid groups .*group=mesh\['dp', 'cp'\]"
+                                         r"\._flatten\('dp_shard_cp'\)"):
+        FullyShardedDataParallel(model, opt, group=mesh, context_parallel=mesh["cp"])
+    with pytest.raises(ValueError, match=r"DistributedDataParallel: group=DeviceMesh.* with "
+                                         r"context_parallel=.*group=mesh\['dp', 'cp'\]\."
+                                         r"_flatten\('dp_cp'\) \(ParallelDims: dims\['dp_cp'\]\)"):
+        DistributedDataParallel(model, opt, group=mesh, context_parallel=mesh["cp"])
+    flat = mesh["dp", "cp"]._flatten("dp_cp")
+    for wrapper in (DistributedDataParallel, FullyShardedDataParallel):
+        with pytest.raises(ValueError, match=r"context_parallel= takes the context-parallel "
+                                             r"dimension, but got a 2-D DeviceMesh.*pass "
+                                             r"context_parallel=mesh\['cp'\]"):
+            wrapper(model, opt, group=flat, context_parallel=mesh)
+    dims = jaxpg.ParallelDims(dp_shard=4, cp=2, world_size=8)
+    with pytest.raises(ValueError, match=r"has \{'cp': 2\}.*With context parallelism pass the "
+                                         r"shard and cp dimensions flattened, "
+                                         r"group=dims\['dp_shard_cp'\], and "
+                                         r"context_parallel=dims\['cp'\]\.$") as err:
+        FullyShardedDataParallel(model, opt, group=dims, context_parallel=dims)
+    assert "pipeline" not in str(err.value)
+    fsdp = FullyShardedDataParallel(GPT(ContextParallelAttention(group=dims["cp"])), opt,
+                                    group=dims["dp_shard_cp"], context_parallel=dims["cp"])
+    assert fsdp.group.shard_axes == ("dp_shard", "cp")  # the fix the error names works
+    hcg = jaxpg.HybridCommunicateGroup(dp_degree=1, sharding_degree=4, sep_degree=2)
+    sep = hcg.get_sep_parallel_group()
+    model = GPT(ContextParallelAttention(group=sep))
+    with pytest.raises(ValueError, match=r"has \{'sep': 2\}.*group=hcg\.device_mesh\['sharding', "
+                                         r"'sep'\]\._flatten\('sharding_sep'\), and "
+                                         r"context_parallel=hcg\.get_sep_parallel_group\(\)\.$"):
+        FullyShardedDataParallel(model, opt, group=hcg, context_parallel=sep)
+    fsdp = FullyShardedDataParallel(
+        model, opt, group=hcg.device_mesh["sharding", "sep"]._flatten("sharding_sep"),
+        context_parallel=sep)
+    assert fsdp.group.shard_axes == ("sharding", "sep")
