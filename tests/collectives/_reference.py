@@ -75,6 +75,9 @@ def np_reduce(op: ReduceOp, rows: list[np.ndarray]) -> np.ndarray:
 
 
 GROUP_KINDS = ["world", "mesh_axis", "subset", "enumeration"]
+UNEVEN_KINDS = [*GROUP_KINDS, "uneven"]
+"""The group kinds with uneven subgroups ([0, 1, 2] and [3, ..., 7]), for the collectives
+whose result is defined per subgroup whatever its size."""
 
 
 def make_group(kind: str):
@@ -90,6 +93,9 @@ def make_group(kind: str):
         return g, [[0, 3, 5]]
     if kind == "enumeration":
         cur, subs = jaxpg.new_subgroups_by_enumeration([[1, 2, 6, 7], [0, 3, 4, 5]])
+        return cur, [list(s.ranks) for s in subs]
+    if kind == "uneven":  # subgroups of different sizes: AVG must divide by each one's own
+        cur, subs = jaxpg.new_subgroups_by_enumeration([[0, 1, 2], [3, 4, 5, 6, 7]])
         return cur, [list(s.ranks) for s in subs]
     raise AssertionError(kind)
 

@@ -5,6 +5,7 @@ import pytest
 from _reference import (
     DTYPES,
     GROUP_KINDS,
+    UNEVEN_KINDS,
     all_ops,
     assert_close,
     assert_non_members_keep_input,
@@ -16,6 +17,7 @@ from _reference import (
 )
 
 import jaxpg
+from jaxpg import ReduceOp
 
 CASES = [(op, dt) for op in all_ops() for dt in DTYPES if valid(op, dt)]
 
@@ -35,8 +37,29 @@ def test_all_reduce(op, dtype, kind, lowering):
         assert_non_members_keep_input(got, x, family, dtype)
 
 
+UNEVEN_CASES = [(op, dt) for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
+                                    ReduceOp.AVG) for dt in ("float32", "int32") if valid(op, dt)]
+
+
 @pytest.mark.parametrize("lowering", ["eager", "spmd"])
-@pytest.mark.parametrize("kind", GROUP_KINDS)
+@pytest.mark.parametrize("op,dtype", UNEVEN_CASES, ids=[f"{o}-{d}" for o, d in UNEVEN_CASES])
+def test_all_reduce_over_uneven_subgroups(op, dtype, lowering):
+    """Subgroups of 3 and 5 ranks, each rank's data its own: each subgroup's result is its
+    own (AVG divides by 3 or 5, not by the larger size; MIN, MAX and PRODUCT see only their
+    subgroup's ranks)."""
+    group, family = make_group("uneven")
+    assert [len(sub) for sub in family] == [3, 5]
+    x = rank_data((3,), dtype, seed=5)
+    got = per_rank(lowering, lambda v: jaxpg.all_reduce(v, op=op, group=group), x, family)
+    wants = [np_reduce(op, [x[r] for r in sub]) for sub in family]
+    assert not np.array_equal(wants[0], wants[1])  # the subgroups' results differ
+    for sub, want in zip(family, wants, strict=True):
+        for r in sub:
+            assert_close(got[r], want, dtype)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "spmd"])
+@pytest.mark.parametrize("kind", UNEVEN_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reduce_to_dst(dtype, kind, lowering):
     group, family = make_group(kind)
