@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 
+from jaxpg.data_parallel.checkpoint_check import choose_step
 from jaxpg.data_parallel.checkpoint_format import numbered_arrays, restore_leaves
 from jaxpg.ddp import checkpoint_writer
 from jaxpg.ddp.checkpoint_writer import wait_for_checkpoints
@@ -100,26 +101,44 @@ def latest_step(directory: str | os.PathLike) -> int | None:
         return mngr.latest_step()
 
 
+def readable_step(directory: str | os.PathLike, step: int | None,
+                  api: str = "restore_checkpoint") -> int:
+    """The step a restore loads: ``step`` once checked, or the newest readable one
+    (:func:`jaxpg.data_parallel.checkpoint_check.choose_step`; waits for this process's
+    save in flight first)."""
+    checkpoint_writer.wait_for_checkpoints()
+    steps: list[int] = []
+    if os.path.isdir(directory):
+        with _manager(directory) as mngr:
+            steps = list(mngr.all_steps())
+    return choose_step(directory, steps, step, api)
+
+
 def restore_checkpoint(
     directory: str | os.PathLike, ddp: Any, *, step: int | None = None
 ) -> tuple[int, dict[str, Any]]:
     """Loads a checkpoint into ``ddp`` on every rank; returns ``(step, data_state)``.
 
+    Each candidate step is checked before it is loaded
+    (:mod:`jaxpg.data_parallel.checkpoint_check`: orbax's commit record, the JSON records,
+    and the arrays' index against their files' sizes). With ``step=None`` the newest
+    complete, readable step is restored; a damaged newer one (a node lost in the middle of
+    a write) is skipped with one warning naming it, so a restarted job resumes from the
+    step before.
+
     Args:
         directory: the checkpoint root given to :func:`save_checkpoint`.
         ddp: a DDP built like the one that was saved.
-        step: the step to restore (the latest for None).
+        step: the step to restore (the newest readable for None).
 
     Raises:
-        FileNotFoundError: if there is no checkpoint.
-        ValueError: if the checkpoint was saved from a different model or optimizer.
+        FileNotFoundError: if there is no checkpoint, or no ``step``.
+        ValueError: if the checkpoint was saved from a different model or optimizer, if
+            ``step`` is damaged, or if every step is (the error names each and its damage).
     """
     import orbax.checkpoint as ocp
 
-    checkpoint_writer.wait_for_checkpoints()
-    step = latest_step(directory) if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"restore_checkpoint: no checkpoint under {directory!r}.")
+    step = readable_step(directory, step)
     current, paths = _flat(ddp)
     with _manager(directory) as mngr:
         meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

@@ -32,10 +32,15 @@ _pending: Any = None  # the CheckpointManager of the save in flight
 
 
 def manager(directory: str | os.PathLike, *, async_save: bool = False, **kwargs: Any) -> Any:
-    """An orbax ``CheckpointManager`` on ``directory`` (created if missing)."""
+    """An orbax ``CheckpointManager`` on ``directory`` (created if missing), with the
+    handlers of both items a checkpoint holds (``state``: the arrays, ``meta``: the JSON
+    record), so that reading one item's metadata does not log that the other "could not be
+    restored"."""
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=async_save)
+    kwargs.setdefault("item_handlers", {"state": ocp.StandardCheckpointHandler(),
+                                        "meta": ocp.JsonCheckpointHandler()})
     return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options,
                                  **kwargs)
 

@@ -32,7 +32,12 @@ import jax
 from jaxpg.data_parallel.checkpoint_format import numbered_arrays, restore_leaves
 from jaxpg.data_parallel.prng_keys import is_key
 from jaxpg.ddp import checkpoint_writer
-from jaxpg.ddp.checkpoint import every_process_calls, latest_step, wait_for_checkpoints
+from jaxpg.ddp.checkpoint import (
+    every_process_calls,
+    latest_step,
+    readable_step,
+    wait_for_checkpoints,
+)
 from jaxpg.fsdp.model_parallel import has_block_padding
 from jaxpg.fsdp.placement import check_fits
 from jaxpg.fsdp.state_shapes import state_paths, true_shapes
@@ -101,8 +106,7 @@ def _saved(directory: str | os.PathLike, step: int) -> tuple[dict[str, Any], dic
 
     with _manager(directory) as mngr:
         meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    with _manager(directory, item_handlers={"state": ocp.StandardCheckpointHandler()}) as m:
-        arrays = m.item_metadata(step)["state"]
+        arrays = mngr.item_metadata(step)["state"]
     return meta, {k: tuple(v.shape) for k, v in arrays.items()}
 
 
@@ -122,19 +126,21 @@ def restore_checkpoint(directory: str | os.PathLike, fsdp: Any, *,
                        step: int | None = None) -> tuple[int, dict[str, Any]]:
     """Loads a checkpoint (sharded, full, or DDP's) into ``fsdp`` on every process.
 
+    Each candidate step is checked before it is loaded, as DDP's
+    (:func:`jaxpg.ddp.restore_checkpoint`): with ``step=None`` the newest complete, readable
+    one is restored, with one warning naming any damaged newer step.
+
     Returns:
         ``(step, data_state)``.
 
     Raises:
-        FileNotFoundError: if there is no checkpoint.
-        ValueError: if the checkpoint's array names or shapes differ from this model's.
+        FileNotFoundError: if there is no checkpoint, or no ``step``.
+        ValueError: if the checkpoint's array names or shapes differ from this model's, if
+            ``step`` is damaged, or if every step is.
     """
     import orbax.checkpoint as ocp
 
-    checkpoint_writer.wait_for_checkpoints()
-    step = latest_step(directory) if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"restore_checkpoint: no checkpoint under {directory!r}.")
+    step = readable_step(directory, step)
     meta, saved_shapes = _saved(directory, step)
     tree = _tree(fsdp.state_dict())
     _check_paths(meta["paths"], state_paths(tree), step)
@@ -198,7 +204,7 @@ def consolidate_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *,
         )
     true = meta.get("fsdp", {}).get("true_shapes")
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    with _manager(src, item_handlers={"state": ocp.StandardCheckpointHandler()}) as m:
+    with _manager(src) as m:
         dtypes = {k: v.dtype for k, v in m.item_metadata(step)["state"].items()}
     abstract = {}
     for key, stored in saved_shapes.items():

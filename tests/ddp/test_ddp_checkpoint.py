@@ -1,9 +1,11 @@
-"""Checkpoints: a run stopped and resumed follows the uninterrupted run's trajectory."""
+"""Checkpoints: a run stopped and resumed follows the uninterrupted run's trajectory; a
+damaged newest step is skipped."""
 
 import jax
 import numpy as np
 import optax
 import pytest
+from _damage import cut_array_files
 from _ddp_models import MLP, assert_trees_close, group, loss_fn, make_batches
 
 from jaxpg.ddp import (
@@ -80,3 +82,22 @@ def test_restore_errors(world, tmp_path):
     with pytest.raises(ValueError, match="Build the same model, optimizer"):
         restore_checkpoint(tmp_path, other)
     assert jax.tree.leaves(other.params)  # untouched
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_step_before(world, tmp_path):
+    ddp = _make_ddp(0)
+    saved = {}
+    for b in range(2):
+        ddp.train_step(loss_fn, _global_batch(0, b))
+        save_checkpoint(tmp_path, ddp, data_state={"epoch": 0, "batch": b + 1})
+        saved[ddp.step] = jax.tree.map(np.asarray, ddp.params)
+    cut_array_files(tmp_path / "2")
+    resumed = _make_ddp(seed=7)
+    with pytest.warns(UserWarning) as seen:
+        assert restore_checkpoint(tmp_path, resumed) == (1, {"epoch": 0, "batch": 1})
+    texts = [str(w.message) for w in seen]
+    assert len(texts) == 1 and "step=2: array file" in texts[0] and "step=1" in texts[0], texts
+    assert_trees_close(resumed.params, saved[1], rtol=0, atol=0)
+    cut_array_files(tmp_path / "1")
+    with pytest.raises(ValueError, match=r"no readable checkpoint .* \[1, 2\], are all damaged"):
+        restore_checkpoint(tmp_path, resumed)

@@ -1,10 +1,13 @@
 """Sharded checkpoints: saved by 4 ranks, loaded by 2 (and other stages), trained on; full
-checkpoints to and from DDP; consolidation; mismatches named."""
+checkpoints to and from DDP; consolidation; mismatches named; a damaged newest step skipped."""
+
+import logging
 
 import jax
 import numpy as np
 import optax
 import pytest
+from _damage import cut_array_files
 from _fsdp_models import Block, Net, Reference, assert_trees_close, group, loss_fn, make_batches
 from flax import nnx
 
@@ -100,3 +103,35 @@ def test_a_checkpoint_of_another_model_is_named(saved, world, tmp_path):
         restore_checkpoint(saved[0] / "sharded", other_opt)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         restore_checkpoint(tmp_path / "nothing", other_opt)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_step_before(world, tmp_path, caplog):
+    fsdp = FullyShardedDataParallel(Net(0), OPT, group=group(4), units=Block)
+    at = {}
+    for i, batch in enumerate(BATCHES[:3]):
+        fsdp.train_step(loss_fn, batch)
+        save_checkpoint(tmp_path, fsdp, data_state={"batch": i + 1})
+        at[fsdp.step] = jax.tree.map(np.asarray, fsdp.full_params())
+    resumed = FullyShardedDataParallel(Net(5), OPT, group=group(2), units=Block)
+    with caplog.at_level(logging.WARNING, logger="absl"):  # orbax logs through absl
+        assert restore_checkpoint(tmp_path, resumed) == (3, {"batch": 3})
+    assert not [r for r in caplog.records if "could not be restored" in r.getMessage()]
+
+    cut_array_files(tmp_path / "3")  # a node lost while writing step 3
+    with pytest.warns(UserWarning) as seen:
+        assert restore_checkpoint(tmp_path, resumed) == (2, {"batch": 2})
+    texts = [str(w.message) for w in seen]
+    assert len(texts) == 1 and "step=3: array file state/" in texts[0] \
+        and "cut short" in texts[0] and "restoring step=2" in texts[0], texts
+    assert_trees_close(resumed.full_params(), at[2], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"step=3 under .* is damaged: .*readable steps \[2, 1\]"):
+        restore_checkpoint(tmp_path, resumed, step=3)
+    with pytest.raises(FileNotFoundError, match=r"step=7 is not saved .* \[1, 2, 3\]"):
+        restore_checkpoint(tmp_path, resumed, step=7)
+
+    for step in (1, 2):
+        cut_array_files(tmp_path / str(step))
+    with pytest.raises(ValueError, match=r"no readable checkpoint under .*: the steps found, "
+                                         r"\[1, 2, 3\], are all damaged \(step=3: .*; step=2: "
+                                         r".*; step=1: "):
+        restore_checkpoint(tmp_path, resumed)

@@ -6,6 +6,7 @@ process); this worker writes ``ckpt2`` there (saved by these 2 processes).
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -17,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _arrays import allclose  # noqa: E402
+from _damage import cut_array_files  # noqa: E402
 from _fsdp_models import HIDDEN, Block, Net, Reference, loss_fn, make_batches  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -89,6 +91,22 @@ def main(scratch):
     # 3. these 2 processes save their shards; the test resumes them with 4 ranks
     save_checkpoint(scratch / "ckpt2", resumed, data_state={"batch": 5})
     check("saved_sharded")
+
+    # 3b. a newer step, its array files cut in half (a node lost mid-write): the restore
+    # falls back to step 5 with one warning naming step 6 (and so does the test's)
+    at5 = resumed.full_params()
+    resumed.train_step(loss_fn, local(make_batches(1, PER_RANK * n, seed=9)[0], rank))
+    save_checkpoint(scratch / "ckpt2", resumed, data_state={"batch": 6})
+    jaxpg.barrier()
+    if rank == 0:
+        cut_array_files(scratch / "ckpt2" / "6")
+    jaxpg.barrier()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step, data_state = restore_checkpoint(scratch / "ckpt2", resumed)
+    texts = [str(w.message) for w in seen]
+    check("damaged_newest_skipped", (step, data_state) == (5, {"batch": 5}) and len(texts) == 1
+          and "step=6: array file" in texts[0] and close(resumed.full_params(), at5, tol=0))
 
     # 4. ZeRO-2 over dp inside a pipeline stage (dp=2 across the processes, pp=1)
     from jax.sharding import Mesh
