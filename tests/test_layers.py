@@ -2,9 +2,9 @@
 
 Layers (docs/design.md): errors/reduce_op/_jax_compat -> runtime -> stores -> rendezvous ->
 supervision -> groups -> collectives (and spmd) -> tensor_parallel/context_parallel/
-expert_parallel -> ddp/fsdp -> pipeline -> run -> the ``jaxpg`` package's own ``__init__``
-(the torch.distributed-style surface, which re-exports everything). A module's layer is its
-package's; only the base modules and ``spmd`` sit loose at jaxpg's root.
+expert_parallel -> models -> ddp/fsdp -> pipeline -> run -> the ``jaxpg`` package's own
+``__init__`` (the torch.distributed-style surface, which re-exports everything). A module's
+layer is its package's; only the base modules and ``spmd`` sit loose at jaxpg's root.
 
 Every ``import`` and ``from ... import`` counts, wherever it is: at module level, inside a
 function (a lazy import), or under ``if TYPE_CHECKING:``. As in grimp/import-linter, importing
@@ -43,6 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tensor_parallel", ("tensor_parallel", "context_parallel", "expert_parallel")),
     # the data-parallel core ddp and fsdp share (batch placement, checkpoint format, ZeRO)
     ("data_parallel", ("data_parallel",)),
+    # the model families, their parallel plans and Hugging Face checkpoints
+    ("models", ("models",)),
     ("ddp/fsdp", ("ddp", "fsdp")),
     ("pipeline", ("pipeline",)),
     ("run", ("run",)),

@@ -39,9 +39,13 @@ def check_moe_args(x: Any, gate_w: Any, w1: Any, w2: Any, ep: int, top_k: Any,
                          f"(E={num_experts} experts over ep={ep} ranks); got shape "
                          f"{shapes['w1']}.")
     hidden = shapes["w1"][2]
-    if shapes["w2"] != (local, hidden, d):
+    # a gated activation (SwiGLU on [gate | up] rows) halves the width: w2 then takes f / 2
+    if shapes["w2"] not in ((local, hidden, d), (local, hidden // 2, d)) or (
+            shapes["w2"][1] != hidden and hidden % 2):
         raise ValueError(f"{api}: w2 must be (E_local, f, d) = ({local}, {hidden}, {d}) to "
-                         f"match w1 {shapes['w1']}; got shape {shapes['w2']}.")
+                         f"match w1 {shapes['w1']} (or ({local}, {hidden // 2}, {d}) for a "
+                         f"gated activation that halves the width); got shape "
+                         f"{shapes['w2']}.")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
         raise TypeError(f"{api}: top_k must be an int; got {top_k!r}.")
     if not 1 <= top_k <= num_experts:

@@ -17,7 +17,7 @@ from jaxpg.tensor_parallel.mp_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from jaxpg.tensor_parallel.parallelize import parallel_style_of, parallelize_module
+from jaxpg.tensor_parallel.parallelize import attach_plan, parallel_style_of, parallelize_module
 from jaxpg.tensor_parallel.placements import Partial, Placement, Replicate, Shard
 from jaxpg.tensor_parallel.prepare import (
     PrepareModuleInput,
@@ -41,7 +41,8 @@ from jaxpg.tensor_parallel.tp_mesh import TPMesh
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "ParallelCrossEntropy", "vocab_parallel_cross_entropy", "ColumnSequenceParallelLinear",
-    "RowSequenceParallelLinear", "parallelize_module", "parallel_style_of", "ParallelStyle",
+    "RowSequenceParallelLinear", "parallelize_module", "parallel_style_of", "attach_plan",
+    "ParallelStyle",
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
     "PrepareModuleOutput", "PrepareModuleInputOutput", "Placement", "Shard", "Replicate",
     "Partial", "TPMesh", "param_specs", "local_shape", "distribute_tensor",

@@ -31,7 +31,7 @@ from jaxpg.tensor_parallel.sharded_params import distribute_tensor
 from jaxpg.tensor_parallel.styles import ParallelStyle
 from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
 
-__all__ = ["parallelize_module", "parallel_style_of"]
+__all__ = ["parallelize_module", "parallel_style_of", "attach_plan"]
 
 _HOOKED: dict[type, type] = {}
 _ATTR = "_jaxpg_parallel_style"
@@ -135,15 +135,7 @@ def parallelize_module(module: nnx.Module, device_mesh: Any = None,
         ...                                     "blocks.*.down": RowwiseParallel()})
     """
     api = "parallelize_module"
-    if not isinstance(module, nnx.Module):
-        raise TypeError(f"{api}: module must be an nnx.Module; got {type(module).__name__}.")
-    tp = resolve_tp_mesh(device_mesh, api, "device_mesh")
-    entries = _resolve_plan(module, parallelize_plan)
-    for path, sub, style in entries:
-        if parallel_style_of(sub) is not None:
-            raise ValueError(f"{api}: submodule {path or '(root)'!r} is already parallelized "
-                             f"with {parallel_style_of(sub)[0]!r}; a module takes one style.")
-        style.check(sub, path or "(root)", tp)
+    tp, entries = _checked_entries(module, device_mesh, parallelize_plan, api)
     for _, sub, style in entries:
         for name, spec in style.param_specs(sub, tp).items():
             var = getattr(sub, name)
@@ -152,6 +144,46 @@ def parallelize_module(module: nnx.Module, device_mesh: Any = None,
         sub.__class__ = _hooked_class(type(sub))
     _replicate_the_rest(module, tp, src_data_rank)
     return module
+
+
+def _checked_entries(module: Any, device_mesh: Any, plan: Any, api: str
+                     ) -> tuple[TPMesh, list[tuple[str, nnx.Module, ParallelStyle]]]:
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"{api}: module must be an nnx.Module; got {type(module).__name__}.")
+    tp = resolve_tp_mesh(device_mesh, api, "device_mesh")
+    entries = _resolve_plan(module, plan)
+    for path, sub, style in entries:
+        if parallel_style_of(sub) is not None:
+            raise ValueError(f"{api}: submodule {path or '(root)'!r} is already parallelized "
+                             f"with {parallel_style_of(sub)[0]!r}; a module takes one style.")
+        style.check(sub, path or "(root)", tp)
+    return tp, entries
+
+
+def attach_plan(module: nnx.Module, device_mesh: Any,
+                parallelize_plan: ParallelStyle | dict[str, ParallelStyle] | None
+                ) -> dict[str, P]:
+    """Applies a plan's styles to ``module``'s calls without touching its arrays.
+
+    For code that places the parameters itself (a checkpoint loader reading each rank's
+    slice, a module built abstractly by ``nnx.eval_shape``): the same checks and class swap
+    as :func:`parallelize_module`, and the layout each style gives its parameters.
+
+    Args:
+        module, device_mesh, parallelize_plan: as :func:`parallelize_module`.
+
+    Returns:
+        ``{"path.to.param": PartitionSpec}`` for every parameter a style splits (the caller
+        lays those out, and every other array replicated over the tp axis).
+    """
+    tp, entries = _checked_entries(module, device_mesh, parallelize_plan, "attach_plan")
+    specs = {}
+    for path, sub, style in entries:
+        for name, spec in style.param_specs(sub, tp).items():
+            specs[f"{path}.{name}" if path else name] = spec
+        setattr(sub, _ATTR, (style, tp))
+        sub.__class__ = _hooked_class(type(sub))
+    return specs
 
 
 def _on_mesh(value: Any, tp: TPMesh) -> bool:
