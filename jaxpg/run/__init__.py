@@ -30,14 +30,17 @@ connection chatter and, once the job fails, C++ log lines are left out unless
 one-line diagnosis after its output: the jaxpg error it raised, or what a C++ abort means
 (:mod:`jaxpg.run.diagnosis`).
 
-Failures: when a worker exits with a non-zero code, the launcher stops the others (SIGTERM,
-then SIGKILL after ``--grace-period`` seconds). With ``--max-restarts N`` it then starts the
-whole group again with a fresh rendezvous (a new coordinator port), up to N times, on every
-node together; otherwise it exits with that code. On Ctrl-C it stops them all and exits 130
-(143 on SIGTERM). Workers die with the launcher (Linux).
+Failures: when a worker exits with a non-zero code (or raised and cannot exit), the launcher
+stops the others (SIGTERM, then SIGKILL for what is alive after ``--grace-period`` seconds).
+With ``--max-restarts N`` it then starts the whole group again with a fresh rendezvous (a
+new coordinator port), up to N times, on every node together; otherwise it exits with that
+code, and its last lines name the first failure: rank, exit code and exception, from the
+worker's error file (:mod:`jaxpg.run.error_file`, :func:`record`). On Ctrl-C it forwards
+SIGINT to the workers and exits 130 (SIGTERM: 143). Workers die with the launcher (Linux).
 """
 
 from jaxpg.run.agent import main
 from jaxpg.run.env import worker_env
+from jaxpg.run.error_file import record
 
-__all__ = ["main", "worker_env"]
+__all__ = ["main", "record", "worker_env"]

@@ -20,7 +20,11 @@ from typing import Any
 from jaxpg.run.cli import parse_args
 from jaxpg.run.coordination import LocalNodes, NodeChannel, PortInUseError, WorkerCoordinator
 from jaxpg.run.env import visible_gpus, worker_env
+from jaxpg.run.error_file import ENV_VAR as ERROR_FILE_VAR
+from jaxpg.run.port_owner import listens
+from jaxpg.run.summary import RootCause, describe
 from jaxpg.run.workers import WorkerGroup
+from jaxpg.runtime.hosted_coordinator import PREEMPTION_VAR
 from jaxpg.runtime.service_client import LOBBY_VAR, show_cpp_logs
 
 __all__ = ["main"]
@@ -38,18 +42,19 @@ def _say(message: str) -> None:
     sys.stderr.flush()
 
 
+_WORKER_SITE = str(Path(__file__).with_name("worker_site"))
+
+
 def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _describe(rank: int, returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"rank {rank} exited with code {returncode} (killed by {name})"
-    return f"rank {rank} exited with code {returncode}"
+def _own_service_message(port: int) -> str:
+    return (f"rank 0 started a JAX coordination service of its own on port {port}, where "
+            "jaxpg-run already hosts the workers' (the script calls "
+            "jax.distributed.initialize itself): the processes split between the two and "
+            "wait in initialize for ever; run jaxpg-run with --coordinator rank0, or call "
+            "jaxpg.init_process_group() instead of jax.distributed.initialize()")
 
 
 def _free_port(host: str) -> int:
@@ -89,16 +94,32 @@ def _start(args: argparse.Namespace, attempt: int, port: int, run_id: str,
         for local_rank in range(nproc)
     ]
     log_dir = None if args.log_dir is None else Path(args.log_dir) / run_id / f"attempt_{attempt}"
+    for local_rank, env in enumerate(envs):
+        errors = Path(lobby) / "errors" if log_dir is None else log_dir / str(local_rank)
+        env[ERROR_FILE_VAR] = str(errors / (f"{local_rank}.json" if log_dir is None
+                                            else "error.json"))
+        env["JAXPG_RUN_LAUNCHER_PID"] = str(os.getpid())
+        # JAX's preemption notifier swallows SIGTERM (a script's own
+        # jax.distributed.initialize starts it); the user's setting wins
+        env.setdefault(PREEMPTION_VAR, "false")
+        env["PYTHONPATH"] = os.pathsep.join([_WORKER_SITE, *filter(None, [
+            env.get("PYTHONPATH")])])
     return WorkerGroup(
         _command(args), envs, first_rank=first, console_ranks=args.console_ranks,
         tee_masks=args.tee_masks, redirect_masks=args.redirect_masks, log_dir=log_dir,
     )  # fmt: skip
 
 
-def _watch(group: WorkerGroup, nodes, attempt: int,
-           lobby: str) -> tuple[str | None, int, list[int]]:
+def _describe_rank(group: WorkerGroup, rank: int, rc: int) -> str:
+    local = rank - group.first_rank
+    return describe(rank, rc, group.error(rank), stuck=local in group.stuck)
+
+
+def _watch(group: WorkerGroup, nodes, attempt: int, lobby: str,
+           own_service_port: int | None = None) -> tuple[str | None, int, list[int]]:
     """Waits until this attempt ends: ``(None, 0, [])`` on success, else the failure, the
-    exit code and the ranks that failed here."""
+    exit code and the ranks that failed here. ``own_service_port``: the port of the
+    launcher's coordination service, which rank 0 (here) must not listen on."""
     reported = False
     next_remote = 0.0
     while True:
@@ -106,7 +127,7 @@ def _watch(group: WorkerGroup, nodes, attempt: int,
         if failed:
             group.filter.quiet = True  # the job comes down: drop C++ log lines from here on
             rank, rc = failed[0]
-            message = _describe(rank, rc)
+            message = _describe_rank(group, rank, rc)
             if len(failed) > 1:
                 message += " (also failed: " + ", ".join(
                     f"rank {r} with code {c}" for r, c in failed[1:]) + ")"
@@ -118,6 +139,11 @@ def _watch(group: WorkerGroup, nodes, attempt: int,
         now = time.monotonic()
         if now >= next_remote:
             next_remote = now + _REMOTE_POLL_S
+            if own_service_port is not None and listens(group.pid(0), own_service_port):
+                group.filter.quiet = True
+                message = _own_service_message(own_service_port)
+                nodes.report_failure(attempt, message)
+                return message, 1, []
             nodes.share_lobby(attempt, lobby)
             if (remote := nodes.failure(attempt)) is not None:
                 group.filter.quiet = True
@@ -183,12 +209,17 @@ def run_attempt(args: argparse.Namespace, nodes: Any, attempt: int, port: int,
     lobby = tempfile.mkdtemp(prefix="jaxpg-lobby-")
     try:
         group = _start(args, attempt, port, nodes.run_id, lobby, **where)
+        own = port if args.coordinator == "launcher" and group.first_rank == 0 else None
+        stop_signal = signal.SIGTERM
         try:
-            failure, code, failed_ranks = _watch(group, nodes, attempt, lobby)
+            failure, code, failed_ranks = _watch(group, nodes, attempt, lobby, own)
             if failure is not None:
                 _say(f"{failure}; stopping the other workers")
+        except KeyboardInterrupt:  # Ctrl-C: the workers get SIGINT too, as torchrun's
+            stop_signal = signal.SIGINT
+            raise
         finally:
-            group.stop(args.grace_period)
+            group.stop(args.grace_period, stop_signal)
             group.join_output()
         # A rank that was still ending on its own error when the others were stopped (its
         # exit slowed by load, after a peer had already named it lost) is named too: its
@@ -199,16 +230,53 @@ def run_attempt(args: argparse.Namespace, nodes: Any, attempt: int, port: int,
         for rank, rc in late:
             _say(f"rank {rank} exited with code {rc} on its own while the others were stopped")
         for rank in (failed_ranks + [r for r, _ in late])[:8]:
+            if rank - group.first_rank in group.stuck:
+                continue  # its line says how it ended, not its SIGKILL
             if (diagnosis := group.diagnosis(rank)) is not None:
                 _say(f"rank {rank}: {diagnosis}")
+        if failure is not None:
+            args.root_cause = _root_cause(group, failure, failed_ranks, late, args)
     finally:
         shutil.rmtree(lobby, ignore_errors=True)
     return failure, code
 
 
+def _root_cause(group: WorkerGroup, failure: str, failed_ranks: list[int],
+                late: list[tuple[int, int]], args: argparse.Namespace) -> RootCause:
+    """The attempt's first failure, read before its lobby (and error files) go."""
+    if not failed_ranks:  # another node's, or rank 0's own coordination service
+        return RootCause(failure)
+    rank = failed_ranks[0]
+    local = rank - group.first_rank
+    proc = group.procs[local]
+    path = group.error_files[local]
+    others = [_describe_rank(group, r, group.procs[r - group.first_rank].returncode)
+              for r in failed_ranks[1:]] + [describe(r, rc, group.error(r)) for r, rc in late]
+    return RootCause(
+        failure, rank=rank, local_rank=local, node=group.first_rank // len(group.procs),
+        pid=proc.pid, returncode=proc.returncode, error=group.error(rank),
+        error_file=path if args.log_dir is not None and path and os.path.exists(path)
+        else None, stuck=local in group.stuck, others=others)
+
+
+def _print_summary(args: argparse.Namespace, code: int) -> None:
+    cause = getattr(args, "root_cause", None)
+    if code not in (0, 130, 143) and cause is not None:
+        for line in cause.lines(args.training_script):
+            _say(line)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the launcher; returns its exit code (see :mod:`jaxpg.run`)."""
+    """Runs the launcher; returns its exit code (see :mod:`jaxpg.run`). A failed job's last
+    lines name its first failure (:mod:`jaxpg.run.summary`)."""
     args = parse_args(argv)
+    args.root_cause = None
+    code = _run(args, argv)
+    _print_summary(args, code)
+    return code
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if argv is None:  # the command line (a test calling main(argv) keeps its stderr)
         _quiet_services()
     if args.cluster is not None:

@@ -97,7 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="elastic rendezvous settings, seconds: heartbeat=10,"
                         "last_call_timeout=2,join_timeout=600")
     p.add_argument("--node-rank", "--node_rank", type=int, default=None,
-                   help="this node's index in [0, nnodes) (default 0, or the task's rank)")
+                   help="this node's index in [0, nnodes) (default: the task's rank under "
+                        "srun/mpirun; with --nnodes > 1, the order of joining the rendezvous, "
+                        "whose host's launcher serves it; else 0)")
     p.add_argument("--master-addr", "--master_addr", default=None,
                    help="address of node 0, which hosts the coordination (default 127.0.0.1, "
                         "or the first node of the Slurm step / mpirun's host)")
@@ -222,6 +224,7 @@ def _nodes_from_launcher(args: argparse.Namespace, parser: argparse.ArgumentPars
         if args.master_port is None and port:
             args.master_port = int(port)
     args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.node_rank_given = args.node_rank is not None
     args.node_rank = 0 if args.node_rank is None else args.node_rank
     args.master_addr = "127.0.0.1" if args.master_addr is None else args.master_addr
 
@@ -268,6 +271,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             args.min_nodes = args.nnodes
     if args.master_port is not None and not 0 < args.master_port < 65536:
         parser.error(f"--master-port must be in [1, 65535], got {args.master_port}")
+    if (not args.node_rank_given and args.min_nodes is None and args.nnodes > 1
+            and args.coordinator == "launcher"):
+        args.min_nodes = args.nnodes  # torchrun's --nnodes N: N:N, node ranks in join order
+    elif not args.node_rank_given and args.min_nodes is None and args.nnodes > 1:
+        parser.error(f"--nnodes {args.nnodes} without --node-rank takes the node ranks in "
+                     "the order the launchers join, which needs --coordinator launcher; "
+                     "pass --node-rank on each node with --coordinator rank0")
     if args.min_nodes is not None and args.master_port is None:
         parser.error(f"--nnodes {args.min_nodes}:{args.nnodes} needs --master-port (or "
                      "--rdzv-endpoint): node 0's launcher serves the rendezvous there")

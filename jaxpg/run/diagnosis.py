@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["diagnose"]
+__all__ = ["diagnose", "last_exception"]
 
 _SIZES = re.compile(r"op\.preamble\.length <= op\.nbytes\.\s*(\d+) vs (\d+)")
 _JAXPG_ERROR = re.compile(r"^(?:jaxpg\.errors\.)?(Dist\w*Error: .*)$", re.M)
@@ -53,6 +53,17 @@ def _coordination(text: str) -> str | None:
                 "error for it (another process died or the coordinator went away, or this "
                 "process stalled past the heartbeat timeout, JAXPG_HEARTBEAT_TIMEOUT); see "
                 "the first failure above")
+    return None
+
+
+def last_exception(output: str) -> str | None:
+    """The exception line (``Type: text``) of the last Python traceback in ``output``."""
+    start = output.rfind("Traceback (most recent call last):")
+    if start < 0:
+        return None
+    for line in output[start:].splitlines()[1:]:
+        if line and not line[0].isspace() and not line.startswith("During handling"):
+            return line.strip()[:400]
     return None
 
 

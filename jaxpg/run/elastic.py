@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from jaxpg.run.rdzv_join import claim_in_join_order, is_local_host, serve_if_local
 from jaxpg.run.rdzv_store import RendezvousClient, RendezvousHostLost, RendezvousServer
 
 __all__ = ["ElasticNodes", "ElasticSettings", "RendezvousHostLost"]
@@ -63,13 +64,15 @@ class ElasticNodes:
             others reach its coordination service at (etcd).
         master_port: the rendezvous port (c10d: node 0 serves it).
         node_id: this node's ``--node-rank``: its name in the job, unique; with c10d, 0 leads.
+            None: taken in join order (:mod:`jaxpg.run.rdzv_join`); with c10d the launcher
+            on ``master_addr``'s machine serves the rendezvous and is node 0.
         run_id: ``--rdzv-id``, or None to take node 0's (c10d only).
         settings: the elastic settings.
         say: prints a launcher message.
         etcd: ``host:port`` of the etcd server for ``--rdzv-backend etcd``, else None.
     """
 
-    def __init__(self, master_addr: str, master_port: int | None, node_id: int,
+    def __init__(self, master_addr: str, master_port: int | None, node_id: int | None,
                  run_id: str | None, settings: ElasticSettings, say,
                  etcd: str | None = None):
         self.node_id, self.settings, self._say = node_id, settings, say
@@ -92,11 +95,14 @@ class ElasticNodes:
                                  f"etcd at {etcd} ({json.loads(end)['message']}); give each "
                                  "job a new --rdzv-id")
             self._claim_name()
+        elif node_id is None:
+            self._join_in_order(master_addr, int(master_port))
         else:
             self._server = RendezvousServer(master_port) if self.leader else None
             self._store = RendezvousClient(master_addr, master_port,
                                            timeout=settings.join_timeout if not self.leader
                                            else 10.0)
+        if self.fixed_leader:
             self._store._timeout = settings.heartbeat
             self._store._sock.settimeout(settings.heartbeat)
             if self.leader:
@@ -105,9 +111,39 @@ class ElasticNodes:
         self._beat()
         threading.Thread(target=self._heartbeats, daemon=True).start()
 
+    def _join_in_order(self, host: str, port: int) -> None:
+        """c10d without ``--node-rank``: serves the rendezvous if ``host`` is this machine
+        (then this launcher is node 0), else joins it; takes the next node id."""
+        where = f"{host}:{port}"
+        self._server = serve_if_local(host, port)
+        self.leader = self._server is not None
+        timeout = 10.0 if self.leader else self.settings.join_timeout
+        if not self.leader:
+            self._say(f"joining the rendezvous at {where} (the launcher on {host} serves it; "
+                      f"waiting up to join_timeout {timeout:.0f} s)")
+        try:
+            self._store = RendezvousClient(host, port, timeout=timeout)
+        except RendezvousHostLost as err:
+            hosting = ("it is not an address of this machine, so this launcher cannot serve "
+                       "it either" if not is_local_host(host) else "this machine's launcher "
+                       "that serves it did not answer")
+            raise RendezvousHostLost(
+                f"{err}; {hosting}: start jaxpg-run on {host} with the same --rdzv-endpoint "
+                "(it serves the rendezvous), or give the endpoint of a host that runs one"
+            ) from None
+        self.node_id = claim_in_join_order(self._store, 0 if self.leader else 1)
+        self._say(f"{'serving' if self.leader else 'joined'} the rendezvous at {where} as "
+                  f"node {self.node_id} (node ids in join order)")
+
     def _claim_name(self) -> None:
-        """etcd: takes ``names/<node id>`` for this launcher's lease; waits up to a
-        heartbeat timeout for a lost launcher of the same id to let it go."""
+        """etcd: takes ``names/<node id>`` for this launcher's lease (without
+        ``--node-rank``: the lowest free one); waits up to a heartbeat timeout for a lost
+        launcher of the same id to let it go."""
+        if self.node_id is None:
+            self.node_id = claim_in_join_order(self._store, ephemeral=True)
+            self._say(f"joined the rendezvous at etcd as node {self.node_id} (the lowest "
+                      "free node id)")
+            return
         token = uuid.uuid4().hex
         deadline = time.monotonic() + self.settings.heartbeat + 1
         while self._store.setnx(f"names/{self.node_id}", token, ephemeral=True) != token:

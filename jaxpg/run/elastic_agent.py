@@ -36,11 +36,12 @@ def run_elastic(args: argparse.Namespace, *, run_attempt: Callable[..., tuple],
     nodes: ElasticNodes | None = None
     code = 1
     try:
+        node_id = args.node_rank if args.node_rank_given else None  # None: in join order
         if etcd:
-            nodes = ElasticNodes(args.local_addr, None, args.node_rank, args.rdzv_id,
+            nodes = ElasticNodes(args.local_addr, None, node_id, args.rdzv_id,
                                  settings, _say, etcd=args.rdzv_endpoint)
         else:
-            nodes = ElasticNodes(args.master_addr, args.master_port, args.node_rank,
+            nodes = ElasticNodes(args.master_addr, args.master_port, node_id,
                                  args.rdzv_id, settings, _say)
         nodes.agree({"--nproc-per-node": args.nproc_per_node,
                      "--max-restarts": args.max_restarts})
@@ -59,7 +60,7 @@ def run_elastic(args: argparse.Namespace, *, run_attempt: Callable[..., tuple],
                 attempt += 1
                 continue
             members, addr, port = joined
-            group_rank = members.index(args.node_rank)
+            group_rank = members.index(nodes.node_id)
             failure, code = run_attempt(args, nodes, attempt, port, node_rank=group_rank,
                                         nnodes=len(members), master_addr=addr)
             nodes.barrier(f"stopped/{attempt}")
@@ -71,7 +72,7 @@ def run_elastic(args: argparse.Namespace, *, run_attempt: Callable[..., tuple],
                 return 0
             attempt += 1  # the next attempt's leader counts the restart (and may end the job)
     except _JobEnded as ended:
-        if ended.node != args.node_rank:
+        if nodes is None or ended.node != nodes.node_id:
             _say(f"node {ended.node} ended the job: {ended}")
         code = ended.code
         if nodes is not None:

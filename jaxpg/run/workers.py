@@ -11,11 +11,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxpg.run.diagnosis import diagnose
+from jaxpg.run.diagnosis import diagnose, last_exception
 from jaxpg.run.env import affinity_of
+from jaxpg.run.error_file import ENV_VAR as ERROR_FILE_VAR
+from jaxpg.run.error_file import ErrorRecord, read_error_file
 from jaxpg.run.output import LineFilter, Tail, consoles, pump
 
-__all__ = ["WorkerGroup"]
+__all__ = ["EXIT_AFTER_RAISE_S", "WorkerGroup"]
+
+EXIT_AFTER_RAISE_S = 3.0
+"""Seconds a worker may live on after its error file appeared (an uncaught exception)
+before it counts as failed: ``jax.distributed``'s shutdown at exit can wait for a peer
+that goes on running (``--coordinator rank0``), and then the process never ends."""
 
 
 def _die_with_parent() -> None:
@@ -68,6 +75,8 @@ class WorkerGroup:
     ):
         self.first_rank = first_rank
         self.procs: list[subprocess.Popen] = []
+        self.error_files = [env.get(ERROR_FILE_VAR) for env in envs]
+        self.stuck: set[int] = set()  # local ranks that raised but did not exit
         self.threads: list[threading.Thread] = []
         self.filter = LineFilter()
         self.tails: list[tuple[Tail, Tail]] = []
@@ -120,9 +129,35 @@ class WorkerGroup:
         out = []
         for local_rank, p in enumerate(self.procs):
             rc = p.poll()
-            if rc is not None and rc != 0:
+            if local_rank in self.stuck:
+                out.append((self.first_rank + local_rank, 1))
+            elif rc is not None and rc != 0:
                 out.append((self.first_rank + local_rank, rc))
+            elif rc is None and self._raised_long_ago(local_rank):
+                self.stuck.add(local_rank)
+                out.append((self.first_rank + local_rank, 1))
         return sorted(out, key=lambda item: item[1] >= 0)
+
+    def _raised_long_ago(self, local_rank: int) -> bool:
+        path = self.error_files[local_rank]
+        try:
+            return path is not None and (
+                time.time() - os.path.getmtime(path) > EXIT_AFTER_RAISE_S)
+        except OSError:
+            return False
+
+    def error(self, rank: int) -> ErrorRecord | None:
+        """The exception that ended global ``rank``: its error file's, else the last
+        traceback's in its output."""
+        local = rank - self.first_rank
+        path = self.error_files[local]
+        found = read_error_file(path) if path else None
+        if found is None:
+            out, err = self.tails[local]
+            text = last_exception(err.text()) or last_exception(out.text())
+            if text is not None:
+                found = ErrorRecord(text, "", time.time())
+        return found
 
     def diagnosis(self, rank: int) -> str | None:
         """A one-line explanation of how global ``rank`` ended, from its last output."""
@@ -133,22 +168,42 @@ class WorkerGroup:
     def all_succeeded(self) -> bool:
         return all(p.poll() == 0 for p in self.procs)
 
-    def stop(self, grace: float) -> None:
-        """SIGTERM every live worker's process group, then SIGKILL after ``grace`` s."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for p in self.procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, sig)
-                        if sig == signal.SIGTERM:  # a SIGSTOPped worker must see it too
-                            os.killpg(p.pid, signal.SIGCONT)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-                time.sleep(0.02)
+    def _signal(self, sig: int) -> None:
+        for local_rank, p in enumerate(self.procs):
+            if p.poll() is None:
+                try:
+                    # a worker that raised but cannot exit gets no second chance
+                    os.killpg(p.pid, signal.SIGKILL if local_rank in self.stuck else sig)
+                    os.killpg(p.pid, signal.SIGCONT)  # a SIGSTOPped worker must see it too
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
+        """Sends ``sig`` (the signal the launcher got, or SIGTERM) to every live worker's
+        process group, waits up to ``grace`` s while any is alive, then SIGKILLs the rest.
+
+        After another signal (SIGINT), the workers still running when one of them has
+        ended get SIGTERM at once: they may be waiting in a collective for the one that
+        left."""
+        alive = {i for i, p in enumerate(self.procs) if p.poll() is None}
+        self._signal(sig)
+        escalated = sig == signal.SIGTERM
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            running = {i for i, p in enumerate(self.procs) if p.poll() is None}
+            if not running:
+                break
+            if not escalated and running != alive:
+                self._signal(signal.SIGTERM)
+                escalated = True
+            time.sleep(0.02)
+        self._signal(signal.SIGKILL)
         for p in self.procs:
             p.wait()
+
+    def pid(self, rank: int) -> int:
+        """The process id of global ``rank``."""
+        return self.procs[rank - self.first_rank].pid
 
     def join_output(self, timeout: float = 2.0) -> None:
         """Waits (briefly) until the workers' remaining output is copied."""

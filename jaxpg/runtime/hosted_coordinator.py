@@ -19,9 +19,28 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["connect", "hosted_address"]
+__all__ = ["connect", "hosted_address", "preemption_sync_asked"]
 
 ENV_VAR = "JAXPG_COORDINATOR_HOSTED"
+PREEMPTION_VAR = "JAX_ENABLE_PREEMPTION_SERVICE"
+
+
+def preemption_sync_asked() -> bool:
+    """Whether this process asked for JAX's preemption sync manager.
+
+    The manager's notifier catches SIGTERM in C++ and only records it for
+    ``multihost_utils.reached_preemption_sync_point`` (orbax's save on preemption): a
+    program that never asks goes on running, so a launcher's or a scheduler's stop waits
+    out its grace period. It is started only where ``JAX_ENABLE_PREEMPTION_SERVICE`` is in
+    the environment and JAX's ``jax_enable_preemption_service`` is on (the variable's
+    value, or a later ``jax.config.update``); JAX's own default (on) does not count.
+    Without it, SIGTERM ends the process (orbax then sees no preemption).
+    """
+    if PREEMPTION_VAR not in os.environ:
+        return False
+    import jax
+
+    return bool(jax.config.jax_enable_preemption_service)
 
 
 def hosted_address() -> str | None:
@@ -81,7 +100,8 @@ def connect(
     state.process_id = process_id
     state.num_processes = num_processes
     state.client = client
-    state.initialize_preemption_sync_manager()
+    if preemption_sync_asked():
+        state.initialize_preemption_sync_manager()
 
 
 _generation = 0

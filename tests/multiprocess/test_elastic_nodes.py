@@ -39,19 +39,19 @@ def _free_port() -> int:
 class Node:
     """One node's launcher, in its own session (so that killing it takes its workers)."""
 
-    def __init__(self, rank: int, nnodes: str, port: int, restarts: int = 1,
+    def __init__(self, rank: int | None, nnodes: str, port: int, restarts: int = 1,
                  script: list[str] | None = None, rdzv: list[str] | None = None,
                  host: str | None = None, master: str = "127.0.0.1", **env_vars: str):
         """``rdzv``: the rendezvous flags instead of ``--master-addr/--master-port``;
         ``host``: the network namespace to run in (None: this machine's); ``master``: node
-        0's address; ``env_vars``: more environment for the launcher and its workers."""
+        0's address; ``env_vars``: more environment for the launcher and its workers;
+        ``rank`` None: no ``--node-rank`` (node ranks in join order)."""
         env = child_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **env_vars)
         where = rdzv or ["--master-addr", master, "--master-port", str(port)]
         prefix = inside(host) if host else []  # nsenter execs: the launcher keeps its pid
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "jaxpg.run", "--nnodes", nnodes, "--node-rank",
-             str(rank),
-             *where, "--max-restarts",
+            [*prefix, sys.executable, "-m", "jaxpg.run", "--nnodes", nnodes,
+             *([] if rank is None else ["--node-rank", str(rank)]), *where, "--max-restarts",
              str(restarts), "--grace-period", "1", "--rdzv-conf",
              f"heartbeat={HEARTBEAT},last_call_timeout=2", *(script or [str(WORKER)])],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -182,6 +182,58 @@ def _lost_node_and_scale_up(names: list[str]) -> None:
     finally:
         for n in nodes:
             n.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchruns_command_without_node_rank_takes_node_ranks_in_join_order():
+    with hosts(3) as (names, _):
+        _join_order(names)
+
+
+def _join_order(names: list[str]) -> None:
+    port = _free_port()
+    rdzv = ["--rdzv-endpoint", f"{host_address(0)}:{port}", "--rdzv-id", "job"]
+    script = [str(WORKER), "0"]  # every attempt's workers join the world at once
+    # the joining hosts first: they wait for the launcher on the endpoint's host to serve it
+    nodes = [Node(None, "2:3", port, script=script, rdzv=rdzv, host=names[i]) for i in (1, 2)]
+    try:
+        _wait(lambda: all("joining the rendezvous" in n.stderr() for n in nodes), 60,
+              "the joining launchers waiting", nodes)
+        nodes.insert(0, Node(None, "2:3", port, script=script, rdzv=rdzv, host=names[0]))
+        for n in nodes:
+            assert n.proc.wait(timeout=150) == 0, n.stderr()[-3000:]
+        assert f"serving the rendezvous at {host_address(0)}:{port} as node 0" in \
+            nodes[0].stderr()
+        ids = sorted(int(re.search(r"as node (\d+)", n.stderr()).group(1)) for n in nodes)
+        assert ids == [0, 1, 2]
+        final = [n.envs()[-1] for n in nodes]
+        assert final[0]["GROUP_RANK"] == "0"  # the endpoint's host serves and leads
+        assert sorted(e["GROUP_RANK"] for e in final) == ["0", "1", "2"]
+        assert all(e["WORLD_SIZE"] == "3" for e in final)
+        assert all("DONE world=3" in "".join(n.out) for n in nodes)
+    finally:
+        for n in nodes:
+            n.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_launcher_that_can_neither_reach_nor_host_the_rendezvous_says_so():
+    # 192.0.2.77 is no address of this machine (documentation range), and nothing answers
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxpg.run", "--nnodes", "2:3", "--rdzv-endpoint",
+         f"192.0.2.77:{_free_port()}", "--rdzv-id", "job", "--rdzv-conf", "join_timeout=3",
+         str(WORKER)], capture_output=True, text=True, timeout=50,
+        env=child_env(JAX_PLATFORMS="cpu"))
+    assert result.returncode == 1, result.stderr
+    # Bound: join_timeout (3 s), + the launcher's start, + 10 s for a loaded machine.
+    assert time.monotonic() - start < 20
+    assert "could not reach node 0's launcher (the rendezvous at 192.0.2.77:" in result.stderr
+    assert "it is not an address of this machine, so this launcher cannot serve it" in \
+        result.stderr
+    assert "ENV " not in result.stdout
 
 
 @pytest.mark.slow
