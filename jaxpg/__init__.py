@@ -33,7 +33,8 @@ _API_NAMES = {"RedOpType": "jaxpg.reduce_op", "ReduceOp": "jaxpg.reduce_op",
               "spmd": "jaxpg.spmd", "Store": "jaxpg.stores", "HashStore": "jaxpg.stores",
               "FileStore": "jaxpg.stores", "PrefixStore": "jaxpg.stores",
               "TCPStore": "jaxpg.stores"}
-_SUBPACKAGES = ("ddp", "fsdp", "models", "pipeline", "tensor_parallel")  # listed by dir(jaxpg)
+_SUBPACKAGES = ("ddp", "fsdp", "models", "pipeline", "plan",
+                "tensor_parallel")  # listed by dir(jaxpg)
 _ERRORS = ["DiscardedResultWarning", "DistBackendError", "DistDesyncError", "DistError",
            "DistNetworkError", "DistStoreError", "DistTimeoutError"]
 

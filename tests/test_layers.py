@@ -2,7 +2,7 @@
 
 Layers (docs/design.md): errors/reduce_op/_jax_compat -> runtime -> stores -> rendezvous ->
 supervision -> groups -> collectives (and spmd) -> tensor_parallel/context_parallel/
-expert_parallel -> models -> ddp/fsdp -> pipeline -> run -> the ``jaxpg`` package's own
+expert_parallel -> models -> ddp/fsdp -> pipeline -> plan -> run -> the ``jaxpg`` package's own
 ``__init__`` (the torch.distributed-style surface, which re-exports everything). A module's
 layer is its package's; only the base modules and ``spmd`` sit loose at jaxpg's root.
 
@@ -47,6 +47,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models",)),
     ("ddp/fsdp", ("ddp", "fsdp")),
     ("pipeline", ("pipeline",)),
+    # the layout planner and preflight: specs, memory and time models over the timetables
+    ("plan", ("plan",)),
     ("run", ("run",)),
     # the internal tier (helpers for jaxpg's tests, benchmarks and tools) gathers from all
     ("internal", ("internal",)),

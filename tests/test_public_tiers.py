@@ -56,7 +56,7 @@ def test_import_jaxpg_loads_no_flax_optax_or_orbax():
 
 
 def test_parallelism_packages_are_attributes_of_jaxpg():
-    for name in ("ddp", "fsdp", "models", "pipeline", "tensor_parallel"):
+    for name in ("ddp", "fsdp", "models", "pipeline", "plan", "tensor_parallel"):
         assert getattr(jaxpg, name).__name__ == f"jaxpg.{name}"
         assert name in dir(jaxpg)
     try:
@@ -73,7 +73,9 @@ def test_internals_are_out_of_every_public_all():
     import jaxpg.internal
 
     public = ["jaxpg", "jaxpg.ddp", "jaxpg.fsdp", "jaxpg.models", "jaxpg.pipeline",
-              "jaxpg.tensor_parallel", "jaxpg.rendezvous", "jaxpg.stores", "jaxpg.run"]
+              "jaxpg.plan",
+              "jaxpg.tensor_parallel",
+              "jaxpg.rendezvous", "jaxpg.stores", "jaxpg.run"]
     exported = {name for package in public
                 for name in importlib.import_module(package).__all__}
     assert set(jaxpg.internal.__all__) & exported == set()

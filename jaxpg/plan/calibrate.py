@@ -1,0 +1,99 @@
+"""``calibrate()``: measure this machine's devices into a ``local`` hardware profile.
+
+It times, on every local device at once (what a layout's devices do in a step):
+
+* a matmul on each device: the per-device FLOP/s the profile calls peak (so
+  ``matmul_efficiency`` is 1: the measurement already is what matmuls reach);
+* an elementwise pass over a large array on each device: the memory bandwidth;
+* an all-reduce over all devices at two sizes: its latency and bandwidth, from the alpha-beta
+  model (:mod:`jaxpg.plan.links`), as the link within the "node" (this machine), with
+  ``collective_efficiency`` 1 for the same reason.
+
+Simulated CPU devices (``--xla_force_host_platform_device_count``) share the host's cores;
+measuring them all at once charges each its share, which is what a step on them gets.
+
+Example:
+    >>> hw = calibrate(repeats=2, matmul_size=128)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from jaxpg.plan.hardware import Hardware, Link
+
+__all__ = ["calibrate"]
+
+
+def _median_seconds(fn, *args, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - begin)
+    return statistics.median(samples)
+
+
+def _host_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 16.0 * 2**30
+
+
+def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
+              stream_mib: int = 32, repeats: int = 5, name: str = "local") -> Hardware:
+    """Measures ``devices`` (default: all local ones) into a :class:`Hardware` profile.
+
+    Args:
+        devices: the devices to measure together.
+        dtype: the dtype of the matmul (``"bf16"`` or ``"fp32"``).
+        matmul_size: the square matmul's size per device.
+        stream_mib: MiB per device of the bandwidth pass.
+        repeats: timed runs per measurement (the median is kept).
+        name: the profile's name.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = list(devices or jax.local_devices())
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("d",))
+    spec = NamedSharding(mesh, PartitionSpec("d"))
+    jdtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32, "fp16": jnp.float16}[dtype]
+
+    k = matmul_size
+    a = jax.device_put(jnp.ones((n, k, k), jdtype), spec)
+    matmul = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x), out_shardings=spec)
+    flops = 2.0 * k**3 / _median_seconds(matmul, a, repeats=repeats)
+
+    words = stream_mib * 2**20 // 4
+    s = jax.device_put(jnp.ones((n, words), jnp.float32), spec)
+    stream = jax.jit(lambda x: x * 1.5 + 1.0, out_shardings=spec)
+    bandwidth = 2.0 * words * 4 / _median_seconds(stream, s, repeats=repeats)
+
+    def all_reduce_seconds(count: int) -> float:
+        x = jax.device_put(jnp.ones((n, count), jnp.float32), spec)
+        fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh,
+                               in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d")))
+        return _median_seconds(fn, x, repeats=repeats)
+
+    if n > 1:
+        small, large = 1024, 4 * 2**20 // 4
+        t_small, t_large = all_reduce_seconds(small), all_reduce_seconds(large)
+        per_byte = max(t_large - t_small, 1e-9) / ((large - small) * 4)
+        beta = 2 * (n - 1) / n / per_byte
+        alpha = max(t_small - 2 * (n - 1) / n * small * 4 / beta, 1e-7) / (2 * (n - 1))
+    else:
+        beta, alpha = bandwidth, 1e-6
+    link = Link(bandwidth=beta, latency=alpha)
+    return Hardware(name=name, flops={dtype: flops}, hbm_bytes=_host_bytes() / n,
+                    hbm_bandwidth=bandwidth, intra=link, inter=link, devices_per_node=n,
+                    matmul_efficiency=1.0, collective_efficiency=1.0)

@@ -1,0 +1,248 @@
+"""Predicted step time of a layout: compute, exposed communication, the pipeline's bubble.
+
+Each pipeline action (one microbatch through one chunk of blocks on one rank) is priced:
+
+* **compute**: matmul and attention FLOPs over ``peak x matmul_efficiency``, plus the
+  elementwise work (norms, activations, softmax, dropout), which is bound by HBM bandwidth:
+  each saved activation byte is written once and read once. The backward costs twice the
+  forward; full recomputation adds a forward, selective recomputation attention's core.
+  Fused (flash) attention skips the masked half of the causal scores.
+* **tensor parallelism** (exposed, as Megatron-LM runs it): two all-reduces (or all-gather +
+  reduce-scatter with sequence parallelism, the same bytes) of the block's activations in the
+  forward and two in the backward, two more when the backward recomputes the forward.
+* **context parallelism**: the ring passes each rank's keys and values ``cp - 1`` times
+  (twice that in the backward), overlapped with attention; only the excess is exposed.
+* **expert parallelism** (exposed): an all-to-all to dispatch and one to combine, per MoE
+  block and direction.
+* **the pipeline**: one activation send per action (exposed); ZeRO-3's parameter all-gathers
+  (forward and backward) and gradient reduce-scatters run ahead (prefetch), so only what
+  exceeds the action's compute is exposed, plus the first block's.
+
+The actions' costs then play through the schedule's timetable with jaxpg's own event-driven
+replay (:func:`jaxpg.pipeline.costs.timed`): its makespan minus the ranks' work is the
+bubble. After the pipeline: the data-parallel gradient reduction (overlapped with the last
+backward when ``overlap_grad_reduce``: only the excess over it, or one bucket, is exposed),
+ZeRO's parameter all-gather, and the optimizer's pass over its state (HBM bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jaxpg.plan.job import DTYPE_BYTES, Job
+from jaxpg.plan.layout import Layout
+from jaxpg.plan.links import axis_link, collective_time
+from jaxpg.plan.memory import block_bytes, microbatch_size, param_split, timetable
+
+__all__ = ["StepTime", "step_time"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step on the slowest rank, by where they go."""
+
+    compute: float
+    exposed_comm: float
+    bubble: float
+    optimizer: float
+    comm: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm + self.bubble + self.optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Action:
+    compute: float
+    comm: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return self.compute + sum(self.comm.values())
+
+
+def _block_compute(job: Job, layout: Layout, *, moe: bool) -> tuple[float, float, float]:
+    """(forward seconds, attention-core forward seconds, gemm seconds) of one block."""
+    s, hw = job.model, job.hardware
+    tokens = microbatch_size(job, layout) * job.seq_len / layout.cp
+    rate = job.peak_flops * hw.matmul_efficiency
+    gemm = 2.0 * tokens * s.block_matmul_params(moe) / layout.tp / rate
+    attn_flops = s.attention_flops_per_token(job.seq_len) * tokens / layout.tp
+    if s.flash_attention:
+        attn_flops *= 0.5  # causal: the fused kernel skips the masked blocks
+    attn = attn_flops / rate
+    saved = block_bytes(job, layout, "none", moe=moe)
+    core_saved = saved - block_bytes(job, layout, "selective", moe=moe)
+    traffic = 2.0 * saved / hw.hbm_bandwidth
+    core = attn + 2.0 * core_saved / hw.hbm_bandwidth
+    return gemm + attn + traffic, core, gemm
+
+
+def _actions(job: Job, layout: Layout) -> tuple[_Action, _Action, _Action | None]:
+    """The F, B (and W) actions of one chunk on the slowest rank."""
+    s, hw = job.model, job.hardware
+    eff, dpn = hw.collective_efficiency, job.devices_per_node
+    split = param_split(job, layout)
+    blocks = split.layers_per_stage / layout.chunks
+    frac = split.moe_fraction
+    fwd_d, core_d, gemm_d = _block_compute(job, layout, moe=False)
+    fwd_m, core_m, gemm_m = _block_compute(job, layout, moe=True) if frac else (0, 0, 0)
+    mix = lambda d, m: (1 - frac) * d + frac * m  # noqa: E731
+    fwd, core, gemm = mix(fwd_d, fwd_m), mix(core_d, core_m), mix(gemm_d, gemm_m)
+    tokens = microbatch_size(job, layout) * job.seq_len / layout.cp
+    act = job.act_bytes
+    # the output head (and the loss) on the last stage, spread over its chunks
+    head = 2.0 * tokens * s.vocab * s.dim / layout.tp / (job.peak_flops * hw.matmul_efficiency)
+    f_compute = blocks * fwd + head / layout.chunks
+    recompute = {"none": 0.0, "selective": blocks * core, "full": f_compute}[layout.remat]
+    split_bw = layout.schedule in ("zb_h1", "zb_v")
+    if split_bw:
+        b_compute = f_compute + recompute
+        w_compute = blocks * gemm + head / layout.chunks
+    else:
+        b_compute = 2.0 * f_compute + recompute
+        w_compute = 0.0
+    f_comm: dict[str, float] = {}
+    b_comm: dict[str, float] = {}
+    if layout.tp > 1:
+        link = axis_link(layout, ("tp",), hw, dpn)
+        one = collective_time("all_reduce", tokens * s.dim * act, layout.tp, link, eff)
+        f_comm["tp"] = blocks * 2 * one
+        b_comm["tp"] = blocks * (4 if layout.remat == "full" else 2) * one
+    if layout.cp > 1:
+        link = axis_link(layout, ("cp",), hw, dpn)
+        kv = 2.0 * tokens * s.kv_dim * act / layout.tp
+        ring = (layout.cp - 1) * collective_time("send", kv, 2, link, eff)
+        attn = core_d if not frac else mix(core_d, core_m)
+        f_comm["cp"] = blocks * max(0.0, ring - attn)
+        b_comm["cp"] = blocks * max(0.0, 2 * ring - 2 * attn)
+    if layout.ep > 1 and frac:
+        link = hw.intra if layout.ep * layout.tp <= dpn else hw.inter
+        a2a = collective_time("all_to_all", tokens * s.top_k * s.dim * act / layout.tp,
+                              layout.ep, link, eff)
+        f_comm["ep"] = blocks * frac * 2 * a2a
+        b_comm["ep"] = blocks * frac * (4 if layout.remat == "full" else 2) * a2a
+    if layout.pp > 1:
+        link = axis_link(layout, ("pp",), hw, dpn)
+        send = collective_time("send", tokens * s.dim * act / (layout.tp if layout.sp else 1),
+                               2, link, eff)
+        f_comm["pp"] = send
+        b_comm["pp"] = send
+    if layout.zero >= 2 and layout.zero_group > 1:
+        link = axis_link(layout, ("dp_shard", "cp"), hw, dpn)
+        n = layout.zero_group
+        chunk_params = split.total / layout.chunks
+        rs = collective_time("reduce_scatter", chunk_params * DTYPE_BYTES[job.grad_dtype], n,
+                             link, eff)
+        gather = 0.0
+        if layout.zero == 3:
+            keep = DTYPE_BYTES[job.dtype]
+            gather = collective_time("all_gather", chunk_params * keep, n, link, eff)
+            f_comm["zero3"] = max(0.0, gather - f_compute) + gather / max(blocks, 1)
+        b_comm[f"zero{layout.zero}"] = max(0.0, gather + rs - b_compute - w_compute) + (
+            (gather + rs) / max(blocks, 1))
+    f = _Action(f_compute, f_comm)
+    b = _Action(b_compute, b_comm)
+    w = _Action(w_compute, {}) if split_bw else None
+    return f, b, w
+
+
+_GRID = 0.25  # the ratios B/F and W/F the replay is run at; between them it interpolates
+
+
+@functools.lru_cache(maxsize=65536)
+def _replay(schedule: str, pp: int, m: int, chunks: int, b: float, w: float
+            ) -> tuple[float, float]:
+    from jaxpg.pipeline.costs import ActionCosts, timed
+
+    tt = timetable(schedule, pp, m, chunks)
+    replay = timed(tt, ActionCosts(1.0, b, w if tt.split_backward else 0.0))
+    return replay.makespan, replay.busy / pp
+
+
+def _makespan(schedule: str, pp: int, m: int, chunks: int, b: float, w: float
+              ) -> tuple[float, float]:
+    """(makespan, work per rank) of the timetable with costs (1, b, w), in F units.
+
+    The event-driven replay's makespan is the longest path through the actions, a convex
+    piecewise-linear function of the costs: it is replayed at the grid points around
+    ``(b, w)`` and interpolated (exact where one path is the longest on the cell).
+    """
+    split = schedule in ("zb_h1", "zb_v")
+    b0 = max(_GRID, _GRID * (b // _GRID))
+    w0 = max(_GRID, _GRID * (w // _GRID)) if split else 0.0
+    tb = (b - b0) / _GRID
+    tw = (w - w0) / _GRID if split else 0.0
+    corners = [(b0, w0, (1 - tb) * (1 - tw)), (b0 + _GRID, w0, tb * (1 - tw))]
+    if split:
+        corners += [(b0, w0 + _GRID, (1 - tb) * tw), (b0 + _GRID, w0 + _GRID, tb * tw)]
+    makespan = sum(weight * _replay(schedule, pp, m, chunks, round(cb, 4), round(cw, 4))[0]
+                   for cb, cw, weight in corners if weight)
+    work = m * chunks * (1.0 + b + (w if split else 0.0))
+    return makespan, work
+
+
+def _after_pipeline(job: Job, layout: Layout, b_last: float) -> dict[str, float]:
+    """Exposed seconds of the data-parallel synchronisation at the step's end."""
+    hw, dpn, eff = job.hardware, job.devices_per_node, job.hardware.collective_efficiency
+    split = param_split(job, layout)
+    grad_b, keep_b = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.dtype]
+    out: dict[str, float] = {}
+    hide = b_last if job.overlap_grad_reduce else 0.0
+    bucket = max(split.layers_per_stage, 1)
+
+    def exposed(t: float) -> float:
+        return max(t / bucket, t - hide) if job.overlap_grad_reduce else t
+
+    n_all = layout.dp_replicate * layout.dp_shard * layout.cp
+    if layout.zero == 0 and n_all > 1:
+        link = axis_link(layout, ("dp_replicate", "dp_shard", "cp"), hw, dpn)
+        out["dp"] = exposed(collective_time("all_reduce", split.total * grad_b, n_all, link,
+                                            eff))
+        return out
+    n = layout.zero_group
+    link = axis_link(layout, ("dp_shard", "cp"), hw, dpn)
+    sync = 0.0
+    if layout.zero == 1 and n > 1:
+        sync += collective_time("reduce_scatter", split.total * grad_b, n, link, eff)
+    if layout.dp_replicate > 1:  # HSDP: the shards' replicas all-reduce
+        rlink = axis_link(layout, ("dp_replicate",), hw, dpn)
+        sync += collective_time("all_reduce", split.total / n * grad_b, layout.dp_replicate,
+                                rlink, eff)
+    if sync:
+        out["dp"] = exposed(sync)
+    if layout.zero in (1, 2) and n > 1:  # the updated working copy back to every rank
+        out["zero_gather"] = collective_time("all_gather", split.total * keep_b, n, link, eff)
+    return out
+
+
+def step_time(job: Job, layout: Layout, *, bubble: bool = True) -> StepTime:
+    """The predicted time of one optimizer step of ``job`` under ``layout``.
+
+    ``bubble=False`` leaves the pipeline's bubble out (no replay): a lower bound.
+    """
+    f, b, w = _actions(job, layout)
+    m, v = layout.microbatches, layout.chunks
+    if layout.pp == 1 or not bubble:
+        work = m * v * (f.total + b.total + (w.total if w else 0.0))
+        makespan = work
+    else:
+        unit = f.total
+        makespan, work = _makespan(layout.schedule, layout.pp, m, v, b.total / unit,
+                                   w.total / unit if w else 0.0)
+        makespan, work = makespan * unit, work * unit
+    actions = m * v
+    compute = actions * (f.compute + b.compute + (w.compute if w else 0.0))
+    comm = {k: actions * (f.comm.get(k, 0.0) + b.comm.get(k, 0.0))
+            for k in {**f.comm, **b.comm}}
+    tail = _after_pipeline(job, layout, b.compute + (w.compute if w else 0.0))
+    comm.update(tail)
+    exposed = sum(comm.values())
+    bubble = max(0.0, makespan - work)
+    split = param_split(job, layout)
+    d = layout.zero_group if layout.zero else 1
+    optimizer = split.total / d * (4 * (job.optimizer_states + 1) * 2 + 2) / (
+        job.hardware.hbm_bandwidth)
+    return StepTime(compute, exposed, bubble, optimizer, comm)
