@@ -25,8 +25,9 @@ from typing import Any
 import jax
 
 from jaxpg.errors import DistNetworkError, DistTimeoutError
-from jaxpg.supervision import compile_clock, hang_diagnosis, liveness, watchdog
+from jaxpg.supervision import compile_clock, hang_diagnosis, liveness, signature_check, watchdog
 from jaxpg.supervision.flight_recorder import capture_caller, recorder
+from jaxpg.supervision.hang_report import Reporter as _HangReporter
 from jaxpg.supervision.progress import progress as _progress
 from jaxpg.supervision.runner import Job
 from jaxpg.supervision.runner import runner as _runner
@@ -35,6 +36,7 @@ __all__ = ["configure", "group_store", "run_collective", "submit", "wait_job", "
            "recorded_region"]
 
 _detail = False  # JAXPG_DEBUG=DETAIL, read at init_process_group
+_signatures = True  # the default desync check (off under JAXPG_DEBUG=OFF), read there too
 _heartbeat = 10.0  # JAXPG_HEARTBEAT_TIMEOUT, read at init_process_group
 _LIVENESS_SLICE = 0.1  # how often a waiting caller looks for lost peers (seconds)
 _MAX_EXTENSIONS = 20  # timeouts in a row that a peer still compiling may extend
@@ -46,9 +48,11 @@ def configure(detail: bool, heartbeat: float, in_place: bool = False,
               check: Any = None) -> None:
     """Sets the world's DETAIL mode and heartbeat timeout (``init_process_group``); with
     ``backend="mpi"``, ``in_place`` runs every collective on the caller's thread and
-    ``check(group, api)`` vets each call first."""
-    global _detail, _heartbeat, _in_place, _check
+    ``check(group, api)`` vets each call first. The default signature check
+    (``jaxpg.supervision.signature_check``) is on unless ``JAXPG_DEBUG=OFF``."""
+    global _detail, _heartbeat, _in_place, _check, _signatures
     _detail, _heartbeat, _in_place, _check = detail, heartbeat, in_place, check
+    _signatures = signature_check.check_enabled() and not detail
 
 
 def submit(fn: Any, api: str) -> Job:
@@ -73,16 +77,19 @@ def submit(fn: Any, api: str) -> Job:
 def wait_job(job: Job, timeout: float | None) -> Any:
     """The job's result; after ``timeout`` seconds (not counting the runner's compile time),
     the named ``DistTimeoutError`` (and the runner, stuck in that collective, is abandoned:
-    the group is broken, as in torch)."""
+    the group is broken, as in torch). Meanwhile it prints what the call waits for every
+    ``JAXPG_HANG_REPORT_SECONDS`` (``jaxpg.supervision.hang_report``)."""
     thread = job.thread
     base = compile_clock.seconds(thread) if thread is not None else 0.0
     start = time.monotonic()
     extended = 0
+    report = _HangReporter(thread, timeout)  # a line every JAXPG_HANG_REPORT_SECONDS
     while True:
         try:
             return job.result(_LIVENESS_SLICE)
         except concurrent.futures.TimeoutError:
             pass
+        report.poll(job if job.group is not None else _runner.current)
         if liveness.lost():  # a peer this collective needs is gone: name it now
             stuck = job if job.group is not None else _runner.current
             if stuck is not None and stuck.group is not None:
@@ -147,8 +154,10 @@ def run_collective(group: Any, api: str, fn: Any, fingerprint: Any = None,
     """Runs ``fn`` (a kernel's or a jitted step's dispatch) as the group's next collective.
 
     The call's sequence number and fingerprint are noted as this process's progress and in
-    the flight recorder; under ``JAXPG_DEBUG=DETAIL`` the processes first compare
-    fingerprints (``jaxpg.supervision.desync``). Then, by the world's semantics:
+    the flight recorder; the processes first compare the call's signature
+    (``jaxpg.supervision.signature_check``; under ``JAXPG_DEBUG=DETAIL``, the fingerprints
+    through the store: ``jaxpg.supervision.desync``), and a mismatch raises
+    ``DistDesyncError`` on every rank before anything runs. Then, by the world's semantics:
 
     * blocking (gloo): ``fn`` runs on the runner thread and the caller waits until its
       outputs are ready for at most the group's timeout (compile time excluded); then the
@@ -255,6 +264,8 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool, k
             time.monotonic() + seconds, lambda: _watchdog_text(group, api, seq, seconds),
             thread=threading.get_ident(), record=record,
             failure=lambda err: _failure_text(group, api, seq, err))
+    if _signatures and has_peers(group):
+        _check_signature(group, api, seq, fingerprint, record, entry)
     try:
         out = fn()
         if blocking:
@@ -281,15 +292,45 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool, k
     return out
 
 
+def _check_signature(group: Any, api: str, seq: int, fingerprint: Any, record: Any,
+                     entry: Any) -> None:
+    """Runs the signature check before the call; its failure in XLA is a
+    ``DistNetworkError``, a mismatch a ``DistDesyncError`` (the record fails with either)."""
+    try:
+        mismatch = signature_check.mismatched(signature_check.dispatch(group, fingerprint))
+    except Exception as err:  # a peer lost during the check's gather
+        if entry is not None:
+            entry.failed = True
+        text = _failure_text(group, api, seq, err)
+        record.fail("failed", text)
+        raise DistNetworkError(text) from err
+    if mismatch:
+        if entry is not None:
+            entry.failed = True
+        try:
+            signature_check.raise_mismatch(group, api, seq, fingerprint)
+        except Exception as err:
+            record.fail("failed", str(err))
+            raise
+
+
 _COLLECTIVE_WORDS = re.compile(r"(?i)gloo|nccl|mpi|collective|all-?reduce|all-?gather|"
                                r"reduce-?scatter|all-?to-?all|permute|connection|peer|socket|"
                                r"unavailable|aborted|deadline")
 
 
+_XLA_STATUS = re.compile(r"^(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|DEADLINE_EXCEEDED|CANCELLED|"
+                         r"FAILED_PRECONDITION|DATA_LOSS): ")
+
+
 def _collective_failure(err: Exception, group: Any) -> bool:
     """Whether a step's error is XLA's collectives failing (else it is the user's code, or
-    e.g. memory running out, and passes through as it is)."""
-    if not isinstance(err, jax.errors.JaxRuntimeError):
+    e.g. memory running out, and passes through as it is). XLA reports it as a
+    ``JaxRuntimeError``, or, from a program's execution, as a ``ValueError`` or
+    ``RuntimeError`` whose text starts with its status (``UNKNOWN: Gloo all-reduce
+    failed``)."""
+    if not isinstance(err, jax.errors.JaxRuntimeError) and not (
+            isinstance(err, (ValueError, RuntimeError)) and _XLA_STATUS.match(str(err))):
         return False
     if liveness.lost():
         return True

@@ -35,19 +35,22 @@ def detail_enabled() -> bool:
     return value.strip().upper() == "DETAIL"
 
 
-def fingerprint_text(group_name: str, seq: int, fingerprint: Any) -> str:
+def fingerprint_text(group_name: str, seq: int | None, fingerprint: Any) -> str:
     """``all_reduce(group='WORLD', seq=3, x=float32[4], args=ReduceOp.SUM)``.
 
     Args:
         group_name: the group's name.
-        seq: the collective's sequence number in the group.
-        fingerprint: ``(api, static arguments, ((name, shape, dtype), ...))`` or None.
+        seq: the collective's sequence number in the group (None: left out).
+        fingerprint: ``(api, static arguments, ((name, shape, dtype), ...))`` or None; a
+            shape of None shows ``dtype`` alone (a recorded step's summary of an argument).
     """
+    at = [] if seq is None else [f"seq={seq}"]
     if fingerprint is None:
-        return f"collective(group={group_name!r}, seq={seq})"
+        return f"collective({', '.join([f'group={group_name!r}', *at])})"
     api, static, inputs = fingerprint
-    parts = [f"group={group_name!r}", f"seq={seq}"]
-    parts += [f"{name}={dtype}{list(shape)}" for name, shape, dtype in inputs]
+    parts = [f"group={group_name!r}", *at]
+    parts += [f"{name}={dtype}" if shape is None else f"{name}={dtype}{list(shape)}"
+              for name, shape, dtype in inputs]
     if static is not None:
         parts.append(f"args={static!r}")
     return f"{api}({', '.join(parts)})"

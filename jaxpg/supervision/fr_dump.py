@@ -84,7 +84,8 @@ def record_json(record: CallRecord) -> dict[str, Any]:
     fingerprint = record.fingerprint
     if fingerprint is not None:
         _, static, inputs = fingerprint
-        out["inputs"] = [[name, list(shape), str(dtype)] for name, shape, dtype in inputs]
+        out["inputs"] = [[name, None if shape is None else list(shape), str(dtype)]
+                         for name, shape, dtype in inputs]
         out["args"] = _static_json(record, static)
     if record.collectives is not None:
         out["collectives"] = list(record.collectives)

@@ -13,6 +13,11 @@ returns at once and the watchdog ends the process with that text. A failure insi
 collectives (``Gloo all-reduce failed ... Connection closed by peer``) becomes
 ``DistNetworkError`` naming the peer.
 
+Before each launch the group's ranks compare the step's signature, its name and its
+arguments' shapes and dtypes (``jaxpg.supervision.signature_check``): a rank that runs
+``eval_step`` while its peers run ``train_step``, or another batch shape, makes every rank
+raise ``DistDesyncError`` naming each rank's step, and none runs it.
+
 Outside a multi-process world, and when called with traced arguments (inside another
 ``jit``), the wrapper calls ``fn`` as it is. Attributes it does not have (``lower``,
 ``trace``, ``eval_shape``) are ``fn``'s.
@@ -122,6 +127,49 @@ class _Programs:
             return None
 
 
+_LISTED = 8  # an argument of up to this many arrays lists them in the fingerprint
+
+
+def _leaf_signature(x: Any) -> tuple:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:  # not an array: its type only (values may differ)
+        return (None, type(x).__name__)
+    return (tuple(shape), str(dtype))
+
+
+def _argument(name: str, sigs: list[tuple]) -> tuple:
+    """One fingerprint input for an argument: an array's shape and dtype; a pytree's arrays
+    listed, or, past ``_LISTED``, counted with a digest of their shapes."""
+    if len(sigs) == 1 and sigs[0][0] is not None:
+        return (name, sigs[0][0], sigs[0][1])
+    if len(sigs) <= _LISTED:
+        parts = [dtype if shape is None else f"{dtype}{list(shape)}" for shape, dtype in sigs]
+        return (name, None, "{" + ", ".join(parts) + "}")
+    digest = hashlib.blake2b(repr(sigs).encode(), digest_size=4).hexdigest()
+    return (name, None, f"<{len(sigs)} leaves, shapes {digest}>")
+
+
+class _Signatures:
+    """A step's fingerprint per argument signature: ``(name, None, inputs)``, one input per
+    argument (made once per signature)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.known: dict[Any, tuple] = {}
+
+    def of(self, args: Any, kwargs: Any) -> tuple:
+        named = [(f"arg{i}", a) for i, a in enumerate(args)] + sorted(kwargs.items())
+        key = tuple((n, tuple(_leaf_signature(x) for x in jax.tree.leaves(a)))
+                    for n, a in named)
+        found = self.known.get(key)
+        if found is None:
+            if len(self.known) > 256:
+                self.known.clear()
+            found = self.known[key] = (self.name, None,
+                                       tuple(_argument(n, list(sigs)) for n, sigs in key))
+        return found
+
+
 def _is_process_group(value: Any) -> bool:
     group_type = world_link.group_type()
     return group_type is not None and isinstance(value, group_type)
@@ -159,6 +207,7 @@ class RecordedStep:
         self.name = name or (qualname.rpartition("<locals>.")[2] if qualname
                              else "recorded_step")
         self._programs = _Programs(fn)
+        self._signatures = _Signatures(self.name)
         functools.update_wrapper(self, fn, updated=())
 
     def _group(self, state: Any) -> Any:
@@ -191,7 +240,7 @@ class RecordedStep:
             return out
 
         return collective_call.run_collective(group, self.name, launch,
-                                              (self.name, None, ()), kind="step")
+                                              self._signatures.of(args, kwargs), kind="step")
 
     def __getattr__(self, attribute: str) -> Any:
         if attribute == "fn":  # not set yet (copying, unpickling)

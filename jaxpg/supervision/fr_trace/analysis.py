@@ -98,7 +98,8 @@ def describe_call(call: dict[str, Any] | None, with_group: bool = True) -> str:
     text = f"{call.get('op')} #{call.get('seq')}"
     if with_group:
         text += f" on group {call.get('group')!r}"
-    details = [f"{name}={dtype}{shape}" for name, shape, dtype in call.get("inputs") or []]
+    details = [f"{name}={dtype}" if shape is None else f"{name}={dtype}{shape}"
+               for name, shape, dtype in call.get("inputs") or []]
     if call.get("args") not in (None, "None"):
         details.append(f"args={call['args']}")
     if call.get("kind") == "step" and call.get("collectives"):

@@ -11,8 +11,8 @@ Modes (argv[1]):
   0's watchdog must end the process with the named error.
 * ``desync``: under ``JAXPG_DEBUG=DETAIL``, a shape mismatch and an op mismatch must raise
   DistDesyncError on every rank, naming the odd rank, before anything runs.
-* ``desync_plain``: without DETAIL, an op mismatch times out and the error says what each
-  rank is running.
+* ``desync_plain``: with the default signature check off (``JAXPG_DEBUG=OFF``), an op
+  mismatch times out and the error says what each rank is running.
 
 In ``async`` and ``watchdog``, rank 1 leaves only once rank 0 has ended (a handshake through
 rank 0's pid in ``TEST_HANDSHAKE_DIR``): with a fixed sleep instead, a slow rank 0 on a loaded

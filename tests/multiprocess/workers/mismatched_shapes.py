@@ -1,4 +1,5 @@
-"""Rank 0 all-reduces 1000 floats, rank 1 ten (no JAXPG_DEBUG=DETAIL): gloo aborts rank 1
+"""Rank 0 all-reduces 1000 floats, rank 1 ten (with ``JAXPG_DEBUG=OFF``, no signature
+check): gloo aborts rank 1
 in C++ (``EnforceNotMet ... op.preamble.length <= op.nbytes. 1000 vs 12``, SIGABRT);
 jaxpg-run must say why."""
 
