@@ -15,9 +15,10 @@ from jaxpg.models.hf_io import from_hf, to_hf
 from jaxpg.models.layout import ModelLayout, parallelize
 from jaxpg.models.model import CausalLM
 from jaxpg.models.plans import tp_plan
+from jaxpg.models.stages import Stage, pipeline_stages, stage_bounds
 
 __all__ = [
     "ModelConfig", "LlamaConfig", "Qwen3Config", "Qwen3MoeConfig", "Llama3RopeScaling",
     "PRESETS", "config_for", "CausalLM", "tp_plan", "parallelize", "ModelLayout", "from_hf",
-    "to_hf",
+    "to_hf", "stage_bounds", "pipeline_stages", "Stage",
 ]

@@ -1,0 +1,113 @@
+"""jaxpg.models without Hugging Face: the presets' published sizes, a laid-out model's
+logits against the same weights on one device (FSDP x CP x TP with sequence parallelism),
+the positions rules under cp, the kv-heads rule of the tp plan, and pipeline stages."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jaxpg
+from jaxpg import models
+
+TOKENS = np.random.default_rng(1).integers(0, 64, (4, 16))
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("llama3-8b", 8.03e9, None), ("llama3-70b", 70.55e9, None), ("llama3-405b", 405.85e9, None),
+    ("qwen3-0.6b", 0.596e9, None), ("qwen3-8b", 8.19e9, None),
+    ("qwen3-30b-a3b", 30.53e9, 3.35e9), ("qwen3-235b-a22b", 235.09e9, 22.19e9)])
+def test_presets_hold_the_published_sizes(name, total, active):
+    config = models.config_for(name)
+    assert abs(config.num_params() - total) / total < 2e-3
+    if active is not None:
+        assert abs(config.active_params() - active) / active < 2e-3
+
+
+def test_fsdp_cp_tp_with_sequence_parallelism_gives_the_one_device_logits():
+    config = models.config_for("llama3-tiny")
+    want = np.asarray(models.CausalLM(config, rngs=nnx.Rngs(3))(TOKENS))
+    model = models.CausalLM(config, rngs=nnx.Rngs(3))
+    layout = models.parallelize(model, jaxpg.ParallelDims(dp_shard=2, cp=2, tp=2),
+                                sequence_parallel=True)
+    # q_proj: column-parallel over tp and FSDP-split over dp_shard x cp on its input dim
+    assert layout.spec("layers.0.self_attn.q_proj.kernel") == P(("dp_shard", "cp"), "tp")
+    np.testing.assert_allclose(np.asarray(model(TOKENS)), want, rtol=0, atol=1e-5)
+
+
+def _laid_out(config, **degrees):
+    model = models.CausalLM(config, rngs=nnx.Rngs(0))
+    dims = jaxpg.ParallelDims(**degrees)
+    models.parallelize(model, dims)
+    return model, dims
+
+
+def test_a_cp_model_refuses_local_positions_and_naming_the_fix():
+    model, dims = _laid_out(models.config_for("qwen3-tiny"), dp_shard=4, cp=2)
+    graphdef, state = nnx.split(model)
+    specs = jax.tree.map(lambda a: a.sharding.spec, state)
+
+    def per_rank(state, tokens):
+        return nnx.merge(graphdef, state).forward(tokens)  # no positions
+
+    run = jaxpg.spmd(per_rank, mesh=dims, in_specs=(specs, P("dp_shard", "cp")),
+                     out_specs=P("dp_shard", "cp"))
+    with pytest.raises(ValueError, match=r"context parallelism \(cp=2\).*pass positions="):
+        jax.jit(run)(state, np.zeros((4, 16), np.int32))
+
+
+def test_a_model_laid_out_without_cp_refuses_to_run_over_a_cp_axis():
+    model = models.CausalLM(models.config_for("llama3-tiny"), rngs=nnx.Rngs(0))
+    dims = jaxpg.ParallelDims(dp_shard=4, cp=2)
+    graphdef, state = nnx.split(model)
+
+    def per_rank(state, tokens, positions):
+        return nnx.merge(graphdef, state).forward(tokens, positions)
+
+    run = jaxpg.spmd(per_rank, mesh=dims, in_specs=(P(), P(None, "cp"), P(None, "cp")),
+                     out_specs=P(None, "cp"))
+    tokens = np.zeros((2, 16), np.int32)
+    with pytest.raises(ValueError, match=r"laid out without context parallelism.*'cp' "
+                                         r"axis has size 2.*cp=2"):
+        jax.jit(run)(state, tokens, tokens)
+
+
+def test_layout_errors_name_the_fix():
+    config = models.config_for("llama3-tiny")  # 2 kv heads
+    with pytest.raises(ValueError, match=r"tp=4 does not divide num_kv_heads=2.*\[1, 2\]"):
+        _laid_out(config, dp_shard=2, tp=4)
+    with pytest.raises(ValueError, match="sequence_parallel=True is for dense models"):
+        models.tp_plan(models.config_for("qwen3-moe-tiny"), sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"ep=4 must equal cp=2 or dp_shard x cp=8"):
+        _laid_out(models.config_for("qwen3-moe-tiny"), dp_shard=4, cp=2, ep=4)
+    with pytest.raises(ValueError, match="no preset 'llama4'"):
+        models.config_for("llama4")
+    with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
+        models.config_for("llama3-tiny", num_kv_heads=3)
+
+
+def test_pipeline_stages_chain_to_the_model_and_bounds_balance_the_edges():
+    config = models.config_for("llama3-8b")
+    assert models.stage_bounds(config, 4) == [0, 8, 16, 24, 32]
+    assert models.stage_bounds(config, 4, edge_cost=2) == [0, 7, 16, 25, 32]
+    tiny = models.config_for("llama3-tiny", num_layers=3)
+    model = models.CausalLM(tiny, rngs=nnx.Rngs(0))
+    stages = models.pipeline_stages(model, bounds=[0, 1, 3])
+    positions = np.broadcast_to(np.arange(16), TOKENS.shape)
+
+    @jax.jit
+    def both(state, tokens):
+        m = nnx.merge(*state)
+        parts = models.pipeline_stages(m, bounds=[0, 1, 3])
+        h = tokens
+        for stage in parts:
+            h = stage(h, positions)
+        return h, m.forward(tokens, positions)
+
+    chained, whole = both(nnx.split(model), TOKENS)
+    np.testing.assert_allclose(np.asarray(chained), np.asarray(whole), rtol=0, atol=1e-6)
+    assert [len(s.layers) for s in stages] == [1, 2]
+    with pytest.raises(ValueError, match="ties its head to the embedding"):
+        models.pipeline_stages(models.CausalLM(models.config_for("qwen3-tiny"),
+                                               rngs=nnx.Rngs(0)), 2)
