@@ -28,21 +28,17 @@ import json  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _moe import moe_loss, moe_weights  # noqa: E402
 from _rounds import run_rounds  # noqa: E402  (bench/ is sys.path[0])
 
 import jaxpg  # noqa: E402
-from jaxpg.expert_parallel import moe  # noqa: E402
-
-AUX_WEIGHT = 0.01
 
 
 def inputs(ep, experts, args, seed=0):
     """Stacked per-rank arguments: tokens, router, this rank's experts, cotangent."""
     rng = np.random.default_rng(seed)
     t, d, f = args.tokens, args.dim, args.ffn
-    gate = rng.normal(size=(d, experts)).astype(np.float32) / np.sqrt(d)
-    w1 = (rng.normal(size=(experts, d, f)) / np.sqrt(d)).astype(np.float32)
-    w2 = (rng.normal(size=(experts, f, d)) / np.sqrt(f)).astype(np.float32)
+    gate, w1, w2 = moe_weights(rng, d, f, experts)
     local = experts // ep
     return (jnp.asarray(rng.normal(size=(ep, t, d)).astype(np.float32)),
             jnp.asarray(np.broadcast_to(gate, (ep, d, experts))),
@@ -54,12 +50,11 @@ def moe_step(ep, top_k, capacity_factor, grouped_matmul="auto"):
     """jit(spmd(grad of the loss)) over the first ``ep`` devices."""
     group = jaxpg.new_group(list(range(ep)))
 
+    loss = moe_loss(group, top_k, capacity_factor=capacity_factor,
+                    grouped_matmul=grouped_matmul)
+
     def per_rank(x, gate_w, w1, w2, cot):
-        def loss(x, gate_w, w1, w2):
-            y, aux = moe(x, gate_w, w1, w2, group=group, top_k=top_k,
-                         capacity_factor=capacity_factor, grouped_matmul=grouped_matmul)
-            return jnp.sum(y * cot) + AUX_WEIGHT * aux.loss
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, gate_w, w1, w2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, gate_w, w1, w2, cot)
 
     return jax.jit(jaxpg.spmd(per_rank, group=group))
 

@@ -20,31 +20,26 @@ import argparse
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
+from _moe import AUX_WEIGHT, moe_loss, moe_weights
 from _rounds import medians, ratio_median
 from _timing import join_both_worlds, leave_both_worlds, slowest_rank, time_rounds
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpg
-from jaxpg.expert_parallel import moe
-
-AUX_WEIGHT = 0.01
 
 
 def rank_inputs(rank, ep, args):
     """This rank's tokens and cotangent, the router, and this rank's experts (numpy)."""
     shared = np.random.default_rng(args.seed)
     d, f, e = args.dim, args.ffn, args.experts
-    gate = (shared.normal(size=(d, e)) / np.sqrt(d)).astype(np.float32)
-    w1 = (shared.normal(size=(e, d, f)) / np.sqrt(d)).astype(np.float32)
-    w2 = (shared.normal(size=(e, f, d)) / np.sqrt(f)).astype(np.float32)
+    gate, w1, w2 = moe_weights(shared, d, f, e)
     local = e // ep
     own = np.random.default_rng([args.seed, rank])
     x = own.normal(size=(args.tokens, d)).astype(np.float32)
@@ -55,11 +50,10 @@ def rank_inputs(rank, ep, args):
 def jaxpg_step(ep, top_k):
     group = jaxpg.new_group(list(range(ep)))
 
+    loss = moe_loss(group, top_k)
+
     def per_rank(x, gate_w, w1, w2, cot):
-        def loss(x, gate_w, w1, w2):
-            y, aux = moe(x, gate_w, w1, w2, group=group, top_k=top_k)
-            return jnp.sum(y * cot) + AUX_WEIGHT * aux.loss
-        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, gate_w, w1, w2)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, gate_w, w1, w2, cot)
 
     sharding = NamedSharding(group.family_mesh, P(group.axis_name))
     return jaxpg.spmd(per_rank, group=group), sharding

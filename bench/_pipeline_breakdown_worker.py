@@ -1,4 +1,4 @@
-"""One pipeline rank of ``bench/experiments/pipeline_breakdown.py`` (or, with
+"""One pipeline rank of ``bench/pipeline_breakdown.py`` (or, with
 ``--one-process N``, all ranks on N simulated devices of one process).
 
 For each schedule, after two warm-up steps:
@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 # bench/: the pipeline workers' model and steps, and the shared timing loop
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pipeline_mp_worker import CHUNKS, jaxpg_step, make_batch, make_params, staged  # noqa: E402
 from _rounds import run_rounds  # noqa: E402
 

@@ -32,6 +32,18 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _residual_mlp import (  # noqa: F401  (the studies import the model from here too)
+    block,
+    make_batch,
+    make_params,
+    mse,
+    per_block,
+    stacked,
+    stage_fn,
+    staged,
+    torch_block,
+    unstaged,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -47,74 +59,6 @@ TORCH = {
 }
 
 
-def block(w, x):
-    """One residual MLP block, ``x + W2 gelu(W1 x + b1) + b2`` (tanh gelu, as jax's)."""
-    return x + jax.nn.gelu(x @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
-
-
-@functools.cache
-def stage_fn(layers):
-    """A stage of ``layers`` blocks; its parameters are a list with one dict per block (as
-    torch's modules hold one ``Linear`` per layer). Slicing the blocks out of one stacked
-    array instead costs a scatter of every gradient into the stack in each backward: about
-    1.4x a 2-block stage's step at 32 rows (``bench/experiments/stage_layer_layout.py``)."""
-
-    def stage(ws, x):
-        assert len(ws) == layers, (len(ws), layers)
-        for w in ws:
-            x = block(w, x)
-        return x
-
-    return stage
-
-
-def mse(_, y, t):
-    return jnp.mean((y - t) ** 2)
-
-
-def make_params(blocks, d, seed=0):
-    """Host (numpy) parameters of ``blocks`` blocks, stacked ``[blocks, ...]``."""
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
-    params = {
-        "w1": jax.random.normal(k1, (blocks, d, 4 * d)) / np.sqrt(d),
-        "b1": 0.1 * jax.random.normal(k3, (blocks, 4 * d)),
-        "w2": jax.random.normal(k2, (blocks, 4 * d, d)) / np.sqrt(4 * d),
-        "b2": 0.1 * jax.random.normal(k4, (blocks, d)),
-    }
-    return {k: np.asarray(v, np.float32) for k, v in params.items()}
-
-
-def make_batch(rows, d, seed=1):
-    kx, kt = jax.random.split(jax.random.key(seed))
-    return (np.asarray(jax.random.normal(kx, (rows, d)), np.float32),
-            np.asarray(jax.random.normal(kt, (rows, d)), np.float32))  # fmt: skip
-
-
-def per_block(params):
-    """``{k: [blocks, ...]}`` -> one dict per block (the un-pipelined model's parameters)."""
-    blocks = len(next(iter(params.values())))
-    return [{k: a[i] for k, a in params.items()} for i in range(blocks)]
-
-
-def staged(params, stages):
-    """``{k: [blocks, ...]}`` -> the stages' parameters in model order: a list of
-    ``blocks / stages`` dicts (a stage's layers), each leaf ``[stages, ...]``."""
-    out = {k: a.reshape(stages, -1, *a.shape[1:]) for k, a in params.items()}
-    layers = next(iter(out.values())).shape[1]
-    return [{k: a[:, j] for k, a in out.items()} for j in range(layers)]
-
-
-def unstaged(stage_params):
-    """The inverse of ``staged`` (on host arrays): ``{k: [blocks, ...]}`` in model order."""
-    return {k: np.stack([np.asarray(layer[k]) for layer in stage_params], axis=1).reshape(
-        -1, *np.shape(stage_params[0][k])[1:]) for k in stage_params[0]}  # fmt: skip
-
-
-def stacked(layer_params):
-    """One dict per block (host or device arrays) -> ``{k: [blocks, ...]}`` on the host."""
-    return {k: np.stack([np.asarray(w[k]) for w in layer_params]) for k in layer_params[0]}
-
-
 def un_pipelined(blocks):
     """The reference step: loss and gradient of the whole model on the whole batch
     (the mean of the microbatch losses equals the whole-batch mean: equal microbatches),
@@ -127,7 +71,7 @@ def microbatched(blocks, m):
     microbatches unrolled, gradients summed), over ``per_block`` parameters: the same
     matmul sizes as the pipeline's, on one core. Unrolled: a ``lax.scan`` over the
     microbatches runs slower on XLA:CPU (as over the layers,
-    ``bench/experiments/stage_layer_layout.py``)."""
+    ``bench/stage_layer_layout.py``)."""
 
     def run(w, x, t):
         xs, ts = (a.reshape(m, -1, a.shape[-1]) for a in (x, t))
@@ -178,24 +122,8 @@ def torch_variant(cls_name, rank, p, m, params, x, t):
 
     blocks = params["w1"].shape[0]
 
-    class Block(torch.nn.Module):
-        def __init__(self, w):
-            super().__init__()
-            d, h = w["w1"].shape
-            self.up, self.down = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
-            with torch.no_grad():
-                self.up.weight.copy_(torch.from_numpy(w["w1"].T.copy()))
-                self.up.bias.copy_(torch.from_numpy(w["b1"].copy()))
-                self.down.weight.copy_(torch.from_numpy(w["w2"].T.copy()))
-                self.down.bias.copy_(torch.from_numpy(w["b2"].copy()))
-
-        def forward(self, x):
-            gelu = torch.nn.functional.gelu(self.up(x), approximate="tanh")
-            return x + self.down(gelu)
-
     if cls_name in ("baseline", "baseline_microbatched"):  # un-pipelined, on this process
-        model = torch.nn.Sequential(*[Block({k: a[i] for k, a in params.items()})
-                                      for i in range(blocks)])  # fmt: skip
+        model = torch.nn.Sequential(*[torch_block(w=w) for w in per_block(params)])
         tx, tt = torch.from_numpy(x.copy()), torch.from_numpy(t.copy())
 
         def whole():
@@ -215,7 +143,7 @@ def torch_variant(cls_name, rank, p, m, params, x, t):
     modules, stages = {}, []
     for s in indices:
         ws = [{k: a[s * layers + i] for k, a in params.items()} for i in range(layers)]
-        modules[s] = torch.nn.Sequential(*[Block(w) for w in ws])
+        modules[s] = torch.nn.Sequential(*[torch_block(w=w) for w in ws])
         stages.append(pipelining.PipelineStage(modules[s], s, num_stages, torch.device("cpu")))
     schedule = getattr(pipelining, cls_name)(
         stages[0] if chunks == 1 else stages, n_microbatches=m,

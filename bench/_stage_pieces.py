@@ -1,5 +1,5 @@
 """A pipeline stage's pieces, each its own jitted program on one device, for
-``bench/gpu.py`` and ``bench/experiments/zb_split_cost.py``: the forward ``F``, the whole
+``bench/gpu.py`` and ``bench/zb_split_cost.py``: the forward ``F``, the whole
 backward, and a split backward's ``B`` and ``W`` (``jaxpg.pipeline.stage_split``) of one
 residual block ``x + W2 tanh(W1 x + b1) + b2``."""
 

@@ -8,7 +8,7 @@ without an accumulator, the accumulation alone, with ``remat`` (the backward rec
 the stage), and the plain forward and ``jax.vjp`` of the stage for comparison. Prints the
 figures; docs/pipeline_mp.md cites them.
 
-    python bench/experiments/action_program_cost.py [--layers 2]
+    python bench/action_program_cost.py [--layers 2]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -114,5 +114,8 @@ def main() -> None:
         print(f"| {k.replace('_', ' ')} | {v:.2f} |")
 
 
+# python -m bench async_checkpoint --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "1"]
+
 if __name__ == "__main__":
     main()

@@ -148,5 +148,8 @@ def main():
     jaxpg.destroy_process_group()
 
 
+# python -m bench context_parallel --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "1"]
+
 if __name__ == "__main__":
     main()

@@ -15,7 +15,7 @@ of ``--k`` rows (``(1, rows, --heads, --dim)``, float32):
 
 XLA runs single-threaded (``--xla_cpu_multi_thread_eigen=false``), torch with one thread.
 
-    python bench/experiments/cp_block_cost.py [--q 2048] [--k 2048] [--rounds 15]
+    python bench/cp_block_cost.py [--q 2048] [--k 2048] [--rounds 15]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
                            "false intra_op_parallelism_threads=1").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -102,6 +102,9 @@ def main() -> None:
                                               "over_torch_block": ratios, "agree": agree,
                                               **timed.loads()}, indent=1))
 
+
+# python -m bench cp_block_cost --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "3"]
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@ without it (``__wrapped__``), and ``check_input`` alone, in ``--rounds`` short r
 ``--calls`` calls whose order rotates (``bench/_rounds.py``); the figure is the median over
 rounds of the per-call difference.
 
-    flock /tmp/jaxpg-bench.lock python bench/experiments/discarded_overhead.py
+    flock /tmp/jaxpg-bench.lock python bench/discarded_overhead.py
 
 Writes ``bench/results/discarded_overhead.json``.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 
 import jax.numpy as jnp  # noqa: E402
 from _launch import RESULTS  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> None:
                        settle=block)
     us = {k: [t * 1e6 for t in v] for k, v in timed.wall.items()}
     record = {
-        "command": "python bench/experiments/discarded_overhead.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/discarded_overhead.py " + " ".join(sys.argv[1:]),
         **timed.loads(),
         "all_reduce_us_median": {k: v * 1e6 for k, v in timed.medians().items()},
         "check_overhead_us_median": diff_median(us["checked"], us["unchecked"]),
@@ -59,6 +59,9 @@ def main() -> None:
     print(json.dumps({k: record[k] for k in ("all_reduce_us_median",
                                              "check_overhead_us_median")}, indent=1))
 
+
+# python -m bench discarded_overhead --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "5"]
 
 if __name__ == "__main__":
     main()

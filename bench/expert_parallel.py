@@ -121,5 +121,8 @@ def main() -> None:
     print(f"\nload average before {load_before}, after {load_average()}; wrote {args.out}")
 
 
+# python -m bench expert_parallel --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "1"]
+
 if __name__ == "__main__":
     main()

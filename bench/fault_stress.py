@@ -284,5 +284,8 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+# python -m bench fault_stress --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--runs", "1"]
+
 if __name__ == "__main__":
     main()

@@ -96,5 +96,8 @@ def main() -> None:
         print(f"{k}: {g['value']:.2f} (goal {g['goal']}) {'met' if g['met'] else 'NOT met'}")
 
 
+# python -m bench fsdp --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--nprocs", "2", "--rounds", "1"]
+
 if __name__ == "__main__":
     main()

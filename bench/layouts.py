@@ -2,7 +2,7 @@
 
 The same work runs in both layouts of ``--n`` ranks on this machine's CPU:
 
-* ``one process``: ``python bench/experiments/layouts.py --worker ...`` with ``--n`` simulated
+* ``one process``: ``python bench/layouts.py --worker ...`` with ``--n`` simulated
   devices
   (``--xla_force_host_platform_device_count``), every rank in one process, as in the
   notebook;
@@ -22,8 +22,8 @@ starts one run of each, in alternating order, and the reported ratio is the medi
 rounds of (process per rank) / (one process). The machine is small and shared with other
 work: read the ratios, not the absolute times.
 
-    python bench/experiments/layouts.py     # N = 2 ranks, 3 rounds: ~3 minutes on 2 cores
-    python bench/experiments/layouts.py --rounds 5
+    python bench/layouts.py     # N = 2 ranks, 3 rounds: ~3 minutes on 2 cores
+    python bench/layouts.py --rounds 5
 
 Writes ``bench/results/layouts.json`` and prints a markdown table.
 """
@@ -34,7 +34,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 if "--worker" in sys.argv and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
     n = sys.argv[sys.argv.index("--ranks") + 1] if "--ranks" in sys.argv else "2"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -159,7 +159,7 @@ def main() -> None:
                             ratio_max=max(ratios))
     result = {
         "benchmark": "layouts",
-        "command": f"python bench/experiments/layouts.py --ranks {args.n} --rounds "
+        "command": f"python bench/layouts.py --ranks {args.n} --rounds "
                    f"{args.rounds} --repeats {args.repeats}",
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.platform()}, {os.cpu_count()} CPU cores shared with other work",
@@ -174,6 +174,9 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
 
+
+# python -m bench layouts --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "1", "--repeats", "2"]
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,7 @@ actions, the lanes' ``send`` and ``recv``, the host's ``wait``); and the host's 
 time per step over 10 steps under ``cProfile`` (the time not spent waiting on a lock), and
 the CPU time of the lanes' transfer threads (``jaxpg-collective``) over the same steps.
 
-    python -m jaxpg.run --nproc-per-node 2 bench/experiments/mpmd_step_timeline.py [1f1b]
+    python -m jaxpg.run --nproc-per-node 2 bench/mpmd_step_timeline.py [1f1b]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", "0")) % os.cpu_count()})
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -100,6 +100,9 @@ def main() -> None:
           f"{lanes_ms:.1f} ms a step", flush=True)
     jaxpg.destroy_process_group()
 
+
+# python -m bench mpmd_step_timeline: one process per pipeline rank, under the launcher
+LAUNCH_ARGS = ["--nproc-per-node", "2"]
 
 if __name__ == "__main__":
     main()

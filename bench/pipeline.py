@@ -18,8 +18,9 @@ pipeline stages of ``blocks / (p v)`` blocks each, so every schedule runs the sa
   alone on one device, without the pipeline (``stage_work``: what the executor adds).
 * ``--efficiency``: in a subprocess with 2 simulated devices and single-threaded XLA
   CPU kernels (one device per core on a 2-core machine), step time of every schedule
-  at ``p = 2`` against the bound ``T1 (m + p - 1) / m / p``, ``T1`` the un-pipelined
-  step of the same model and batch on one device.
+  at ``p = 2`` against the bound ``T1 (m + p - 1) / (m p)``
+  (``jaxpg.pipeline.costs.ideal_step_time``), ``T1`` the un-pipelined step of the same
+  model and batch on one device.
 * ``--torch``: ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``,
   ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) on the same model, stage count
   and microbatches, one CPU process per rank over gloo, one thread each.
@@ -56,11 +57,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _launch import RESULTS, free_port, launch  # noqa: E402  (bench/ is sys.path[0])
+from _residual_mlp import make_params, mse, stage_fn, staged, torch_block, unstaged  # noqa: E402
 from _rounds import load_average, ratio_median, run_rounds  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxpg.pipeline.buffer_plan import plan_buffers  # noqa: E402
+from jaxpg.pipeline.costs import ideal_step_time  # noqa: E402
 from jaxpg.pipeline.executor import pipeline_value_and_grad  # noqa: E402
 from jaxpg.pipeline.hlo_loop import count_in_loop  # noqa: E402
 from jaxpg.pipeline.schedules import get_schedule, one_f_one_b  # noqa: E402
@@ -80,57 +83,6 @@ STEP_VARIANTS = [  # the first is every gradient check's reference
     ("interleaved_1f1b", False), ("zb_v", False), (SPLIT_1F1B, False),
     ("zb_v" + MODEL_ORDER, False),
 ]  # fmt: skip
-
-
-def block(w, x):
-    return x + jax.nn.gelu(x @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
-
-
-@functools.cache
-def stage_fn(layers):
-    """A stage of ``layers`` blocks; its parameters are one dict of arrays per block.
-
-    One array per block, as a Flax module holds them: slicing one ``[layers, ...]``
-    stack per block instead makes XLA:CPU copy every weight on each use (about a fifth
-    of the step at width 512, in every variant alike).
-    """
-
-    def stage(w, x):
-        for i in range(layers):
-            x = block(w[i], x)
-        return x
-
-    return stage
-
-
-def mse(_, y, t):
-    return jnp.mean((y - t) ** 2)
-
-
-def make_params(blocks, d, seed=0):
-    """The model's parameters, stacked ``[blocks, ...]``."""
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    return {
-        "w1": jax.random.normal(k1, (blocks, d, 4 * d)) / np.sqrt(d),
-        "b1": jnp.zeros((blocks, 4 * d)),
-        "w2": jax.random.normal(k2, (blocks, 4 * d, d)) / np.sqrt(4 * d),
-        "b2": jnp.zeros((blocks, d)),
-    }
-
-
-def staged(params, stages):
-    """``[blocks, ...]`` -> a tuple of ``blocks / stages`` per-block dicts of ``[stages, ...]``
-    arrays, in model order (block ``s * layers + i`` is entry ``i`` of stage ``s``)."""
-    layers = jax.tree.leaves(params)[0].shape[0] // stages
-    grouped = jax.tree.map(lambda a: a.reshape(stages, layers, *a.shape[1:]), params)
-    return tuple(jax.tree.map(lambda a, i=i: a[:, i], grouped) for i in range(layers))
-
-
-def unstaged(params):
-    """The inverse of ``staged``: ``[blocks, ...]`` arrays in model order."""
-    return jax.tree.map(
-        lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]), *params
-    )
 
 
 def label(name, remat):
@@ -409,7 +361,7 @@ def efficiency_worker(args, m=8, p=2):
     t1 = samples["un-pipelined, 1 device"]
     rows = []
     for key, s in samples.items():
-        ideal = [a * (m + p - 1) / m / p for a in t1]
+        ideal = [ideal_step_time(a, p, m) for a in t1]
         rows.append({
             "schedule": key, "p": p, "m": m, "step_ms": 1e3 * statistics.median(s),
             "efficiency": statistics.median(i / x for i, x in zip(ideal, s, strict=True)),
@@ -445,18 +397,10 @@ def _torch_worker(rank, world, args, m, result_path, port):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
 
-    class Block(torch.nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
     def stage(index, num_stages):
         layers = args.blocks // num_stages
         torch.manual_seed(index)
-        module = torch.nn.Sequential(*[Block(args.dim) for _ in range(layers)])
+        module = torch.nn.Sequential(*[torch_block(args.dim) for _ in range(layers)])
         return PipelineStage(module, index, num_stages, torch.device("cpu"))
 
     d, b, p = args.dim, args.microbatch, world

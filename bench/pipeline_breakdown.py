@@ -17,7 +17,7 @@ too: tracing slows it). For the process executor (``executor="mpmd"``)
 compute), the host's waits for messages and the lanes' transfer time (which overlaps
 compute). Step times are medians of ``--steps`` untraced steps.
 
-    python bench/experiments/pipeline_breakdown.py [--setups 2proc,4proc,1proc]
+    python bench/pipeline_breakdown.py [--setups 2proc,4proc,1proc]
 
 Writes ``bench/results/pipeline_breakdown.json`` and prints markdown tables.
 """
@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # bench/: the shared helpers
+sys.path.insert(0, str(HERE))  # bench/: the shared helpers
 import _pipeline_mp  # noqa: E402  (before JAX: the reference's device flag)
 from _launch import RESULTS, launch  # noqa: E402
 from _rounds import load_average  # noqa: E402
@@ -144,6 +144,9 @@ def main() -> None:
     print(f"load average (1 min) during the run: {[round(v, 1) for v in loads]}")
     print(f"written to {args.out}")
 
+
+# python -m bench pipeline_breakdown --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--steps", "1"]
 
 if __name__ == "__main__":
     main()

@@ -117,5 +117,8 @@ def main() -> None:
         print(f"wrote {png} and its _costs.png")
 
 
+# python -m bench pipeline_bubbles --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = []
+
 if __name__ == "__main__":
     main()

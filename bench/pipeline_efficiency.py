@@ -8,7 +8,9 @@ device pinned to ONE core (rank 0's, while the other ranks wait). Per round, the
 and every (schedule, m) run once each in a rotating order, in the same processes; with
 ``T1`` the round's baseline and ``T`` the pipelined step,
 
-    ideal = T1 (m + p - 1) / m / p,    efficiency = ideal / T,
+    ideal = T1 (m + p - 1) / (m p),    efficiency = ideal / T,
+
+(``jaxpg.pipeline.costs.ideal_step_time``),
 
 and the table gives the median over rounds. ``rank CPU / wall`` (the ranks' summed
 process CPU time over p x wall time) says how much of its core each rank used: above
@@ -45,6 +47,8 @@ from _launch import RESULTS
 from _pipeline_mp_worker import CHUNKS
 from _rounds import load_average, ratio_median
 
+from jaxpg.pipeline.costs import ideal_step_time
+
 
 def efficiency_rows(raw: dict, schedules: list[str], ms: list[int]) -> list[dict]:
     times, p = raw["times"], raw["p"]
@@ -66,7 +70,7 @@ def efficiency_rows(raw: dict, schedules: list[str], ms: list[int]) -> list[dict
             })  # fmt: skip
         for name in schedules:
             rec = times[f"jaxpg {name} m={m}"]
-            ideal = [a * (m + p - 1) / m / p for a in t1]
+            ideal = [ideal_step_time(a, p, m) for a in t1]
             use = [sum(c) / (p * w) for c, w in zip(rec["cpu_s_per_rank"], rec["wall_s"],
                                                     strict=True)]  # fmt: skip
             rows.append({
@@ -160,6 +164,9 @@ def main() -> None:
     print(table(result["rows"], args.nproc))
     print(f"written to {args.out}")
 
+
+# python -m bench pipeline_efficiency --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "1"]
 
 if __name__ == "__main__":
     main()

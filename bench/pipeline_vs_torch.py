@@ -11,7 +11,8 @@ gloo process group of the same processes). Per round every variant runs once, in
 rotating order, so all see the same load; ratios are medians over rounds of the
 per-round ratio (below 1: jaxpg faster), of the wall time and of the CPU time (the
 ranks' summed process CPU time). ``efficiency`` is a step against the bound from its
-framework's own un-pipelined step on one core, ``T1 (m + p - 1) / m / p``, per round.
+framework's own un-pipelined step on one core, ``T1 (m + p - 1) / (m p)``
+(``jaxpg.pipeline.costs.ideal_step_time``), per round.
 
 The model is identical in both: ``--blocks`` residual MLP blocks
 ``x + W2 gelu(W1 x + b1) + b2`` (tanh gelu), width ``--dim``, hidden ``4 dim``, mean
@@ -50,6 +51,8 @@ from _launch import RESULTS
 from _pipeline_mp_worker import CHUNKS, TORCH
 from _rounds import load_average, ratio_median
 
+from jaxpg.pipeline.costs import ideal_step_time
+
 PAIRS = [  # (jaxpg schedule, torch class, how they relate)
     ("gpipe", "ScheduleGPipe", "same"),
     ("1f1b", "Schedule1F1B", "same"),
@@ -62,9 +65,9 @@ ZERO_BUBBLE = [("zb_h1", "1f1b"), ("zb_v", "interleaved_1f1b")]
 
 
 def efficiency(bound_s: list[float], step_s: list[float], m: int, p: int) -> float:
-    """The median over rounds of ``T (m + p - 1) / m / p / step``: a step against the bound
-    that a one-core step ``T`` of round r gives."""
-    return statistics.median(a * (m + p - 1) / m / p / b
+    """The median over rounds of ``ideal_step_time(T, p, m) / step``: a step against the
+    bound that a one-core step ``T`` of round r gives."""
+    return statistics.median(ideal_step_time(a, p, m) / b
                              for a, b in zip(bound_s, step_s, strict=True))
 
 

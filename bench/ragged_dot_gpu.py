@@ -8,7 +8,7 @@ costs? One forward matmul, ``(rows, k) x (E, k, n)`` in ``E`` even groups, bf16:
 
 Needs an H100 or H200; prints a markdown table and writes ``--out``.
 
-    python bench/experiments/ragged_dot_gpu.py [--rows 16384] [--k 1024] [--n 4096]
+    python bench/ragged_dot_gpu.py [--rows 16384] [--k 1024] [--n 4096]
 """
 
 from __future__ import annotations

@@ -128,5 +128,8 @@ def main() -> None:
     print(json.dumps(result, indent=1))
 
 
+# python -m bench recorded_step --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "2", "--steps", "5"]
+
 if __name__ == "__main__":
     main()

@@ -22,7 +22,8 @@ def collectives() -> list[str]:
     d = _load("collectives.json")
     if d is None:
         return []
-    out = ["## Collectives, one process, 8 simulated CPU devices (`bench/collectives.py`)", "",
+    out = ["## Collectives, one process, 8 simulated CPU devices "
+           "(`python -m bench collectives`)", "",
            "Eager jaxpg call (input already a sharded global array, and a fresh numpy array) "
            "against a hand-written jitted `shard_map` of the same lax op; medians.", "",
            "| size | collective | hand-written µs | eager µs | overhead | eager from numpy µs "
@@ -46,7 +47,7 @@ def collectives_mp() -> list[str]:
     if d is None:
         return []
     out = ["## Collectives across processes vs torch.distributed (gloo) "
-           "(`bench/collectives_mp.py`)", "",
+           "(`python -m bench collectives_mp`)", "",
            "Bus bandwidth (nccl-tests' definitions) of jaxpg's eager call, torch 2.13 gloo, and a "
            "plain jitted `psum` across the same JAX processes (the XLA floor); medians. Every size "
            "from 4 KB to 64 MB is in `bench/results/collectives_mp.json`.", "",
@@ -69,7 +70,7 @@ def ddp() -> list[str]:
     if d is None:
         return []
     cfg = d["config"]
-    out = ["## DDP (`bench/ddp.py`)", "",
+    out = ["## DDP (`python -m bench ddp`)", "",
            f"MLP {cfg['layers']} ({cfg['params'] / 1e6:.1f}M parameters), "
            f"{cfg['per_rank_batch']} samples per rank, {cfg['optimizer']}.", "",
            "| framework | N | where | step ms | samples/s |", "|---|---:|---|---:|---:|"]
@@ -86,7 +87,8 @@ def pipeline() -> list[str]:
     out = []
     b = _load("pipeline_bubbles.json")
     if b is not None:
-        out += ["## Pipeline schedules (`bench/pipeline_bubbles.py`, `bench/pipeline.py`)", "",
+        out += ["## Pipeline schedules (`python -m bench pipeline_bubbles`, "
+                "`python -m bench pipeline`)", "",
                 f"Bubble fraction ({b['unit']}), p = 4, m = 8:", "",
                 "| schedule | v | ticks | bubble | theory |", "|---|---:|---:|---:|---:|"]
         for r in b["results"]:
@@ -120,8 +122,9 @@ def pipeline_vs_torch() -> list[str]:
         return []
     cfg = d["config"]
     out = ["## Process executor vs torch.distributed.pipelining "
-           "(`bench/pipeline_vs_torch.py`)", "",
-           f"{cfg['blocks']} residual MLP blocks of width {cfg['dim']}, microbatches of "
+           "(`python -m bench pipeline_vs_torch`)", "",
+           f"Residual MLP blocks (`--blocks` {cfg['blocks']}) of width {cfg['dim']}, "
+           f"microbatches of "
            f"{cfg['microbatch_rows']} rows, one process per pipeline rank; jaxpg "
            f"(`executor='mpmd'`) and torch {cfg['torch']} in the same processes, medians of "
            f"per-round ratios over {cfg['rounds']} rounds; load average (1 min) "

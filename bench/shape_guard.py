@@ -19,8 +19,8 @@ that rotate their order (``bench/_rounds.py``), each call blocking on its result
 ``--check-mismatch`` runs the guard with different shapes on the two ranks and prints what
 each rank saw (the guard must skip on both, and nothing may abort).
 
-    flock /tmp/jaxpg-bench.lock python bench/experiments/shape_guard.py     # ~2 minutes
-    python bench/experiments/shape_guard.py --check-mismatch
+    flock /tmp/jaxpg-bench.lock python bench/shape_guard.py     # ~2 minutes
+    python bench/shape_guard.py --check-mismatch
 
 Writes ``bench/results/shape_guard.json`` and prints a markdown table.
 """
@@ -33,7 +33,7 @@ import sys
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 from _launch import RESULTS, launch  # noqa: E402
 from _rounds import diff_median, ratio_median, run_rounds  # noqa: E402
 
@@ -145,7 +145,7 @@ def main() -> None:
         sys.exit(done.returncode)
     results = json.loads(part.read_text())
     part.unlink()
-    record = {"command": "python bench/experiments/shape_guard.py --rounds " + str(args.rounds),
+    record = {"command": "python bench/shape_guard.py --rounds " + str(args.rounds),
               "processes": 2, "machine": "shared 2-core CPU VM (jaxpg development machine)",
               "results": results}
     Path(args.out).write_text(json.dumps(record, indent=2))
@@ -157,6 +157,9 @@ def main() -> None:
         print(f"| {label} | {ms['plain']:.3f} | {ms['guarded']:.3f} | {ms['eager']:.3f} | "
               f"{r['guarded_over_plain_median']:.2f}x ({lo:.2f}-{hi:.2f}) |")
 
+
+# python -m bench shape_guard --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "3"]
 
 if __name__ == "__main__":
     main()

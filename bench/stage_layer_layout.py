@@ -14,7 +14,7 @@ gradients of one microbatch of ``--rows`` rows, jitted. Variants, timed in rotat
 
 Ratios to ``list`` are taken round by round. Writes ``bench/results/stage_layer_layout.json``.
 
-    python bench/experiments/stage_layer_layout.py [--layers 2] [--dim 512] [--rows 32]
+    python bench/stage_layer_layout.py [--layers 2] [--dim 512] [--rows 32]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 from _pipeline_mp_worker import block, make_batch, make_params, mse, per_block, stage_fn  # noqa: E402
 from _rounds import ratio_median, run_rounds  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "stage_layer_layout.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "stage_layer_layout.json"
 
 
 def variants(layers: int, dim: int, rows: int) -> dict:
@@ -96,6 +96,7 @@ def main() -> None:
     for name, r in ratios.items():
         print(f"{name}, median over rounds: {r:.2f}")
     print(f"written to {path}")
+
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ The compiled steps are cached by the function's code and closure
 process, 2 simulated CPU devices, a 2-layer MLP; the two forms alternate round by round
 (``bench/_rounds.py``), ``--steps`` steps of each per round; the median over rounds counts.
 
-    python bench/experiments/step_cache.py      # writes bench/results/step_cache.json
+    python bench/step_cache.py      # writes bench/results/step_cache.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -108,6 +108,9 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     jaxpg.destroy_process_group()
 
+
+# python -m bench step_cache --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "1", "--steps", "2"]
 
 if __name__ == "__main__":
     main()

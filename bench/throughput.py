@@ -167,5 +167,8 @@ def main() -> None:
     print(f"\nwrote {args.out} in {time.perf_counter() - t0:.0f} s")
 
 
+# python -m bench throughput --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "1"]
+
 if __name__ == "__main__":
     main()

@@ -140,5 +140,8 @@ def main() -> None:
     jaxpg.destroy_process_group()
 
 
+# python -m bench tp_composition --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "1", "--steps", "2"]
+
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ rounds (``bench/_rounds.py``), each a call blocked on its result:
 The ratio ``(to_global + to_local) / forward`` is taken round by round. Writes
 ``bench/results/tp_stage_host_work.json``.
 
-    python bench/experiments/tp_stage_host_work.py [--dim 512] [--rows 16] [--rounds 21]
+    python bench/tp_stage_host_work.py [--dim 512] [--rows 16] [--rounds 21]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -43,7 +43,7 @@ from jaxpg.pipeline import PipelineStage  # noqa: E402
 from jaxpg.pipeline.stage_runner import stage_programs  # noqa: E402
 from jaxpg.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "tp_stage_host_work.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "tp_stage_host_work.json"
 
 
 class Mlp(nnx.Module):
@@ -90,6 +90,7 @@ def main() -> None:
     for name, t in med.items():
         print(f"| {name} | {t * 1e3:.3f} |")
     print(f"(to_global + to_local) / forward, median over rounds: {share:.3f}")
+
 
 
 if __name__ == "__main__":

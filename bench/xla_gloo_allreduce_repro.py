@@ -54,8 +54,8 @@ through ``LD_PRELOAD`` (when installed), ``--xla_cpu_multi_thread_eigen=false``.
 Environment variants are interleaved too: round r launches every variant once, in a
 rotating order.
 
-    python bench/experiments/xla_gloo_allreduce_repro.py      # N=2, 16 MB, ~5 min
-    python bench/experiments/xla_gloo_allreduce_repro.py --nprocs 2 --size 16M --rounds 3 \
+    python bench/xla_gloo_allreduce_repro.py      # N=2, 16 MB, ~5 min
+    python bench/xla_gloo_allreduce_repro.py --nprocs 2 --size 16M --rounds 3 \
         --out bench/results/throughput_breakdown.json
 
 The JSON (``--out``) holds every figure; a summary is printed, ending with the verdict
@@ -380,7 +380,7 @@ def main() -> None:
         torch_version = None
 
     result = {
-        "benchmark": "bench/experiments/xla_gloo_allreduce_repro.py",
+        "benchmark": "bench/xla_gloo_allreduce_repro.py",
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "jax": jax.__version__, "torch": torch_version,

@@ -14,7 +14,7 @@ the lockstep executor (the call is jitted). Variants, timed in rotating rounds
 * ``pieces``: the stage's jitted pieces on one device, ``F``, the whole backward, and the
   split ``B`` and ``W``, to compare ``B + W`` with the whole backward without the executor.
 
-    python bench/experiments/zb_split_cost.py [--dim 512] [--rounds 31]
+    python bench/zb_split_cost.py [--dim 512] [--rounds 31]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -126,6 +126,9 @@ def main() -> None:
             "pieces": pieces.record(1e6, "us"), "split_over_whole": split_over_whole,
         }, indent=1))
 
+
+# python -m bench zb_split_cost --quick: a short run, written under /tmp unless --out is given
+QUICK_ARGS = ["--rounds", "3"]
 
 if __name__ == "__main__":
     main()

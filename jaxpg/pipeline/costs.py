@@ -12,6 +12,7 @@ about one forward each. :class:`ActionCosts` holds the three weights, and:
   ticks together (one ``lax.scan`` step with ``ppermute`` at its end), so a tick lasts
   as long as its slowest action. Next to a ``B`` of cost 2, an ``F`` of cost 1 waits 1.
 * :func:`measure_costs` times one stage's ``F``, ``B`` and ``W`` pieces on this machine.
+* :func:`ideal_step_time` is the bound a pipeline's measured step is judged against.
 
 Example:
     >>> from jaxpg.pipeline.schedules import get_schedule
@@ -34,8 +35,8 @@ from jaxpg.pipeline._simulate import dependencies
 from jaxpg.pipeline.timetable import Action, Timetable
 
 __all__ = [
-    "ActionCosts", "TimedTimetable", "default_costs", "lockstep_time", "measure_costs",
-    "timed",
+    "ActionCosts", "TimedTimetable", "default_costs", "ideal_step_time", "lockstep_time",
+    "measure_costs", "timed",
 ]  # fmt: skip
 
 
@@ -121,6 +122,24 @@ def timed(tt: Timetable, costs: ActionCosts | None = None) -> TimedTimetable:
             free[rank] = begin + costs.of(action.kind)
             finish[(action.kind, action.microbatch, stage)] = free[rank]
     return TimedTimetable(tt, costs, start, max(free, default=0.0))
+
+
+def ideal_step_time(t1: float, p: int, m: int) -> float:
+    """The shortest step ``p`` stages can take over ``m`` equal microbatches, from ``t1``,
+    the un-pipelined step on one device: ``t1 (m + p - 1) / (m p)``.
+
+    Each stage does ``1 / p`` of the work of each microbatch, ``t1 / (m p)``, and the
+    first microbatch's output reaches the last stage after ``p - 1`` such slots: GPipe's and
+    1F1B's bubble. A pipeline's efficiency is this bound over its measured step.
+
+    Example:
+        >>> ideal_step_time(1.0, p=2, m=8)
+        0.5625
+    """
+    for name, value in (("p", p), ("m", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"ideal_step_time: {name}={value!r} must be an int >= 1.")
+    return t1 * (m + p - 1) / (m * p)
 
 
 def lockstep_time(tt: Timetable, costs: ActionCosts | None = None) -> float:

@@ -8,6 +8,7 @@ from jaxpg.pipeline.checker import check_timetable, peak_in_flight
 from jaxpg.pipeline.costs import (
     ActionCosts,
     default_costs,
+    ideal_step_time,
     lockstep_time,
     measure_costs,
     timed,
@@ -80,3 +81,18 @@ def test_render_png_by_cost_width(tmp_path):
     path = tmp_path / "costs.png"
     render_png(get_schedule("1f1b", 4, 8), path, costs=ActionCosts(1.0, 2.0, 0.0))
     assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 8), (4, 8), (4, 3), (8, 32)])
+def test_ideal_step_time_is_gpipes_replayed_makespan(p, m):
+    # equal F and whole-B costs on every stage: the event-driven replay of GPipe takes
+    # m + p - 1 slots of one microbatch's stage work, which is the bound
+    costs = ActionCosts(F=1.0, B=2.0)
+    one_device = 3.0 * m * p  # every microbatch through every stage, one after another
+    assert ideal_step_time(one_device, p, m) == timed(get_schedule("gpipe", p, m), costs).makespan
+
+
+@pytest.mark.parametrize("bad", [{"p": 0, "m": 8}, {"p": 2, "m": 2.0}, {"p": True, "m": 8}])
+def test_ideal_step_time_names_a_bad_degree(bad):
+    with pytest.raises(ValueError, match="ideal_step_time: [pm]="):
+        ideal_step_time(1.0, **bad)

@@ -1,0 +1,72 @@
+"""``python -m bench``: every top-level script is a suite, and ``--quick`` keeps the stored
+results."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_main", ROOT / "bench" / "__main__.py")
+cli = importlib.util.module_from_spec(_spec)
+sys.modules["bench_main"] = cli  # its dataclass looks its module up
+_spec.loader.exec_module(cli)
+
+
+def test_every_top_level_script_is_a_suite_and_no_helper_is():
+    on_disk = {p.stem for p in (ROOT / "bench").glob("*.py")
+               if not p.name.startswith("_")}
+    found = cli.suites()
+    assert set(found) == on_disk
+    assert {"pipeline_vs_torch", "collectives", "zb_split_cost"} <= set(found)
+    assert all(s.summary for s in found.values()), [n for n, s in found.items() if not s.summary]
+
+
+def test_a_new_script_is_listed_without_registration(tmp_path, monkeypatch):
+    (tmp_path / "fresh.py").write_text('"""A fresh suite: it measures nothing."""\n'
+                                      'QUICK_ARGS = ["--rounds", "1"]\n')
+    (tmp_path / "_helper.py").write_text('"""Not a suite."""\n')
+    monkeypatch.setattr(cli, "BENCH", tmp_path)
+    found = cli.suites()
+    assert list(found) == ["fresh"]
+    assert found["fresh"].summary == "A fresh suite: it measures nothing"
+    assert found["fresh"].quick_args == ("--rounds", "1")
+
+
+def test_quick_resolves_to_the_suites_own_flag_or_its_quick_args_and_writes_elsewhere():
+    found = cli.suites()
+    own = cli.command(found["pipeline_vs_torch"], ["--quick"])
+    assert own[:2] == [sys.executable, str(ROOT / "bench" / "pipeline_vs_torch.py")]
+    assert own[2:] == ["--quick", "--out", str(cli.QUICK_RESULTS / "pipeline_vs_torch.json")]
+    declared = cli.command(found["zb_split_cost"], ["--quick", "--dim", "64"])
+    assert declared[2:] == ["--dim", "64", *found["zb_split_cost"].quick_args]
+    given = cli.command(found["fsdp"], ["--quick", "--out", "/tmp/x.json"])
+    assert given.count("--out") == 1 and given[-1] != str(cli.QUICK_RESULTS / "fsdp.json")
+    plain = cli.command(found["fsdp"], ["--rounds", "2"])
+    assert plain[2:] == ["--rounds", "2"]  # a full run writes where the suite says
+
+
+def test_a_launched_suite_runs_under_the_launcher():
+    found = cli.suites()
+    cmd = cli.command(found["mpmd_step_timeline"], ["1f1b"])
+    assert cmd[:3] == [sys.executable, "-m", "jaxpg.run"]
+    assert cmd[-2:] == [str(ROOT / "bench" / "mpmd_step_timeline.py"), "1f1b"]
+
+
+def test_bad_requests_name_the_fix():
+    found = cli.suites()
+    with pytest.raises(SystemExit, match="gpu --quick: this suite has no quick form"):
+        cli.command(found["gpu"], ["--quick"])
+    with pytest.raises(SystemExit, match="no suite 'nope'.*python -m bench --list"):
+        cli.main(["nope"])
+
+
+def test_list_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "bench", "--list"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    names = [line.split()[0] for line in out.splitlines()]
+    assert names == sorted(cli.suites())
