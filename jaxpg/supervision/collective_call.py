@@ -27,6 +27,7 @@ import jax
 from jaxpg.errors import DistNetworkError, DistTimeoutError
 from jaxpg.supervision import compile_clock, hang_diagnosis, liveness, signature_check, watchdog
 from jaxpg.supervision.flight_recorder import capture_caller, recorder
+from jaxpg.supervision.hang_report import Call as _Call
 from jaxpg.supervision.hang_report import Reporter as _HangReporter
 from jaxpg.supervision.progress import progress as _progress
 from jaxpg.supervision.runner import Job
@@ -260,10 +261,12 @@ def _run_here(group: Any, api: str, fn: Any, fingerprint: Any, blocking: bool, k
     entry = None
     if not blocking:
         seconds = group.timeout.total_seconds()
+        reporter = _HangReporter(threading.get_ident(), seconds)
         entry = watchdog.watch(
             time.monotonic() + seconds, lambda: _watchdog_text(group, api, seq, seconds),
             thread=threading.get_ident(), record=record,
-            failure=lambda err: _failure_text(group, api, seq, err))
+            failure=lambda err: _failure_text(group, api, seq, err),
+            report=lambda: reporter.poll(_Call(group, api, seq)))
     if _signatures and has_peers(group):
         _check_signature(group, api, seq, fingerprint, record, entry)
     try:

@@ -138,7 +138,7 @@ def _describe(call: dict | None) -> str:
 
 
 def diagnose(group: Any, api: str, seq: int, seconds: float,
-             failure: str | None = None) -> Diagnosis:
+             failure: str | None = None, waiting: bool = False) -> Diagnosis:
     """Names what the call ``api`` #``seq`` on ``group`` waits for (see the module doc).
 
     Args:
@@ -147,13 +147,16 @@ def diagnose(group: Any, api: str, seq: int, seconds: float,
         seq: the call's sequence number on the group.
         seconds: the timeout that ran out (for the text).
         failure: the XLA error's text when the call failed instead of timing out.
+        waiting: the call is still waiting (a hang report, ``jaxpg.supervision.hang_report``):
+            the text says it has waited ``seconds`` so far.
     """
     state = group._world
     name = group.group_name
     me = state.process_index
     procs = processes_of(state, group.members)
     peers = [p for p in procs if p != me]
-    how = f"failed ({failure})" if failure else f"did not finish within {seconds:.1f} s"
+    how = (f"failed ({failure})" if failure else f"has waited {seconds:.1f} s" if waiting
+           else f"did not finish within {seconds:.1f} s")
     if not peers:
         return Diagnosis(f"{api} #{seq} on group {name!r} {how}; ranks that did not arrive: "
                          "[] (this process holds every rank of the group: the collective, or "

@@ -79,14 +79,17 @@ class Outstanding:
     peer still compiles the call (then the deadline moves on by the same span). Time the
     dispatching ``thread`` spends compiling does not count. ``failure(error)`` gives the
     text when the collective itself failed in XLA; ``record`` (the flight recorder's) is
-    marked completed once the output is ready.
+    marked completed once the output is ready; ``report()`` is called at each look while
+    the collective is outstanding and not yet due (the hang lines,
+    ``jaxpg.supervision.hang_report``).
     """
 
     __slots__ = ("deadline", "describe", "array", "failed", "span", "thread", "compiled",
-                 "record", "rid", "failure")
+                 "record", "rid", "failure", "report")
 
     def __init__(self, deadline: float, describe: Callable[[], Any], thread: int | None = None,
-                 record: Any = None, failure: Callable[[str], str] | None = None) -> None:
+                 record: Any = None, failure: Callable[[str], str] | None = None,
+                 report: Callable[[], None] | None = None) -> None:
         self.deadline = deadline
         self.span = max(deadline - time.monotonic(), 0.0)
         self.describe = describe
@@ -97,6 +100,7 @@ class Outstanding:
         self.record = record
         self.rid = record.id if record is not None else None  # its ring slot may be reused
         self.failure = failure
+        self.report = report
 
     def is_ready(self) -> bool:
         if self.failed:
@@ -167,6 +171,8 @@ class _Watchdog:
                 self._finished(entry)
                 continue
             if not entry.due(time.monotonic()):
+                if entry.report is not None:
+                    entry.report()
                 return
             pending.popleft()
             if self._fire(entry):
@@ -230,7 +236,8 @@ def watch(deadline: float, describe: Callable[[], Any], **kw: Any) -> Outstandin
     """Watches one collective about to be dispatched: set the returned entry's ``array``
     (one of its outputs) after the dispatch, or ``failed`` if it raised. Unless that array
     is ready by ``deadline`` (``time.monotonic()``), the watchdog prints ``describe()`` and
-    ends the process. Keywords: ``thread``, ``record`` and ``failure`` of ``Outstanding``."""
+    ends the process. Keywords: ``thread``, ``record``, ``failure`` and ``report`` of
+    ``Outstanding``."""
     return _watchdog.watch(deadline, describe, **kw)
 
 
