@@ -68,6 +68,7 @@ class ParamSplit:
     block_experts: float   # one MoE block's routed experts on one device (over ep x tp)
     layers_per_stage: float
     moe_fraction: float    # the share of a stage's blocks that are MoE
+    ends: float = 0.0      # the embedding and output head's share of ``dense``
 
     @property
     def total(self) -> float:
@@ -92,7 +93,8 @@ def param_split(job: Job, layout: Layout) -> ParamSplit:
     block_dense = (s.dense_block_params if moe_fraction < 1
                    else s.shared_params_per_moe_layer) / tp
     block_experts = s.experts * s.expert_params / (layout.ep * tp)
-    return ParamSplit(dense, experts, block_dense, block_experts, per_stage, moe_fraction)
+    return ParamSplit(dense, experts, block_dense, block_experts, per_stage, moe_fraction,
+                      ends / tp)
 
 
 @functools.lru_cache(maxsize=4096)
