@@ -93,7 +93,7 @@ def from_hf(path: str, *, dims: Any = None, dtype: Any = jnp.float32,
         shape = tuple(value_of(var).shape)
 
         def block(index, name=name, shape=shape):
-            return read_slice(name, shape, index, reader.read).astype(dtype)
+            return read_slice(name, shape, index, reader.read).astype(dtype, copy=False)
 
         if layout is None:
             value = jax.device_put(block((slice(None),) * len(shape)), device)

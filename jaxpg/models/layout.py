@@ -5,8 +5,9 @@
 * **tp**: the family's plan (:func:`~jaxpg.models.tp_plan`) through
   :func:`jaxpg.tensor_parallel.attach_plan`, the styles' splits of each weight;
 * **dp_shard x cp** (FSDP, torchtitan's ``dp_shard_cp``): each parameter is also split on
-  its first dimension that no other axis splits and that the FSDP degree divides (a
-  parameter with none stays replicated); the forward all-gathers it over those axes;
+  a dimension that no other axis splits and that the FSDP degree divides (its first; a
+  kernel's last, the rows of Hugging Face's transposed weight; a parameter with none stays
+  replicated); the forward all-gathers it over those axes;
 * **cp**: every attention core becomes ring (or all-to-all) attention over the cp group,
   and the model then needs each token's global position;
 * **ep**: the experts' dimension of ``w1``/``w2`` over the expert-parallel group (which
@@ -113,9 +114,13 @@ def _ep_axes(dims: ParallelDims) -> tuple[str, ...]:
         "change ep or the degrees.")
 
 
-def _fsdp_entry(spec: list, shape: tuple[int, ...], axes: tuple[str, ...], n: int
-                ) -> int | None:
-    for d, size in enumerate(shape):
+def _fsdp_entry(spec: list, shape: tuple[int, ...], axes: tuple[str, ...], n: int,
+                transposed: bool) -> int | None:
+    # a kernel is Hugging Face's [out, in] weight transposed: its last dimension first, so
+    # that each device's block is whole rows of the file's tensor (a contiguous read)
+    dims = range(len(shape) - 1, -1, -1) if transposed else range(len(shape))
+    for d in dims:
+        size = shape[d]
         if spec[d] is None and size % n == 0:
             spec[d] = axes if len(axes) > 1 else axes[0]
             return d
@@ -172,7 +177,8 @@ def parallelize(model: nnx.Module, dims: ParallelDims, *, sequence_parallel: boo
             spec[0] = ep_axes if len(ep_axes) > 1 else ep_axes[0]
             axes = tuple(a for a in fsdp if a not in ep_axes)
         if axes:
-            dim = _fsdp_entry(spec, shape, axes, math.prod(mesh.shape[a] for a in axes))
+            dim = _fsdp_entry(spec, shape, axes, math.prod(mesh.shape[a] for a in axes),
+                              path.endswith((".kernel", ".gate")))
             if dim is not None:
                 if axes != fsdp:
                     raise ValueError(f"{API}: parameter {path} would be FSDP-split over "

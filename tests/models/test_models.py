@@ -31,8 +31,10 @@ def test_fsdp_cp_tp_with_sequence_parallelism_gives_the_one_device_logits():
     model = models.CausalLM(config, rngs=nnx.Rngs(3))
     layout = models.parallelize(model, jaxpg.ParallelDims(dp_shard=2, cp=2, tp=2),
                                 sequence_parallel=True)
-    # q_proj: column-parallel over tp and FSDP-split over dp_shard x cp on its input dim
+    # q_proj: column-parallel over tp and FSDP-split over dp_shard x cp on its input dim;
+    # o_proj: row-parallel, FSDP-split on its output dim (the rows of the HF weight)
     assert layout.spec("layers.0.self_attn.q_proj.kernel") == P(("dp_shard", "cp"), "tp")
+    assert layout.spec("layers.0.self_attn.o_proj.kernel") == P("tp", ("dp_shard", "cp"))
     np.testing.assert_allclose(np.asarray(model(TOKENS)), want, rtol=0, atol=1e-5)
 
 
