@@ -6,7 +6,10 @@ Layouts (each a fresh set of processes, one CPU device each):
 * ``single``: ``init_process_group()`` in one process with one device;
 * ``tcp1``: ``init_process_group(init_method="tcp://...", world_size=1, rank=0)``, the
   torch layout with a world of one (a multi-process world: store, progress, semantics);
-* ``mp2``: two processes, one rank each (gloo under XLA), started by ``jaxpg.run``;
+* ``mp2``: two processes, one rank each (gloo under XLA), started by ``jaxpg.run``; its
+  rows also time the eager call with the default signature check turned off in the same
+  processes (``eager_nocheck``): ``check_us``, the median over rounds of the round's
+  eager-minus-unchecked difference, is the check's cost per call;
 * ``mp2_detail``: the same with ``JAXPG_DEBUG=DETAIL`` (the fingerprint exchange through
   the store before every collective): its ``eager - hand`` is DETAIL's per-call cost plus
   the plain overhead.
@@ -21,6 +24,8 @@ the smallest size: the time until the call returns (``dispatch``).
 
     python bench/collectives_overhead.py              # about 5 minutes
     python bench/collectives_overhead.py --quick      # 1K and 1M, fewer rounds
+    python bench/collectives_overhead.py --sizes 1K --layouts single,mp2 \
+        --out bench/results/collectives_overhead_signature_check.json  # the check's cost
     python bench/collectives_overhead.py --fr-probe   # the flight recorder's cost per call
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=1 \
         python bench/collectives_overhead.py --spin-probe 64K   # see spin_probe()
@@ -56,6 +61,7 @@ def worker(args: argparse.Namespace) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxpg
+    from jaxpg.supervision import collective_call
 
     if args.layout == "tcp1":
         jaxpg.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}",
@@ -83,6 +89,11 @@ def worker(args: argparse.Namespace) -> None:
     }
     rows = []
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    checked = n > 1 and collective_call._signatures  # the default signature check is on
+
+    def setup(variant: str) -> None:  # both ranks switch it alike before every sample
+        collective_call._signatures = checked and variant != "eager_nocheck"
+
     for op in args.ops.split(","):
         for size in sizes:
             elems = size // 4 // (n if op == "all_gather_into_tensor" else 1)
@@ -91,25 +102,36 @@ def worker(args: argparse.Namespace) -> None:
             glob = jax.make_array_from_process_local_data(sharding, host, (n * elems,))
             fns = {"hand": lambda h=hands[op], g=glob: h(g),
                    "eager": lambda e=eagers[op], x=x: e(x)}
+            if checked:  # the same call, the default signature check off
+                fns["eager_nocheck"] = fns["eager"]
+
             want = np.asarray(jax.device_get(fns["hand"]().addressable_data(0)))
             got = np.asarray(jax.device_get(fns["eager"]()))
             assert np.allclose(got.reshape(want.shape), want), (op, size)
             iters = max(3, min(100, (4 << 20) // size))
-            timed = run_rounds(fns, args.rounds, iters=iters, barrier=jaxpg.barrier)
+            timed = run_rounds(fns, args.rounds, iters=iters, barrier=jaxpg.barrier,
+                               setup=setup)
             times = timed.wall
             med = {k: v * 1e6 for k, v in timed.medians().items()}
             # the median of each round's difference: load that hits a round hits both
             diff = diff_median(times["eager"], times["hand"]) * 1e6
+            cpu = {k: v * 1e6 for k, v in timed.medians(cpu=True).items()}  # load hides less
             row = {"op": op, "size_bytes": size, "iters": iters, "rounds": args.rounds,
-                   "median_us": med, "overhead_us": diff,
+                   "median_us": med, "cpu_median_us": cpu, "overhead_us": diff,
                    "overhead_pct": diff / med["hand"] * 100, **timed.loads()}
+            if checked:
+                row["check_us"] = diff_median(times["eager"], times["eager_nocheck"]) * 1e6
+                row["check_cpu_us"] = diff_median(timed.cpu["eager"],
+                                                  timed.cpu["eager_nocheck"]) * 1e6
             if size == min(sizes):  # the time until the call returns
-                disp = run_rounds(fns, args.rounds * 20, wait=no_wait, settle=block)
+                disp = run_rounds(fns, args.rounds * 20, wait=no_wait, settle=block,
+                                  setup=setup)
                 row["dispatch_us"] = {k: v * 1e6 for k, v in disp.medians().items()}
             rows.append(row)
             if rank == 0:
+                check = f", check {row['check_us']:+.1f} us" if checked else ""
                 print(f"{args.layout} {op} {fmt_size(size)}: hand {med['hand']:.1f} us, "
-                      f"eager {med['eager']:.1f} us", flush=True)
+                      f"eager {med['eager']:.1f} us{check}", flush=True)
     if rank == 0:
         Path(args.out).write_text(json.dumps({"layout": args.layout, "n": n, "rows": rows}))
     jaxpg.barrier()
@@ -317,13 +339,14 @@ def main() -> None:
     print(f"runner thread hop: {results['runner_hop']}")
     tmp.unlink(missing_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    print("\n| layout | op | size | hand-written µs | eager µs | overhead µs |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("\n| layout | op | size | hand-written µs | eager µs | overhead µs | check µs |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for layout, res in results["layouts"].items():
         for r in res["rows"]:
+            check = f"{r['check_us']:+.1f}" if "check_us" in r else ""
             print(f"| {layout} | {r['op']} | {fmt_size(r['size_bytes'])} | "
                   f"{r['median_us']['hand']:.1f} | {r['median_us']['eager']:.1f} | "
-                  f"{r['overhead_us']:+.1f} |")
+                  f"{r['overhead_us']:+.1f} | {check} |")
 
 
 if __name__ == "__main__":

@@ -165,8 +165,8 @@ class _Signatures:
         if found is None:
             if len(self.known) > 256:
                 self.known.clear()
-            found = self.known[key] = (self.name, None,
-                                       tuple(_argument(n, list(sigs)) for n, sigs in key))
+            found = self.known[key] = (self.name, None, tuple(  # no arrays (None): left out
+                _argument(n, list(sigs)) for n, sigs in key if sigs))
         return found
 
 

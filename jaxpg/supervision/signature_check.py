@@ -159,11 +159,17 @@ def raise_mismatch(group: Any, api: str, seq: int, fingerprint: Any) -> None:
             pass
     problem = describe_mismatch(texts) or "; ".join(
         f"rank {r} is running {t}" for r, t in sorted(texts.items()))
+    ops = {t.partition("(")[0] for t in texts.values()}
+    hint = _UNEVEN_HINT if len(ops) > 1 and any(o.endswith("train_step") for o in ops) else ""
     raise DistDesyncError(
         f"{api} #{seq} on group {group.group_name!r}: the ranks called different collectives "
         f"at the same point, so no rank ran it: {problem} Every rank must call the same "
-        "collectives in the same order with the same shapes, dtypes and arguments."
+        f"collectives in the same order with the same shapes, dtypes and arguments.{hint}"
     )
+
+
+_UNEVEN_HINT = (" Uneven data? A rank that runs out of batches stops calling the step before "
+                "the others: see `with ddp.join():` in docs/debugging.md.")
 
 
 def _seconds(timeout: datetime.timedelta) -> str:

@@ -34,22 +34,24 @@ def test_a_recorded_steps_fingerprint_is_its_name_and_its_arguments_shapes():
     sigs = _Signatures("train_step")
     state = {f"w{i}": jnp.zeros((i + 1, 2)) for i in range(10)}
     batch = {"x": np.zeros((8, 4), np.float32), "y": np.zeros((8,), np.int32)}
-    name, static, inputs = sigs.of((state, batch, jnp.ones(3), 7), {"lr": 0.1})
+    name, static, inputs = sigs.of((state, batch, jnp.ones(3), 7, None), {"lr": 0.1})
     assert (name, static) == ("train_step", None)
     assert inputs[0][0] == "arg0" and inputs[0][1] is None
     assert inputs[0][2].startswith("<10 leaves, shapes "), inputs[0]
     assert inputs[1] == ("arg1", None, "{float32[8, 4], int32[8]}")
     assert inputs[2] == ("arg2", (3,), "float32")
     assert inputs[3] == ("arg3", None, "{int}")  # a value, not an array: its type only
-    assert inputs[4] == ("lr", None, "{float}")
+    assert inputs[4] == ("lr", None, "{float}")  # arg4, None: no leaves, left out
+    assert len(inputs) == 5
     text = fingerprint_text("WORLD", 2, (name, static, inputs))
     assert "arg1={float32[8, 4], int32[8]}, arg2=float32[3]" in text, text
     smaller = sigs.of((state, {"x": np.zeros((6, 4), np.float32),
-                               "y": np.zeros((6,), np.int32)}, jnp.ones(3), 8), {"lr": 0.2})
+                               "y": np.zeros((6,), np.int32)}, jnp.ones(3), 8, None),
+                      {"lr": 0.2})
     assert smaller[2][1] == ("arg1", None, "{float32[6, 4], int32[6]}")
     assert smaller[2][3:] == inputs[3:]  # other values of plain numbers: the same signature
     wider = dict(state, w9=jnp.zeros((10, 3)))
-    assert sigs.of((wider, batch, jnp.ones(3), 7), {"lr": 0.1})[2][0] != inputs[0]
+    assert sigs.of((wider, batch, jnp.ones(3), 7, None), {"lr": 0.1})[2][0] != inputs[0]
 
 
 @pytest.mark.parametrize("value, on", [(None, True), ("INFO", True), ("DETAIL", True),
