@@ -93,6 +93,7 @@ def write_checkpoint(directory: str | os.PathLike, step: int, arrays: dict[str, 
     with liveness.naming_lost("save_checkpoint", heartbeat):
         mngr = manager(directory, async_save=async_save)
         try:
+            _replace_if_damaged(mngr, directory, step)
             mngr.save(step, args=args, force=True)
             if not async_save:
                 mngr.wait_until_finished()
@@ -104,6 +105,33 @@ def write_checkpoint(directory: str | os.PathLike, step: int, arrays: dict[str, 
             _pending = mngr
     else:
         mngr.close()
+
+
+def _replace_if_damaged(mngr: Any, directory: str | os.PathLike, step: int) -> None:
+    """Removes a damaged checkpoint already saved at ``step`` (a restart that fell back to
+    the step before retrains it and saves it again). Every process decides from the same
+    files before any removes them (one check-in before, one after: process 0 removes)."""
+    if step not in mngr.all_steps():
+        return
+    import shutil
+
+    from jaxpg.data_parallel.checkpoint_check import damage
+    from jaxpg.groups import world
+
+    path = os.path.join(os.path.abspath(os.fspath(directory)), str(step))
+    damaged = damage(path) is not None
+    state = world.current(required=False)
+    multiprocess = state is not None and state.multiprocess
+    if multiprocess:
+        from jaxpg.groups import multiprocess as mp
+
+        mp.check_in(state.world_group, "replace_damaged_checkpoint")
+    if damaged and (not multiprocess or state.process_index == 0):
+        shutil.rmtree(path)
+    if multiprocess:
+        mp.check_in(state.world_group, "replace_damaged_checkpoint")
+    if damaged:
+        mngr.reload()
 
 
 callbacks.on_reset(wait_for_checkpoints)  # orbax's commit needs the world's service

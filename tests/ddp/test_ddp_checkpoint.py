@@ -98,6 +98,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_step_before(world, tmp_pa
     texts = [str(w.message) for w in seen]
     assert len(texts) == 1 and "step=2: array file" in texts[0] and "step=1" in texts[0], texts
     assert_trees_close(resumed.params, saved[1], rtol=0, atol=0)
-    cut_array_files(tmp_path / "1")
+    # the resumed run retrains step 2 and saves it again over the damaged one
+    resumed.train_step(loss_fn, _global_batch(0, 1))
+    save_checkpoint(tmp_path, resumed, data_state={"epoch": 0, "batch": 2})
+    again = _make_ddp(seed=3)
+    assert restore_checkpoint(tmp_path, again) == (2, {"epoch": 0, "batch": 2})
+    assert_trees_close(again.params, saved[2], rtol=1e-6, atol=1e-6)
+    for step in (1, 2):
+        cut_array_files(tmp_path / str(step))
     with pytest.raises(ValueError, match=r"no readable checkpoint .* \[1, 2\], are all damaged"):
         restore_checkpoint(tmp_path, resumed)

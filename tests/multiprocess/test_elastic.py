@@ -164,6 +164,20 @@ def test_async_checkpoints_a_rank_killed_while_committing_resumes_from_the_previ
     assert_same(params, reference)
 
 
+@pytest.mark.timeout(300)
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path, reference):
+    result, params = train(tmp_path, "damaged", "damage:1:4", restarts=1)
+    assert "[rank 1] damaged checkpoint 5, dying" in result.stdout
+    attempts = _attempts(result.stderr, 1)
+    assert "rank 1 exited with code -9 (killed by SIGKILL)" in attempts[0]
+    # the restart skips step 5's cut files, with one warning per rank naming it
+    assert attempts[1].count("skipping the damaged checkpoint") == 2, attempts[1][-3000:]
+    assert "(step=5: array file state/" in attempts[1]
+    assert "[rank 0] RESUMED step=4 attempt=1" in result.stdout
+    assert "Traceback" not in attempts[1] and "Event loop is closed" not in result.stderr
+    assert_same(params, reference)
+
+
 def _kill_rank_when(launcher: subprocess.Popen, lines: list[str], marker: str, rank: str):
     """Kills the launcher's worker with RANK=rank once ``marker`` appears in ``lines``."""
     while launcher.poll() is None:

@@ -21,6 +21,8 @@ resuming from what the previous one left. A fault is one of:
 * ``raise:R:S``: rank R raises before step S's barrier (a Python error, exit code 1);
 * ``ckpt:R:S``: rank R dies while writing step S's checkpoint (its files written, before
   orbax commits it by renaming the temporary directory);
+* ``damage:R:S``: once every rank has written step S's checkpoint, rank R cuts its array
+  files in half and dies (SIGKILL): the next attempt restores the checkpoint before it;
 * ``random:SEED``: ``killmid`` at a rank and at a step from the resumed one on, drawn from
   ``random.Random(SEED)``.
 
@@ -37,6 +39,7 @@ import random
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +132,14 @@ for step in range(start, steps):
     jddp.save_checkpoint(ckpt_dir, ddp, data_state={"step": step + 1},
                          async_save=os.environ.get("ELASTIC_ASYNC") == "1")
     print(f"step {step} loss {float(metrics['loss']):.6f}", flush=True)
+    if armed and kind == "damage" and step == fault_step:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _damage
+        from _damage import cut_array_files
+
+        jaxpg.barrier()  # the peer's next barrier: every rank has written this checkpoint
+        cut_array_files(os.path.join(ckpt_dir, str(step + 1)))
+        print(f"damaged checkpoint {step + 1}, dying", flush=True)
+        die()
     if armed and kind == "kill" and step == fault_step:
         print(f"dying after step {step}", flush=True)
         die()
