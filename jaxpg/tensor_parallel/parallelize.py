@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.tensor_parallel.head_check import check_heads
 from jaxpg.tensor_parallel.sharded_params import distribute_tensor
 from jaxpg.tensor_parallel.styles import ParallelStyle
 from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
@@ -157,6 +158,7 @@ def _checked_entries(module: Any, device_mesh: Any, plan: Any, api: str
             raise ValueError(f"{api}: submodule {path or '(root)'!r} is already parallelized "
                              f"with {parallel_style_of(sub)[0]!r}; a module takes one style.")
         style.check(sub, path or "(root)", tp)
+    check_heads(module, entries, tp, api)  # whole heads per rank, where the modules say
     return tp, entries
 
 
