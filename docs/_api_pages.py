@@ -21,7 +21,9 @@ API_PACKAGES = {
     "jaxpg.tensor_parallel": "Tensor and sequence parallelism on the model-parallel axis.",
     "jaxpg.context_parallel": "Context parallelism: attention over a sequence split across cp.",
     "jaxpg.expert_parallel": "Expert parallelism: mixture-of-experts layers over an ep axis.",
+    "jaxpg.models": "Llama 3, Qwen 3 and Qwen3-MoE, their parallel plans and HF checkpoints.",
     "jaxpg.pipeline": "Pipeline parallelism: schedules as timetables and their executors.",
+    "jaxpg.plan": "The layout planner: specs, hardware, memory and time, preflight.",
     "jaxpg.run": "The jaxpg-run launcher.",
     "jaxpg.supervision.fr_trace":
         "jaxpg-fr-trace: reads flight-recorder dumps and names the rank at fault.",

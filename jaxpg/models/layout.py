@@ -128,7 +128,8 @@ def _fsdp_entry(spec: list, shape: tuple[int, ...], axes: tuple[str, ...], n: in
 
 
 def parallelize(model: nnx.Module, dims: ParallelDims, *, sequence_parallel: bool = False,
-                cp_method: str = "ring", place: bool = True) -> ModelLayout:
+                cp_method: str = "ring", fsdp: bool = True, place: bool = True
+                ) -> ModelLayout:
     """Lays ``model`` (a ``CausalLM``) out on ``dims``'s mesh, in place.
 
     Args:
@@ -139,6 +140,9 @@ def parallelize(model: nnx.Module, dims: ParallelDims, *, sequence_parallel: boo
             over it here).
         sequence_parallel: Megatron's sequence parallelism inside the tp plan.
         cp_method: the context-parallel attention, ``"ring"`` or ``"all_to_all"``.
+        fsdp: split the parameters over ``dp_shard x cp``; False leaves them replicated
+            there (tp and ep splits only), for a data-parallel wrapper
+            (``jaxpg.fsdp.FullyShardedDataParallel``) that shards them itself.
         place: put the concrete arrays on their layout.
 
     Returns:
@@ -166,7 +170,8 @@ def parallelize(model: nnx.Module, dims: ParallelDims, *, sequence_parallel: boo
         plan = tp_plan(config, sequence_parallel=sequence_parallel)
         tp_specs = attach_plan(model, dims, plan)
     ep_axes = _ep_axes(dims)
-    fsdp = tuple(dims.axis(n) for n in ("dp_shard", "cp") if getattr(dims, n) > 1)
+    fsdp_axes = tuple(dims.axis(n) for n in ("dp_shard", "cp") if getattr(dims, n) > 1)
+    fsdp = fsdp_axes if fsdp else ()
     specs, fsdp_dims = {}, {}
     for path, var in param_paths(model).items():
         shape = tuple(value_of(var).shape)

@@ -36,6 +36,12 @@ def test_fsdp_cp_tp_with_sequence_parallelism_gives_the_one_device_logits():
     assert layout.spec("layers.0.self_attn.q_proj.kernel") == P(("dp_shard", "cp"), "tp")
     assert layout.spec("layers.0.self_attn.o_proj.kernel") == P("tp", ("dp_shard", "cp"))
     np.testing.assert_allclose(np.asarray(model(TOKENS)), want, rtol=0, atol=1e-5)
+    # fsdp=False: the tp split only, for a data-parallel wrapper that shards the rest
+    plain = models.CausalLM(config, rngs=nnx.Rngs(3))
+    unsharded = models.parallelize(plain, jaxpg.ParallelDims(dp_shard=2, cp=2, tp=2),
+                                   fsdp=False, place=False)
+    assert unsharded.spec("layers.0.self_attn.q_proj.kernel") == P(None, "tp")
+    assert unsharded.fsdp_dims == ()
 
 
 def _laid_out(config, **degrees):
@@ -113,3 +119,41 @@ def test_pipeline_stages_chain_to_the_model_and_bounds_balance_the_edges():
     with pytest.raises(ValueError, match="ties its head to the embedding"):
         models.pipeline_stages(models.CausalLM(models.config_for("qwen3-tiny"),
                                                rngs=nnx.Rngs(0)), 2)
+
+
+def test_a_tp_laid_out_model_trains_under_fsdp_as_on_one_device():
+    # parallelize(fsdp=False) keeps the tp split only; FullyShardedDataParallel shards the
+    # rest over dp_shard. Two SGD steps on the whole batch equal one-device SGD.
+    import optax
+
+    from jaxpg.fsdp import FullyShardedDataParallel
+
+    config = models.config_for("llama3-tiny")
+    window = np.random.default_rng(2).integers(0, 64, (8, 17)).astype(np.int32)
+    batch = {"tokens": window[:, :-1], "targets": window[:, 1:]}
+
+    def loss_fn(model, b):
+        logits = model(b["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    optimizer = optax.sgd(0.5)
+    graph, params = nnx.split(models.CausalLM(config, rngs=nnx.Rngs(4)))
+    state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, state):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graph, p), batch))(params)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    want = []
+    for _ in range(2):
+        params, state, loss = step(params, state)
+        want.append(float(loss))
+    dims = jaxpg.ParallelDims(dp_shard=4, tp=2)
+    model = models.CausalLM(config, rngs=nnx.Rngs(4))
+    models.parallelize(model, dims, fsdp=False)
+    fsdp = FullyShardedDataParallel(model, optimizer, group=dims.get_group("dp_shard"))
+    got = [float(fsdp.train_step(loss_fn, batch)["loss"]) for _ in range(2)]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert want[1] < want[0] - 1e-3  # the step changed the weights
