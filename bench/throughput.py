@@ -146,7 +146,7 @@ def main() -> None:
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
                     "loadavg_after": load_average(),
-                    "shared": "2 cores shared with other helpers' tests and benchmarks",
+                    "shared": "2 cores shared with other tests and benchmarks",
                     "device_machine": "none: 16-core figures not measured"},
         "rounds": args.rounds, "ddp_only": args.ddp_only, "summary": summary, "runs": runs,
         "wall_s": time.perf_counter() - t0,

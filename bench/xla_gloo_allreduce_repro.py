@@ -385,7 +385,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "jax": jax.__version__, "torch": torch_version,
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                    "shared": "2 cores shared with other helpers' tests and benchmarks"},
+                    "shared": "2 cores shared with other tests and benchmarks"},
         "nprocs": n, "size_bytes": args.size, "iters": args.iters,
         "inner_rounds": args.inner_rounds, "rounds": args.rounds,
         "env_variants": variants,
