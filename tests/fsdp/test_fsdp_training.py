@@ -104,7 +104,7 @@ def test_no_sync_accumulates_local_gradients(world, stage):
 def test_whole_tree_transforms_equal_the_unsharded_update(world):
     # clip_by_global_norm reads every shard: its norm is an all-reduce of the shards'
     # sums of squares, so the sharded update equals the one-device one
-    opt = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, weight_decay=0.1))
+    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.add_decayed_weights(0.1), SGD)
     fsdp = FullyShardedDataParallel(Net(0), opt, group=group(8), units=["blocks.*"])
     ref = Reference(Net(0), opt)
     for batch in make_batches(STEPS, 16):
@@ -126,7 +126,7 @@ def test_linen_parameter_pytree(world):
         logits = net.apply({"params": p}, batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-    opt = optax.adam(1e-2)
+    opt = SGD
     fsdp = FullyShardedDataParallel(params, opt, group=group(N))
     ref_params, ref_state = params, opt.init(params)
     for batch in make_batches(STEPS, 4 * N):
@@ -142,7 +142,7 @@ def test_linen_parameter_pytree(world):
 
 
 def test_module_and_state_dict_round_trip(world):
-    opt = optax.adam(1e-2)
+    opt = SGD
     batches = make_batches(4, 16)
     fsdp = FullyShardedDataParallel(Net(0), opt, group=group(N), units=Block)
     ref = Reference(Net(0), opt)
@@ -242,7 +242,7 @@ class NoisyNet(nnx.Module):
 
 
 def test_module_state_inside_units_matches_ddp(world):
-    opt = optax.adam(1e-2)
+    opt = SGD
     fsdp = FullyShardedDataParallel(NoisyNet(), opt, group=group(N), units=["unit"])
     ddp = DistributedDataParallel(NoisyNet(), opt, group=group(N))
     for batch in make_batches(STEPS, 4 * N):
