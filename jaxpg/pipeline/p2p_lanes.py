@@ -274,12 +274,22 @@ class PairLane:
         self._move([jax.device_put(np.array([header.size], np.int32), device)], to_peer, what)
         self._move([jax.device_put(header, device)], to_peer, what)
 
-    def recv_meta(self, what: str) -> list[jax.ShapeDtypeStruct]:
-        """Receives what the peer's :meth:`send_meta` sends (the seed's ``recv_meta``)."""
+    def send_no_meta(self, what: str) -> None:
+        """Tells the peer's :meth:`recv_meta` that nothing will follow (this end could not
+        find its shapes): a header length of ``-1``, so the peer does not wait."""
+        to_peer = ((self.index, 1 - self.index),)
+        device = self.mesh.devices.flat[self.index]
+        self._move([jax.device_put(np.array([-1], np.int32), device)], to_peer, what)
+
+    def recv_meta(self, what: str) -> list[jax.ShapeDtypeStruct] | None:
+        """Receives what the peer's :meth:`send_meta` sends (the seed's ``recv_meta``);
+        None when the peer sent :meth:`send_no_meta` instead."""
         from_peer = ((1 - self.index, self.index),)
         device = self.mesh.devices.flat[self.index]
         got = self._move([jax.device_put(np.zeros(1, np.int32), device)], from_peer, what)
         length = int(np.asarray(got[0])[0])
+        if length < 0:
+            return None
         got = self._move([jax.device_put(np.zeros(length, np.int32), device)], from_peer, what)
         metas, _ = decode_meta(np.asarray(got[0]).tolist())
         return [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in metas]

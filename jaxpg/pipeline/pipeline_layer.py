@@ -13,11 +13,23 @@ with the ``Block`` before)::
     loss = model.train_batch([tokens, labels], optax.adam(1e-3))  # on every process
 
 ``train_batch`` runs one step of 1F1B over ``accumulate_steps`` microbatches (the
-``PipelineStage`` and ``Schedule1F1B`` of ``jaxpg.pipeline``), updates this stage's
+``PipelineStage`` and 1F1B schedule of ``jaxpg.pipeline``), updates this stage's
 parameters with the optax optimizer (its state kept per optimizer), and returns the
 mean loss over the microbatches on every process of the pipeline (Paddle broadcasts it
 from the last stage too). Unlike Paddle, ``PipelineLayer`` trains itself: there is no
 ``fleet.distributed_model`` wrapper to make first.
+
+Under a :class:`~jaxpg.HybridCommunicateGroup` (``dp_degree``, ``sharding_degree``,
+``pp_degree``, ``mp_degree``), as under Paddle's ``fleet.init``, the pipeline is its
+``pp`` group, and the processes of the other ``dp`` and ``sharding`` coordinates are
+data-parallel replicas: each calls ``train_batch`` with its own samples, the stage's
+gradients are averaged over them (the ``dp x sharding`` group) before the update, and
+every replica takes the same step, the one of the whole batch's mean loss; the loss
+returned is the replica's own. Layouts that would not train as one device would are
+refused when the layer is made: sequence or expert parallelism (``sep_degree``,
+``ep_degree``), a ``group=`` other than the hybrid group's pipeline, a pipeline that does
+not hold every process without a hybrid group to say what the others are, and one process
+holding several ranks of the pipeline (``jaxpg.pipeline.stage_processes``).
 """
 
 from __future__ import annotations
@@ -32,8 +44,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxpg.pipeline.layer_groups import layer_groups
 from jaxpg.pipeline.pipeline_stage import PipelineStage, _pipeline_group
-from jaxpg.pipeline.schedule_classes import Schedule1F1B
+from jaxpg.pipeline.schedule_classes import PipelineScheduleSingle
+from jaxpg.pipeline.schedules import one_f_one_b
+from jaxpg.pipeline.stage_processes import refuse_local_ranks
+from jaxpg.pipeline.timetable import Timetable
 
 __all__ = ["LayerDesc", "PipelineLayer", "segment_layers"]
 
@@ -120,6 +136,14 @@ class _Segment(nnx.Module):
         return x[0] if len(x) == 1 else x
 
 
+class _PaddleOneFOneB(PipelineScheduleSingle):
+    """1F1B over any number of microbatches: Paddle's pipeline takes ``accumulate_steps``
+    below the stage count (its default is 1), where torch's ``Schedule1F1B`` refuses."""
+
+    def _timetable(self, p: int, m: int, v: int) -> Timetable:
+        return one_f_one_b(p, m)
+
+
 class PipelineLayer:
     """Paddle's ``PipelineLayer``: this process's stage of a list of layers.
 
@@ -129,15 +153,20 @@ class PipelineLayer:
         loss_fn: ``loss_fn(output, label)``, the mean loss of a microbatch.
         seg_method: ``"uniform"`` or ``"layer:<class name regex>"``.
         accumulate_steps: microbatches per ``train_batch`` (Paddle's pipeline config).
-        group: the pipeline's process group (default the world).
+        group: the pipeline's process group (default: the hybrid group's ``pp`` group, or
+            the world without one).
+        hcg: the ``HybridCommunicateGroup`` of the layout (default: the world's latest, as
+            Paddle's ``fleet.get_hybrid_communicate_group()``). Its ``dp`` and
+            ``sharding`` ranks are data-parallel replicas of this stage: each trains on its
+            own samples, and ``train_batch`` averages their gradients.
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: int, loss_fn: Callable,
                  seg_method: str = "uniform", *, accumulate_steps: int = 1,
-                 group: Any = None) -> None:
+                 group: Any = None, hcg: Any = None) -> None:
         if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
             raise ValueError(f"PipelineLayer num_stages={num_stages!r} must be an int.")
-        self.group = _pipeline_group(group)
+        self.group, self.data_parallel_group = layer_groups(group, hcg, _pipeline_group)
         if num_stages != self.group.size():
             raise ValueError(f"PipelineLayer num_stages={num_stages} must equal the pipeline "
                              f"group's size {self.group.size()} (one stage per process).")
@@ -151,8 +180,10 @@ class PipelineLayer:
         built = [i.build_layer() if isinstance(i, LayerDesc) else i for i in layers[lo:hi]]
         self.run_function = _Segment(built)
         self.stage = PipelineStage(self.run_function, self.stage_id, int(num_stages),
-                                   group=self.group)
-        self._schedule = Schedule1F1B(self.stage, accumulate_steps, loss_fn=loss_fn)
+                                   group=self.group,
+                                   data_parallel_group=self.data_parallel_group)
+        refuse_local_ranks([self.stage], "PipelineLayer")
+        self._schedule = _PaddleOneFOneB(self.stage, accumulate_steps, loss_fn=loss_fn)
         self._opt_states: dict[int, tuple[Any, Any]] = {}
 
     def parameters(self) -> nnx.State:
@@ -164,8 +195,10 @@ class PipelineLayer:
         """One training step over ``data = [inputs, labels]``; returns the mean loss.
 
         Every process of the pipeline calls it with the same ``data`` (the first stage
-        reads the inputs, the last the labels). ``lr_scheduler`` and ``scaler`` are
-        Paddle's; give the schedule to the optax optimizer instead (must be None here).
+        reads the inputs, the last the labels); each data-parallel replica (``dp`` and
+        ``sharding`` coordinates of the hybrid group) with its own samples.
+        ``lr_scheduler`` and ``scaler`` are Paddle's; give the schedule to the optax
+        optimizer instead (must be None here).
         """
         if lr_scheduler is not None or scaler is not None:
             raise ValueError("PipelineLayer.train_batch: pass the learning-rate schedule in "

@@ -20,6 +20,11 @@ Placement, as torch's: with one stage per process the stage's index is its pipel
 ``s % p`` (a loop), ``ScheduleZBVZeroBubble`` puts stages ``r`` and ``2 p - 1 - r`` on rank
 ``r`` (a V).
 
+Made, a schedule checks what it can before any step: its microbatch count by torch's rule
+for the class (``Schedule1F1B`` takes at least its stages), and one pipeline rank per
+process (``jaxpg.pipeline.stage_processes``); the first step checks, on every rank, that
+each stage takes the previous stage's output (``jaxpg.pipeline.stage_runner``).
+
 ``ScheduleInterleavedZeroBubble`` runs the interleaved 1F1B order with the backward split
 into ``B`` and ``W``, each ``W`` right after its ``B``: the same gradients as torch's, not
 its bubble-filling order.
@@ -40,6 +45,7 @@ from jaxpg.collectives.reductions import all_reduce
 from jaxpg.pipeline._simulate import simulate
 from jaxpg.pipeline.pipeline_stage import PipelineStage
 from jaxpg.pipeline.schedules import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_v
+from jaxpg.pipeline.stage_processes import refuse_local_ranks
 from jaxpg.pipeline.stage_runner import exchange_shapes, rank_setup, run_step
 from jaxpg.pipeline.timetable import Action, Timetable
 from jaxpg.reduce_op import ReduceOp
@@ -104,13 +110,19 @@ class _PipelineSchedule:
         if p < 2:
             raise ValueError(f"{api} needs a pipeline group of at least 2 processes (one per "
                              f"pipeline rank), got {p}.")
-        self._tt = self._timetable(p, int(n_microbatches), v)
+        try:
+            self._tt = self._timetable(p, int(n_microbatches), v)
+        except ValueError as err:
+            raise ValueError(f"{api} n_microbatches={n_microbatches} over {p * v} stages: "
+                             f"{err}") from err
         r = stages[0].group_rank
         want = sorted(self._tt.stage_of(r, c) for c in range(v))
         got = sorted(st.stage_index for st in stages)
         if got != want:
             raise ValueError(f"{api} runs stages {want} on pipeline rank {r} (its placement), "
                              f"but this process passed stages {got}.")
+        self._check_microbatches(int(n_microbatches), p * v)
+        refuse_local_ranks(stages, api)
         self._stages = {st.stage_index: st for st in stages}
         self._n_microbatches = int(n_microbatches)
         self._loss_fn = loss_fn
@@ -122,6 +134,9 @@ class _PipelineSchedule:
 
     def _timetable(self, p: int, m: int, v: int) -> Timetable:
         raise NotImplementedError
+
+    def _check_microbatches(self, m: int, num_stages: int) -> None:
+        """The class's rule on ``n_microbatches`` beyond ``>= 1`` (torch's, per class)."""
 
     @property
     def timetable(self) -> Timetable:
@@ -172,7 +187,8 @@ class _PipelineSchedule:
             targets = self._split(target, "target", self._stages[max(self._stages)].device)
         if self._shapes is None:
             self._shapes = exchange_shapes(self._tt, self._setup, self._stages,
-                                           mb_args[0] if first else None, self._what)
+                                           mb_args[0] if first else None, self._what,
+                                           self._stages[min(self._stages)].group)
         elif first:
             structs = [(a.shape, a.dtype) for a in mb_args[0]]
             if structs != [(a.shape, a.dtype) for a in self._shapes[0][0]]:
@@ -233,10 +249,22 @@ class ScheduleGPipe(PipelineScheduleSingle):
 
 
 class Schedule1F1B(PipelineScheduleSingle):
-    """1F1B: warmup forwards, then one forward and one backward in turn (``1f1b``)."""
+    """1F1B: warmup forwards, then one forward and one backward in turn (``1f1b``).
+
+    As torch's, it takes at least as many microbatches as stages: with fewer, the
+    pipeline never fills and most of the step is bubble.
+    """
 
     def _timetable(self, p: int, m: int, v: int) -> Timetable:
         return one_f_one_b(p, m)
+
+    def _check_microbatches(self, m: int, num_stages: int) -> None:
+        if m < num_stages:
+            raise ValueError(
+                f"Schedule1F1B n_microbatches={m} must be >= the number of stages "
+                f"({num_stages}), as torch's Schedule1F1B requires: with fewer microbatches "
+                f"than stages the step is mostly bubble. Use n_microbatches >= {num_stages} "
+                f"(a batch that splits into them), or ScheduleGPipe for {m}.")
 
 
 class ScheduleInterleaved1F1B(PipelineScheduleMulti):

@@ -12,8 +12,10 @@ soon as made and waited for right before they are read.
   in order: a stage learns its input's shapes and dtypes from its inputs (the first), from
   its own previous chunk, or by the seed's ``recv_meta`` from the rank before it, computes
   its output's with ``jax.eval_shape`` and ``send_meta`` s them to the next rank. Each rank
-  waits only for the stage before its own, so the chain cannot deadlock. They fix every
-  message's receive buffer from then on.
+  waits only for the stage before its own, so the chain cannot deadlock. A stage that
+  cannot take its input is named on every rank of the pipeline, before anything runs
+  (one ``all_gather_object`` of the verdict). The shapes fix every message's receive
+  buffer from then on.
 * **Programs.** Per stage, jitted (``jaxpg.pipeline.stage_programs``): ``F`` keeps the
   pullback until ``B`` (or ``B`` and ``W``) applies it. A tensor-parallel stage's programs
   are SPMD programs over its tp group (``jaxpg.pipeline.stage_tp_programs``); activations
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpg.collectives.objects import all_gather_object
 from jaxpg.pipeline.action_walk import run_beside_lanes, walk_actions
 from jaxpg.pipeline.p2p_lanes import StepMail, lane_between
 from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
@@ -79,8 +82,14 @@ def _structs(tree: Any) -> tuple:
 
 
 def exchange_shapes(tt: Any, setup: RankSetup, stages: dict, first_inputs: tuple | None,
-                    what: str) -> tuple[dict, dict]:
+                    what: str, group: Any) -> tuple[dict, dict]:
     """Each local stage's input and output shape structs (``send_meta``/``recv_meta``).
+
+    Every rank of the pipeline finds out whether the chain holds before any activation
+    travels: a stage that cannot take what reaches it sends ``send_no_meta`` on, so no
+    rank waits for shapes that will not come, and one ``all_gather_object`` over the
+    pipeline ``group`` hands the first failure (in model order) to every rank, which all
+    raise it.
 
     Args:
         tt: the timetable.
@@ -88,41 +97,94 @@ def exchange_shapes(tt: Any, setup: RankSetup, stages: dict, first_inputs: tuple
         stages: model stage -> this process's PipelineStage.
         first_inputs: one microbatch of the model's inputs (on the first stage's process).
         what: the schedule, for errors.
+        group: the pipeline's process group (the verdict's).
 
     Returns:
         ``(inputs, outputs)``: model stage -> a tuple of shape structs.
 
     Raises:
-        ValueError: a stage's ``input_args`` differ from what the stage before it sends.
-        TypeError: a stage after the first takes a non-float input (it cannot get a gradient).
+        ValueError: on every rank, when a stage cannot take the previous stage's output (or
+            the microbatch), or its ``input_args`` differ from what it receives; the message
+            names both stages and the shapes.
+        TypeError: on every rank, when a stage after the first takes a non-float input (it
+            cannot get a gradient).
     """
     n = tt.num_model_stages
     inputs, outputs = {}, {}
+    failure = None  # (stage, error) found by this process
     for s in sorted(stages):
-        stage = stages[s]
         if s == 0:
             got = _structs(first_inputs)
         elif s - 1 in stages:
-            got = outputs[s - 1]
-        else:
+            got = outputs.get(s - 1)
+        else:  # always received: the rank before always sends (shapes, or that it has none)
             peer = tt.place_of(s - 1)[0]
-            got = tuple(setup.pairs[peer][0].recv_meta(what))
-        if stage.input_args is not None and [(a.shape, a.dtype) for a in stage.input_args] != [
-                (a.shape, a.dtype) for a in got]:
-            raise ValueError(f"{what}: stage {s}'s input_args are {format_struct(stage.input_args)}"
-                             f" but it receives {format_struct(got)} (from the microbatch or the "
-                             "previous stage); fix input_args or the microbatch size.")
-        if s > 0:
-            for a in got:
-                if not jnp.issubdtype(a.dtype, jnp.floating):
-                    raise TypeError(f"{what}: stage {s} receives a {a.dtype} input "
-                                    f"({format_struct(got)}); inputs of stages after the first "
-                                    "must be floating point, to carry a gradient back.")
-        inputs[s] = got
-        outputs[s] = tuple(stage.output_structs(got))
+            got = setup.pairs[peer][0].recv_meta(what)
+            got = None if got is None else tuple(got)
+        if got is not None and failure is None:
+            inputs[s] = got
+            try:
+                outputs[s] = _stage_outputs(tt, stages[s], got, what)
+            except (ValueError, TypeError) as err:
+                failure = (s, err)
         if s < n - 1 and s + 1 not in stages:
-            setup.pairs[tt.place_of(s + 1)[0]][0].send_meta(outputs[s], what)
+            lane = setup.pairs[tt.place_of(s + 1)[0]][0]
+            if s in outputs:
+                lane.send_meta(outputs[s], what)
+            else:
+                lane.send_no_meta(what)
+    _agree_on_shapes(group, failure, setup.me)
     return inputs, outputs
+
+
+def _shown(structs: tuple) -> str:
+    """A stage's inputs as text: one array as ``float32[2,16]``, several as a tuple."""
+    return format_struct(structs[0] if len(structs) == 1 else structs)
+
+
+def _stage_outputs(tt: Any, stage: Any, got: tuple, what: str) -> tuple:
+    """Stage ``stage``'s output structs for inputs ``got``, or the named error."""
+    s = stage.stage_index
+    source = "the microbatch inputs" if s == 0 else \
+        f"stage {s - 1}'s output (pipeline rank {tt.place_of(s - 1)[0]})"
+    if stage.input_args is not None and [(a.shape, a.dtype) for a in stage.input_args] != [
+            (a.shape, a.dtype) for a in got]:
+        raise ValueError(f"{what}: stage {s}'s input_args are {_shown(stage.input_args)} "
+                         f"but it receives {_shown(got)}, {source}; fix input_args, "
+                         f"the stage before it or the microbatch size.")
+    if s > 0:
+        for a in got:
+            if not jnp.issubdtype(a.dtype, jnp.floating):
+                raise TypeError(f"{what}: stage {s} receives a {a.dtype} input "
+                                f"({_shown(got)}, {source}); inputs of stages after "
+                                "the first must be floating point, to carry a gradient back.")
+    try:
+        return tuple(stage.output_structs(got))
+    except Exception as err:  # noqa: BLE001 (any failure to trace the stage on these shapes)
+        module = type(stage.submod).__name__
+        fix = ("make the batch fit stage 0 (it is split into n_microbatches along "
+               "dimension 0)" if s == 0 else
+               f"make stage {s - 1}'s output fit stage {s}'s input, or state what stage {s} "
+               "takes with input_args=")
+        raise ValueError(f"{what}: stage {s} ({module}) cannot take {source}, "
+                         f"{_shown(got)}: {type(err).__name__}: {str(err).rstrip('.')}; "
+                         f"{fix}.") from err
+
+
+def _agree_on_shapes(group: Any, failure: tuple | None, me: int) -> None:
+    """Raises the first failure in model order on every rank of ``group`` (none: returns)."""
+    mine = None if failure is None else [failure[0], type(failure[1]).__name__,
+                                         str(failure[1]), me]
+    found = [f for f in all_gather_object(mine, group=group) if f is not None]
+    if not found:
+        return
+    stage, kind, text, rank = min(found)
+    error = (TypeError if kind == "TypeError" else ValueError)(
+        f"{text} (found by rank {rank} before the step ran; every rank of the pipeline "
+        "raises this)")
+    if failure is not None and failure[0] == stage:
+        raise error from failure[1]
+    raise error
 
 
 def run_step(tt: Any, setup: RankSetup, stages: dict, shapes: tuple[dict, dict],

@@ -7,10 +7,12 @@
   step after an SGD update (3.11 leg, where torch is installed), and the un-pipelined
   model's (both legs);
 * every schedule class gives the un-pipelined model's losses and gradients, with stages of
-  different shapes (both legs, 2 processes);
+  different shapes (both legs, 2 processes); stages that do not fit are named on every rank
+  before anything runs;
 * data-parallel pipelines (dp = 2 x pp = 2, ``data_parallel_group=``) average their stage
   gradients to the whole batch's, and train with ZeroRedundancyOptimizer (ZeRO-1 and 2) as
-  Adam on the whole batch (4 processes);
+  Adam on the whole batch (4 processes); Paddle's PipelineLayer under a
+  HybridCommunicateGroup with dp = 2 or sharding = 2 trains as whole-batch SGD;
 * tensor-parallel stages (pp = 2 x tp = 2, ``tensor_parallel_group=``) give the un-pipelined,
   un-sharded model's losses and gradients, in the parameters' tp-sharded layout, and an SGD
   step over them its parameters, also with two stages per process under
@@ -160,6 +162,37 @@ def test_paddle_pipeline_layer_trains_as_the_un_pipelined_model(results):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_stages_that_do_not_fit_are_named_on_every_rank(results):
+    """Stage 0 gives [2, 16], stage 1 takes 12 features: both ranks raise the same
+    ValueError naming both stages and the shapes before anything runs (rank 1 raised
+    JAX's dot_general error, rank 0 a DistNetworkError), and the world goes on."""
+    errors = [str(got["mismatch/error"]) for got in results]
+    assert errors[0] == errors[1], errors
+    assert re.search(r"Schedule1F1B \(pipeline rank 1\): stage 1 \(Wide\) cannot take stage "
+                     r"0's output \(pipeline rank 0\), float32\[2,16\]: TypeError: dot_general"
+                     r".*\(16,\) and \(12,\).*make stage 0's output fit stage 1's input.*"
+                     r"found by rank 1 before the step ran", errors[0]), errors[0]
+    for got in results:
+        np.testing.assert_array_equal(got["mismatch/after"], [3.0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_paddle_pipeline_layer_averages_over_its_hybrid_groups_replicas(results4):
+    """PipelineLayer under HybridCommunicateGroup(dp_degree=2, pp_degree=2) and
+    (sharding_degree=2, pp_degree=2), each replica on its half of the batch: two SGD
+    train_batch steps give every stage whole-batch SGD's parameters, each replica its
+    half's losses (each replica trained apart before: its own half's SGD)."""
+    for rank, text in enumerate(results4[1]):
+        checks = {c for c in re.findall(r"^CHECK (\w+) ok$", text, re.M)
+                  if c.startswith("layer_")}
+        want = {f"layer_{n}_{c}" for n in ("dp", "sharding")
+                for c in ("replica_losses", "params_equal_whole_batch_sgd")}
+        assert checks == want, (rank, checks, text[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_data_parallel_pipelines_average_their_stage_gradients(results4):
     """dp = 2 pipelines of 2 stages over 4 processes (``data_parallel_group=mesh["dp"]``):
     two 1F1B steps give every stage the whole batch's gradients and each replica its own
@@ -168,7 +201,7 @@ def test_data_parallel_pipelines_average_their_stage_gradients(results4):
     (pipeline_stage_dp_worker.py)."""
     for rank, text in enumerate(results4[1]):
         checks = {c for c in re.findall(r"^CHECK (\w+) ok$", text, re.M)
-                  if not c.startswith("tp_")}  # the tensor-parallel stages' own, below
+                  if not c.startswith(("tp_", "layer_"))}  # the tp stages' and layers' own
         want = {"dp_averaged_grads_step0", "dp_averaged_grads_step1",
                 "zero1_adam_equals_whole_batch", "zero2_adam_equals_whole_batch"}
         if rank % 2:  # the last stage's processes: their replica's losses

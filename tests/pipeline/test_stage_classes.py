@@ -13,8 +13,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.pipeline import (
     LayerDesc,
+    PipelineLayer,
     PipelineStage,
     Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
     check_timetable,
     get_schedule,
@@ -208,10 +211,100 @@ def test_schedules_check_placement_and_counts(world):
     wrong = PipelineStage(Block(), 3, 8)  # this process is pipeline rank 0
     with pytest.raises(ValueError, match=r"runs stages \[0\] on pipeline rank 0 .* passed "
                                          r"stages \[3\]"):
-        Schedule1F1B(wrong, 4, loss_fn=jnp.mean)
+        Schedule1F1B(wrong, 8, loss_fn=jnp.mean)
     v_stages = [PipelineStage(Block(), s, 16) for s in (0, 1)]  # a V wants 0 and 15
     with pytest.raises(ValueError, match=r"runs stages \[0, 15\] on pipeline rank 0"):
         ScheduleZBVZeroBubble(v_stages, 16, loss_fn=jnp.mean)
+
+
+def test_schedules_refuse_fewer_microbatches_than_torch_allows(world):
+    """torch's rules per class: Schedule1F1B takes n_microbatches >= its stages (torch
+    raises ``Number of microbatches (4) must be greater than or equal to the number of
+    stages (8)``); ScheduleGPipe and ScheduleZBVZeroBubble take any count; the interleaved
+    classes name the count their timetable needs."""
+    stage = PipelineStage(Block(), 0, 8)
+    with pytest.raises(ValueError, match=r"Schedule1F1B n_microbatches=4 must be >= the "
+                                         r"number of stages \(8\), as torch's.*Use "
+                                         r"n_microbatches >= 8 .*or ScheduleGPipe"):
+        Schedule1F1B(stage, 4, loss_fn=jnp.mean)
+    loop = [PipelineStage(Block(), s, 16) for s in (0, 8)]
+    with pytest.raises(ValueError, match=r"ScheduleInterleaved1F1B n_microbatches=3 over 16 "
+                                         r"stages: .*m=3 to be a multiple of .*p=8; use m=8"):
+        ScheduleInterleaved1F1B(loop, 3, loss_fn=jnp.mean)
+    # past the counts, one process with 8 devices is refused (below), not the count
+    for make in (lambda: Schedule1F1B(stage, 8, loss_fn=jnp.mean),
+                 lambda: ScheduleGPipe(stage, 2, loss_fn=jnp.mean),
+                 lambda: ScheduleZBVZeroBubble([PipelineStage(Block(), s, 16) for s in (0, 15)],
+                                               3, loss_fn=jnp.mean)):
+        with pytest.raises(ValueError, match="one process with several devices"):
+            make()
+
+
+def _layers():
+    return [LayerDesc(Block, 0), LayerDesc(Block, 1), LayerDesc(Head, 2), LayerDesc(Head, 3)]
+
+
+def test_stage_classes_refuse_one_process_with_several_devices(world):
+    """Made in one process of 8 devices, the schedules and PipelineLayer refuse before a
+    step (they failed inside it, in JAX's make_array_from_single_device_arrays), naming
+    the two layouts that work."""
+    fix = (r"holds {n} ranks of the pipeline group .*one process with several devices.*"
+           r"jaxpg-run --nproc-per-node {n}.*make_train_step\(stage_fn, loss_fn, optimizer, "
+           r"mesh=\.\.\., param_specs=\.\.\.\)")
+    with pytest.raises(ValueError, match="Schedule1F1B: this process " + fix.format(n=8)):
+        Schedule1F1B(PipelineStage(Block(), 0, 8), 8, loss_fn=jnp.mean)
+    with pytest.raises(ValueError, match="PipelineLayer: this process " + fix.format(n=8)):
+        PipelineLayer(_layers() * 2, 8, jnp.mean)
+    import jaxpg
+
+    jaxpg.HybridCommunicateGroup(dp_degree=2, mp_degree=2, pp_degree=2)
+    with pytest.raises(ValueError, match="PipelineLayer: this process " + fix.format(n=2)):
+        PipelineLayer(_layers(), 2, jnp.mean)
+
+
+def test_pipeline_layer_takes_the_hybrid_groups_data_parallel_group(world):
+    """PipelineLayer's groups under a HybridCommunicateGroup, as Paddle's: the pipeline is
+    its pp group, the data-parallel replicas its dp x sharding group (whose gradients
+    train_batch averages; the runs across processes are in test_pipeline_stage.py), and
+    the layouts it cannot train are refused when it is made."""
+    import jaxpg
+    from jaxpg.pipeline.layer_groups import layer_groups
+    from jaxpg.pipeline.pipeline_stage import _pipeline_group
+
+    # this process acts as rank 0: the rank order is (dp, pp, sharding, sep, mp)
+    for degrees, pp_ranks, dp_ranks in (
+            (dict(dp_degree=2, mp_degree=2, pp_degree=2), (0, 2), (0, 4)),
+            (dict(sharding_degree=2, mp_degree=2, pp_degree=2), (0, 4), (0, 2)),
+            (dict(dp_degree=2, sharding_degree=2, pp_degree=2), (0, 2), (0, 1, 4, 5)),
+            (dict(pp_degree=2, mp_degree=4), (0, 4), None)):
+        hcg = jaxpg.HybridCommunicateGroup(**degrees)
+        for given in (None, hcg):  # the world's latest, or passed
+            pipe, dp = layer_groups(None, given, _pipeline_group)
+            assert tuple(pipe.ranks) == pp_ranks, (degrees, pipe)
+            assert (None if dp is None else tuple(dp.ranks)) == dp_ranks, (degrees, dp)
+        pipe, _ = layer_groups(hcg.get_pipe_parallel_group(), None, _pipeline_group)
+        assert tuple(pipe.ranks) == pp_ranks
+    with pytest.raises(ValueError, match=r"group=.* is not the pipeline group .* of "
+                                         r"HybridCommunicateGroup\(dp=1, pp=2, mp=4\); leave "
+                                         r"group=None"):
+        PipelineLayer(_layers(), 2, jnp.mean, group=jaxpg.new_group([0, 1]))
+    jaxpg.HybridCommunicateGroup(dp_degree=2, sep_degree=2, pp_degree=2)
+    with pytest.raises(ValueError, match=r"cannot train under HybridCommunicateGroup\(.*\) "
+                                         r"with sep_degree=2"):
+        PipelineLayer(_layers(), 2, jnp.mean)
+    with pytest.raises(TypeError, match=r"hcg= must be a HybridCommunicateGroup"):
+        PipelineLayer(_layers(), 2, jnp.mean, hcg=jaxpg.init_device_mesh((2, 4), ("dp", "pp")))
+
+
+def test_pipeline_layer_without_a_hybrid_group_must_hold_the_world(world):
+    """Without a HybridCommunicateGroup, a pipeline over part of the world would leave the
+    other processes training apart: refused, naming the fix."""
+    import jaxpg
+
+    with pytest.raises(ValueError, match=r"holds 2 of the world's 8 processes, and no "
+                                         r"HybridCommunicateGroup.*HybridCommunicateGroup\("
+                                         r"dp_degree=2, pp_degree=2\)"):
+        PipelineLayer(_layers(), 2, jnp.mean, group=jaxpg.new_group([0, 1]))
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])

@@ -92,3 +92,68 @@ def run_data_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
         got = nnx.to_pure_dict(stage.params())["pieces"]
         check(f"zero{2 if zero2 else 1}_adam_equals_whole_batch",
               close([got[j] for j in range(2)], [final[i] for i in PIECES[pp]]))
+
+
+def layer_reference(tokens, labels, lr):
+    """Paddle's layer list un-pipelined on the whole batch, two SGD steps: each step's mean
+    loss of each half of the batch (a replica's samples), and the final parameters of
+    every module layer (by its index in the list)."""
+    from pipeline_stage_worker import paddle_layers
+
+    built = [d.build_layer() if hasattr(d, "build_layer") else d for d in paddle_layers()]
+    index = [i for i, b in enumerate(built) if isinstance(b, nnx.Module)]
+    gd, params = nnx.split(nnx.List([built[i] for i in index]), nnx.Param)
+    halves = [slice(0, B // 2), slice(B // 2, B)]
+
+    @jax.jit
+    def step(params):
+        def loss_of(params):
+            layers = iter(nnx.merge(gd, params))
+            h = tokens
+            for b in built:
+                h = next(layers)(h) if isinstance(b, nnx.Module) else b(h)
+            per = jnp.stack([ce_loss(h[s], labels[s]) for s in halves])
+            return per.mean(), per
+        (_, per), g = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return per, jax.tree.map(lambda p, g: p - lr * g, params, g)
+
+    losses = []
+    for _ in range(2):
+        per, params = step(params)
+        losses.append(np.asarray(per))
+    final = nnx.to_pure_dict(params)
+    return np.stack(losses), {i: final[j] for j, i in enumerate(index)}
+
+
+def run_pipeline_layer_data_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
+    """Paddle's PipelineLayer + train_batch under a HybridCommunicateGroup of dp = 2 (the
+    pipeline group passed, as a Paddle port passes it) and of sharding = 2 (group=None: the
+    hybrid group's), pp = 2: each replica trains on its half of the batch with SGD, and
+    after two steps every stage's parameters are whole-batch SGD's, each replica's losses
+    its half's (``CHECK layer_<dp|sharding>_...``)."""
+    from pipeline_stage_worker import LR, paddle_layers
+
+    from jaxpg.pipeline import PipelineLayer
+
+    want_losses, want_params = layer_reference(jnp.asarray(tokens), jnp.asarray(labels), LR)
+    for name, degrees in (("dp", dict(dp_degree=2)), ("sharding", dict(sharding_degree=2))):
+        hcg = jaxpg.HybridCommunicateGroup(pp_degree=2, **degrees)
+        replica = (hcg.get_data_parallel_rank() if name == "dp"
+                   else hcg.get_sharding_parallel_rank())
+        half = slice(replica * B // 2, (replica + 1) * B // 2)
+        model = PipelineLayer(layers=paddle_layers(), num_stages=2, loss_fn=ce_loss,
+                              seg_method="layer:PBlock", accumulate_steps=2,
+                              group=hcg.get_pipe_parallel_group() if name == "dp" else None)
+        tx = optax.sgd(LR)
+        losses = [float(model.train_batch([jnp.asarray(tokens[half]),
+                                           jnp.asarray(labels[half])], tx))
+                  for _ in range(2)]
+        check(f"layer_{name}_replica_losses",
+              allclose(losses, want_losses[:, replica], rtol=1e-5, atol=1e-6))
+        got = nnx.to_pure_dict(model.parameters())
+        lo, hi = model.segment_parts[model.stage_id], model.segment_parts[model.stage_id + 1]
+        mine = {i - lo: want_params[i] for i in range(lo, hi) if i in want_params}
+        check(f"layer_{name}_params_equal_whole_batch_sgd",
+              sorted(mine) == sorted(int(k.split("_")[1]) for k in got)
+              and close([got[f"layer_{i}"] for i in sorted(mine)],
+                        [mine[i] for i in sorted(mine)]))

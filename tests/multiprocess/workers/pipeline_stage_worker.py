@@ -21,6 +21,8 @@ service; one CPU device per process). Writes ``OUT_DIR/rank{RANK}.npz`` with:
 * ``hetero``: a 4-piece model whose stages differ in shapes (widths 16, 12, 20, vocab)
   under the schedule classes of 2 stages per process (``hetero/{class}/...``), and the
   un-pipelined model's microbatch losses and gradients (``hetero/ref/...``, ``jax.grad``).
+* ``mismatch``: two stages that do not fit (16 features out, 12 in): each rank's error
+  text, and an all_reduce after it.
 """
 
 from __future__ import annotations
@@ -464,6 +466,34 @@ def run_paddle(rank, world, tokens, labels, out):
             j += 1
 
 
+class Wide(nnx.Module):
+    def __init__(self, d_in, d_out):
+        self.lin = nnx.Linear(d_in, d_out, rngs=nnx.Rngs(0))
+
+    def __call__(self, h):
+        return self.lin(h)
+
+
+def run_mismatched_stages(rank, out):
+    """Stage 0 gives 16 features, stage 1 takes 12: Schedule1F1B's first step must raise
+    the same ValueError on both ranks, before anything runs (``mismatch/error``), and leave
+    the world usable (``mismatch/after``: an all_reduce of the ranks)."""
+    import jaxpg
+    from jaxpg.pipeline import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(Wide(8, 16) if rank == 0 else Wide(12, 4), rank, 2)
+    schedule = Schedule1F1B(stage, 2, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
+    try:
+        if rank == 0:
+            schedule.step(jnp.ones((4, 8)))
+        else:
+            schedule.step(target=jnp.zeros((4, 4)), losses=[])
+        out["mismatch/error"] = np.array("no error")
+    except ValueError as err:
+        out["mismatch/error"] = np.array(str(err))
+    out["mismatch/after"] = np.asarray(jaxpg.all_reduce(np.array([rank + 1.0], np.float32)))
+
+
 def _flat(tree, prefix=""):
     out = {}
     for k, v in tree.items():
@@ -512,6 +542,12 @@ def main() -> None:
         run_tensor_parallel(tokens, labels)
         print(f"jaxpg tensor parallel {time.perf_counter() - start:.1f} s "
               f"({time.process_time() - cpu:.1f} s CPU)", flush=True)
+        from pipeline_stage_dp_worker import run_pipeline_layer_data_parallel
+
+        start = time.perf_counter()
+        run_pipeline_layer_data_parallel(tokens, labels)  # last: it makes hybrid groups
+        print(f"jaxpg PipelineLayer data parallel {time.perf_counter() - start:.1f} s",
+              flush=True)
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
         jaxpg.destroy_process_group()
         print("DONE", flush=True)
@@ -522,6 +558,7 @@ def main() -> None:
     start = time.perf_counter()
     run_paddle(rank, world, jnp.asarray(tokens), jnp.asarray(labels), out)
     print(f"jaxpg paddle {time.perf_counter() - start:.1f} s", flush=True)
+    run_mismatched_stages(rank, out)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
     jaxpg.destroy_process_group()
     print("DONE", flush=True)
