@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.grad_norm import global_grad_norm
 from jaxpg.data_parallel.local_loss import local_loss
 from jaxpg.data_parallel.loss_check import LossCheck
 from jaxpg.data_parallel.zero import sharded_update
@@ -129,7 +130,9 @@ def build_train_step(
     its sequence dimension over cp with ``layout.sequence``). ``acc``
     is ``None`` unless ``mode.has_acc``; the returned ``acc`` is ``None`` unless
     ``mode.sync`` is False. ``metrics`` holds ``loss`` (mean over active ranks),
-    ``num_active`` and, with ``has_aux``, ``aux``.
+    ``num_active``, ``grad_norm`` (the global L2 norm of the averaged gradients, over every
+    parameter's whole gradient whatever its layout; synchronising steps only) and, with
+    ``has_aux``, ``aux``.
 
     Args:
         loss_fn: ``loss_fn(model, batch)`` for NNX (``graphdef`` given) or
@@ -215,6 +218,8 @@ def build_train_step(
         if mode.join and not mode.divide_by_initial_world_size:
             scale = n / denom
             reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
+        specs = None if layout is None else layout.param_specs
+        metrics["grad_norm"] = global_grad_norm(reduced, specs)
         apply = n_active >= (n if mode.throw_on_early_termination else 1)
         if zero is not None:  # ZeRO-1: the caller steps the sharded state
             if mode.join:

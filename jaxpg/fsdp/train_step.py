@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.grad_norm import global_grad_norm
 from jaxpg.data_parallel.local_loss import local_loss
 from jaxpg.data_parallel.loss_check import LossCheck
 from jaxpg.data_parallel.zero import sharded_update
@@ -190,7 +191,8 @@ def build_train_step(loss_fn: Callable[..., Any], plan: StepPlan, mode: StepMode
     It returns ``(params, rest, opt_state, acc, metrics)``: parameters and optimizer state
     as stored (see :class:`~jaxpg.fsdp.FullyShardedDataParallel`), ``acc`` the per-rank
     ``no_sync`` accumulator (None after a synchronising step), ``metrics`` the mean loss
-    over ranks and, with ``has_aux``, the averaged ``aux``.
+    over ranks, ``grad_norm`` (the global L2 norm of the averaged gradients, summed over
+    every shard; synchronising steps only) and, with ``has_aux``, the averaged ``aux``.
     """
     group = plan.group
     axes = group.batch_axes
@@ -214,6 +216,7 @@ def build_train_step(loss_fn: Callable[..., Any], plan: StepPlan, mode: StepMode
         new_rest = jax.tree.map(lambda x: from_rank0(x, axes), new_rest)
         if not mode.sync:
             return None, new_rest, jax.tree.map(lambda g: g[None], grads), metrics
+        metrics["grad_norm"] = global_grad_norm(grads, plan.grad_specs())
         return grads, new_rest, None, metrics
 
     def body_in_context(*args):
