@@ -121,19 +121,22 @@ def test_pipeline_stages_chain_to_the_model_and_bounds_balance_the_edges():
                                                rngs=nnx.Rngs(0)), 2)
 
 
-def test_a_tp_laid_out_model_trains_under_fsdp_as_on_one_device():
-    # parallelize(fsdp=False) keeps the tp split only; FullyShardedDataParallel shards the
-    # rest over dp_shard. Two SGD steps on the whole batch equal one-device SGD.
+def test_a_laid_out_model_trains_under_fsdp_with_cp_as_on_one_device():
+    # parallelize(fsdp=False) keeps the tp split and the cp attention; FullyShardedDataParallel
+    # shards the rest over dp_shard x cp and splits the batch's sequences over cp, the
+    # positions leaf with the tokens (global positions travel with the batch). Two SGD steps
+    # on the whole batch equal one-device SGD.
     import optax
 
     from jaxpg.fsdp import FullyShardedDataParallel
 
     config = models.config_for("llama3-tiny")
     window = np.random.default_rng(2).integers(0, 64, (8, 17)).astype(np.int32)
-    batch = {"tokens": window[:, :-1], "targets": window[:, 1:]}
+    batch = {"tokens": window[:, :-1], "targets": window[:, 1:],
+             "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (8, 16)).copy()}
 
     def loss_fn(model, b):
-        logits = model(b["tokens"])
+        logits = model(b["tokens"], b["positions"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
 
     optimizer = optax.sgd(0.5)
@@ -150,10 +153,11 @@ def test_a_tp_laid_out_model_trains_under_fsdp_as_on_one_device():
     for _ in range(2):
         params, state, loss = step(params, state)
         want.append(float(loss))
-    dims = jaxpg.ParallelDims(dp_shard=4, tp=2)
+    dims = jaxpg.ParallelDims(dp_shard=2, cp=2, tp=2)
     model = models.CausalLM(config, rngs=nnx.Rngs(4))
     models.parallelize(model, dims, fsdp=False)
-    fsdp = FullyShardedDataParallel(model, optimizer, group=dims.get_group("dp_shard"))
+    fsdp = FullyShardedDataParallel(model, optimizer, group=dims.get_group("dp_shard_cp"),
+                                    context_parallel=dims["cp"])
     got = [float(fsdp.train_step(loss_fn, batch)["loss"]) for _ in range(2)]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     assert want[1] < want[0] - 1e-3  # the step changed the weights
