@@ -3,11 +3,13 @@
 It times, on every local device at once (what a layout's devices do in a step):
 
 * a matmul on each device: the per-device FLOP/s the profile calls peak (so
-  ``matmul_efficiency`` is 1: the measurement already is what matmuls reach);
+  ``matmul_efficiency`` is 1: the measurement already is what matmuls reach), and a narrow
+  one (width 16), whose slowdown gives ``matmul_half_width``;
 * an elementwise pass over a large array on each device: the memory bandwidth;
 * an all-reduce over all devices at two sizes: its latency and bandwidth, from the alpha-beta
   model (:mod:`jaxpg.plan.links`), as the link within the "node" (this machine), with
-  ``collective_efficiency`` 1 for the same reason.
+  ``collective_efficiency`` 1 for the same reason;
+* on CPU devices, ``overlap=False``: XLA:CPU runs one operation at a time.
 
 Simulated CPU devices (``--xla_force_host_platform_device_count``) share the host's cores;
 measuring them all at once charges each its share, which is what a step on them gets.
@@ -69,10 +71,19 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
     spec = NamedSharding(mesh, PartitionSpec("d"))
     jdtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32, "fp16": jnp.float16}[dtype]
 
-    k = matmul_size
-    a = jax.device_put(jnp.ones((n, k, k), jdtype), spec)
-    matmul = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x), out_shardings=spec)
-    flops = 2.0 * k**3 / _median_seconds(matmul, a, repeats=repeats)
+    matmul = jax.jit(lambda x, w: jnp.einsum("bij,bjk->bik", x, w), out_shardings=spec)
+
+    def matmul_flops(rows: int, width: int) -> float:
+        x = jax.device_put(jnp.ones((n, rows, matmul_size), jdtype), spec)
+        w = jax.device_put(jnp.ones((n, matmul_size, width), jdtype), spec)
+        return 2.0 * rows * matmul_size * width / _median_seconds(matmul, x, w,
+                                                                   repeats=repeats)
+
+    flops = matmul_flops(matmul_size, matmul_size)
+    # a narrow matmul (width 16): w / (w + half) = its throughput over the square one's
+    narrow = 16
+    ratio = min(matmul_flops(matmul_size, narrow) / flops, 0.999)
+    half_width = narrow * (1 - ratio) / ratio
 
     words = stream_mib * 2**20 // 4
     s = jax.device_put(jnp.ones((n, words), jnp.float32), spec)
@@ -96,4 +107,6 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
     link = Link(bandwidth=beta, latency=alpha)
     return Hardware(name=name, flops={dtype: flops}, hbm_bytes=_host_bytes() / n,
                     hbm_bandwidth=bandwidth, intra=link, inter=link, devices_per_node=n,
-                    matmul_efficiency=1.0, collective_efficiency=1.0)
+                    matmul_efficiency=1.0, collective_efficiency=1.0,
+                    matmul_half_width=half_width,
+                    overlap=devices[0].platform != "cpu")

@@ -65,6 +65,13 @@ class Hardware:
         collective_efficiency: the fraction of a link's bandwidth a ring collective reaches.
         memory_fraction: the fraction of ``hbm_bytes`` a program may use (the runtime, its
             allocator's fragmentation and the compiler's buffers take the rest).
+        matmul_half_width: the matmul width (its smallest per-device dimension) at which
+            throughput is half of large matmuls': a matmul of width ``w`` runs at
+            ``w / (w + matmul_half_width)`` of ``matmul_efficiency``. 0 (the presets): no
+            penalty; ``calibrate()`` measures it.
+        overlap: whether communication runs alongside compute (GPU streams, TPU async
+            collectives). XLA:CPU runs one operation at a time, so a ``local`` CPU profile
+            has False: every collective is exposed.
     """
 
     name: str
@@ -77,6 +84,8 @@ class Hardware:
     matmul_efficiency: float = 0.75
     collective_efficiency: float = 0.75
     memory_fraction: float = 0.9
+    matmul_half_width: float = 0.0
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if not self.flops or any(not v > 0 for v in self.flops.values()):
@@ -99,6 +108,11 @@ class Hardware:
             if name in self.flops:
                 return float(self.flops[name])
         return float(max(self.flops.values()))
+
+    def matmul_rate(self, dtype: str, width: float) -> float:
+        """FLOP/s of a matmul whose smallest per-device dimension is ``width``."""
+        shape = width / (width + self.matmul_half_width) if self.matmul_half_width else 1.0
+        return self.peak_flops(dtype) * self.matmul_efficiency * shape
 
     @property
     def usable_bytes(self) -> float:
@@ -153,10 +167,12 @@ def _from_dict(data: Mapping, where: str) -> Hardware:
         fields["inter"] = Link(**fields["inter"])
         fields["flops"] = {k: float(v) for k, v in fields["flops"].items()}
         for key in ("hbm_bytes", "hbm_bandwidth", "matmul_efficiency",
-                    "collective_efficiency", "memory_fraction"):
+                    "collective_efficiency", "memory_fraction", "matmul_half_width"):
             if key in fields:
                 fields[key] = float(fields[key])
         fields.setdefault("name", pathlib.Path(where).stem)
+        if "overlap" in fields:
+            fields["overlap"] = bool(fields["overlap"])
         return Hardware(**fields)
     except (KeyError, TypeError) as error:
         raise ValueError(
@@ -174,6 +190,8 @@ def load_hardware(path: str | pathlib.Path) -> Hardware:
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 

@@ -22,7 +22,9 @@ The actions' costs then play through the schedule's timetable with jaxpg's own e
 replay (:func:`jaxpg.pipeline.costs.timed`): its makespan minus the ranks' work is the
 bubble. After the pipeline: the data-parallel gradient reduction (overlapped with the last
 backward when ``overlap_grad_reduce``: only the excess over it, or one bucket, is exposed),
-ZeRO's parameter all-gather, and the optimizer's pass over its state (HBM bound).
+ZeRO's parameter all-gather, and the optimizer's pass over its state (HBM bound). On
+hardware that runs one operation at a time (``Hardware.overlap`` False: XLA:CPU) nothing
+hides: every collective is exposed.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ def _block_compute(job: Job, layout: Layout, *, moe: bool) -> tuple[float, float
     """(forward seconds, attention-core forward seconds, gemm seconds) of one block."""
     s, hw = job.model, job.hardware
     tokens = microbatch_size(job, layout) * job.seq_len / layout.cp
-    rate = job.peak_flops * hw.matmul_efficiency
+    width = min(s.dim, s.head_dim * max(1, s.kv_heads // layout.tp), tokens,
+                (s.expert_ffn if moe else s.ffn) / layout.tp)
+    rate = hw.matmul_rate(job.dtype, width)
     gemm = 2.0 * tokens * s.block_matmul_params(moe) / layout.tp / rate
     attn_flops = s.attention_flops_per_token(job.seq_len) * tokens / layout.tp
     if s.flash_attention:
@@ -78,6 +82,15 @@ def _block_compute(job: Job, layout: Layout, *, moe: bool) -> tuple[float, float
     traffic = 2.0 * saved / hw.hbm_bandwidth
     core = attn + 2.0 * core_saved / hw.hbm_bandwidth
     return gemm + attn + traffic, core, gemm
+
+
+def _prefetched(comm: float, compute: float, blocks: float, overlap: bool) -> float:
+    """What a prefetched collective leaves exposed: its excess over the compute it runs
+    beside, plus the first block's share (nothing to hide behind); all of it without
+    overlap."""
+    if not overlap:
+        return comm
+    return max(0.0, comm - compute) + comm / max(blocks, 1)
 
 
 def _actions(job: Job, layout: Layout) -> tuple[_Action, _Action, _Action | None]:
@@ -116,8 +129,9 @@ def _actions(job: Job, layout: Layout) -> tuple[_Action, _Action, _Action | None
         kv = 2.0 * tokens * s.kv_dim * act / layout.tp
         ring = (layout.cp - 1) * collective_time("send", kv, 2, link, eff)
         attn = core_d if not frac else mix(core_d, core_m)
-        f_comm["cp"] = blocks * max(0.0, ring - attn)
-        b_comm["cp"] = blocks * max(0.0, 2 * ring - 2 * attn)
+        hide = attn if hw.overlap else 0.0
+        f_comm["cp"] = blocks * max(0.0, ring - hide)
+        b_comm["cp"] = blocks * max(0.0, 2 * ring - 2 * hide)
     if layout.ep > 1 and frac:
         link = hw.intra if layout.ep * layout.tp <= dpn else hw.inter
         a2a = collective_time("all_to_all", tokens * s.top_k * s.dim * act / layout.tp,
@@ -140,9 +154,9 @@ def _actions(job: Job, layout: Layout) -> tuple[_Action, _Action, _Action | None
         if layout.zero == 3:
             keep = DTYPE_BYTES[job.dtype]
             gather = collective_time("all_gather", chunk_params * keep, n, link, eff)
-            f_comm["zero3"] = max(0.0, gather - f_compute) + gather / max(blocks, 1)
-        b_comm[f"zero{layout.zero}"] = max(0.0, gather + rs - b_compute - w_compute) + (
-            (gather + rs) / max(blocks, 1))
+            f_comm["zero3"] = _prefetched(gather, f_compute, blocks, hw.overlap)
+        b_comm[f"zero{layout.zero}"] = _prefetched(gather + rs, b_compute + w_compute,
+                                                   blocks, hw.overlap)
     f = _Action(f_compute, f_comm)
     b = _Action(b_compute, b_comm)
     w = _Action(w_compute, {}) if split_bw else None
@@ -190,16 +204,17 @@ def _after_pipeline(job: Job, layout: Layout, b_last: float) -> dict[str, float]
     split = param_split(job, layout)
     grad_b, keep_b = DTYPE_BYTES[job.grad_dtype], DTYPE_BYTES[job.dtype]
     out: dict[str, float] = {}
-    hide = b_last if job.overlap_grad_reduce else 0.0
+    overlap = job.overlap_grad_reduce and hw.overlap
+    hide = b_last if overlap else 0.0
     bucket = max(split.layers_per_stage, 1)
 
-    def exposed(t: float) -> float:
-        return max(t / bucket, t - hide) if job.overlap_grad_reduce else t
+    def tail(t: float) -> float:
+        return max(t / bucket, t - hide) if overlap else t
 
     n_all = layout.dp_replicate * layout.dp_shard * layout.cp
     if layout.zero == 0 and n_all > 1:
         link = axis_link(layout, ("dp_replicate", "dp_shard", "cp"), hw, dpn)
-        out["dp"] = exposed(collective_time("all_reduce", split.total * grad_b, n_all, link,
+        out["dp"] = tail(collective_time("all_reduce", split.total * grad_b, n_all, link,
                                             eff))
         return out
     n = layout.zero_group
@@ -212,7 +227,7 @@ def _after_pipeline(job: Job, layout: Layout, b_last: float) -> dict[str, float]
         sync += collective_time("all_reduce", split.total / n * grad_b, layout.dp_replicate,
                                 rlink, eff)
     if sync:
-        out["dp"] = exposed(sync)
+        out["dp"] = tail(sync)
     if layout.zero in (1, 2) and n > 1:  # the updated working copy back to every rank
         out["zero_gather"] = collective_time("all_gather", split.total * keep_b, n, link, eff)
     return out
@@ -239,10 +254,10 @@ def step_time(job: Job, layout: Layout, *, bubble: bool = True) -> StepTime:
             for k in {**f.comm, **b.comm}}
     tail = _after_pipeline(job, layout, b.compute + (w.compute if w else 0.0))
     comm.update(tail)
-    exposed = sum(comm.values())
+    exposed_comm = sum(comm.values())
     bubble = max(0.0, makespan - work)
     split = param_split(job, layout)
     d = layout.zero_group if layout.zero else 1
     optimizer = split.total / d * (4 * (job.optimizer_states + 1) * 2 + 2) / (
         job.hardware.hbm_bandwidth)
-    return StepTime(compute, exposed, bubble, optimizer, comm)
+    return StepTime(compute, exposed_comm, bubble, optimizer, comm)

@@ -120,6 +120,9 @@ def test_time_model_moves_the_right_way():
         intra=get_hardware("a100-80gb").inter))
     tp8 = Layout(tp=8, microbatches=16)
     assert step_time(slow_links, tp8).comm["tp"] > 5 * step_time(job, tp8).comm["tp"]
+    fsdp = Layout(dp_shard=8, microbatches=2, zero=3)
+    serial = job.replace(hardware=job.hardware.replace(overlap=False))
+    assert step_time(serial, fsdp).comm["zero3"] > 3 * step_time(job, fsdp).comm["zero3"]
 
 
 def test_cli_ranks_evaluates_and_prints_json(capsys):

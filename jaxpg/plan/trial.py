@@ -1,0 +1,186 @@
+"""Trials: run a layout's real training step on this machine's devices, and time it.
+
+As Paddle's auto-tuner follows its memory model with real trials, :func:`trial_step` builds
+the transformer of a :class:`~jaxpg.plan.TransformerSpec` (its attention with the spec's
+heads, its MLP, a tied or separate output head, a cross-entropy loss) and one training step
+under the layout, compiled by XLA over a ``(dp, tp)`` mesh of the local devices:
+
+* ``tp``: Megatron's plan, q/k/v and the MLP's first matrices split by columns, the output
+  projections by rows;
+* ``dp_replicate x dp_shard``: the batch split over ``dp``; ZeRO-3 also splits every matrix
+  over ``dp`` (XLA gathers them where used), ZeRO-1/2 the Adam state;
+* ``microbatches``: gradient accumulation in a ``lax.scan``;
+* ``remat``: ``jax.checkpoint`` around each block (``selective``: the weight matmuls' outputs
+  kept, attention's core recomputed).
+
+Pipelines, context and expert parallelism are not tried here (:func:`trial_step` says so).
+It returns the median step time; the planner's prediction for the same layout is
+:func:`jaxpg.plan.evaluate`'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from jaxpg.plan.job import Job
+from jaxpg.plan.layout import Layout
+
+__all__ = ["trial_step"]
+
+
+def _init(spec, key, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    d, q, kv, f = spec.dim, spec.q_dim, spec.kv_dim, spec.ffn
+    keys = iter(jax.random.split(key, 8 * spec.layers + 2))
+    w = lambda *shape: (jax.random.normal(next(keys), shape, dtype)  # noqa: E731
+                        / jnp.sqrt(shape[0]).astype(dtype))
+    blocks = []
+    for _ in range(spec.layers):
+        mlp = {"up": w(d, f), "down": w(f, d)}
+        if spec.mlp == "swiglu":
+            mlp["gate"] = w(d, f)
+        blocks.append({"q": w(d, q), "k": w(d, kv), "v": w(d, kv), "o": w(q, d),
+                       "ln1": jnp.ones((d,), dtype), "ln2": jnp.ones((d,), dtype), **mlp})
+    params = {"embed": w(spec.vocab, d), "blocks": blocks, "ln_f": jnp.ones((d,), dtype)}
+    if not spec.tied_embeddings:
+        params["head"] = w(d, spec.vocab)
+    return params
+
+
+def _specs(params, layout: Layout):
+    """PartitionSpecs: tp's Megatron plan, and ZeRO-3's split of each matrix over dp."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    dp = "dp" if layout.zero >= 3 else None
+    column = {"q", "k", "v", "up", "gate", "head"}
+
+    def spec(path, leaf):
+        name = getattr(path[-1], "key", None)
+        if leaf.ndim == 1:
+            return P()
+        if name == "embed":
+            return P("tp", dp)
+        if name in column:
+            return P(dp, "tp")
+        return P("tp", dp)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _rms(x, g):
+    import jax.numpy as jnp
+
+    return x * (1.0 / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)) * g
+
+
+def _block(spec, p, x):
+    import jax
+    import jax.numpy as jnp
+
+    b, s, _ = x.shape
+    hd = spec.head_dim
+    h = _rms(x, p["ln1"])
+    q = (h @ p["q"]).reshape(b, s, spec.heads, hd)
+    k = (h @ p["k"]).reshape(b, s, spec.kv_heads, hd)
+    v = (h @ p["v"]).reshape(b, s, spec.kv_heads, hd)
+    group = spec.heads // spec.kv_heads
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(x.dtype)
+    mask = jnp.tril(jnp.ones((s, s), bool))
+    probs = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+    x = x + jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, -1) @ p["o"]
+    h = _rms(x, p["ln2"])
+    if spec.mlp == "swiglu":
+        inner = jax.nn.silu(h @ p["gate"]) * (h @ p["up"])
+    else:
+        inner = jax.nn.gelu(h @ p["up"])
+    return x + inner @ p["down"]
+
+
+def _loss(spec, remat, params, tokens):
+    import jax
+    import jax.numpy as jnp
+
+    block = lambda p, x: _block(spec, p, x)  # noqa: E731
+    if remat == "full":
+        block = jax.checkpoint(block)
+    elif remat == "selective":
+        block = jax.checkpoint(
+            block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    x = params["embed"][tokens[:, :-1]]
+    for p in params["blocks"]:
+        x = block(p, x)
+    x = _rms(x, params["ln_f"])
+    head = params["embed"].T if spec.tied_embeddings else params["head"]
+    logits = (x @ head).astype(jnp.float32)
+    labels = tokens[:, 1:]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def trial_step(job: Job, layout: Layout, *, steps: int = 3, devices=None, seed: int = 0
+               ) -> float:
+    """The median seconds of ``steps`` real training steps of ``job`` under ``layout``.
+
+    Args:
+        job: the job (its devices are this machine's, ``job.devices`` of them).
+        layout: a layout without pipeline, context or expert parallelism.
+        steps: timed steps after one warm-up (compile) step.
+        devices: the devices (default: the first ``job.devices`` local ones).
+        seed: the parameters' and tokens' seed.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if layout.pp > 1 or layout.cp > 1 or layout.ep > 1:
+        raise ValueError(f"trial_step: layout {layout} has pp, cp or ep > 1; trials run "
+                         "tp, the data-parallel axes, microbatches and recomputation only.")
+    devices = list(devices or jax.devices()[:job.devices])
+    if len(devices) != layout.devices or layout.devices != job.devices:
+        raise ValueError(f"trial_step: layout {layout} uses {layout.devices} devices; the job "
+                         f"has {job.devices} and {len(devices)} are given.")
+    spec, dt = job.model, {"bf16": jnp.bfloat16, "fp32": jnp.float32,
+                           "fp16": jnp.float16}[job.dtype]
+    mesh = Mesh(np.array(devices).reshape(layout.dp, layout.tp), ("dp", "tp"))
+    params = _init(spec, jax.random.key(seed), dt)
+    pspecs = _specs(params, layout)
+    shard = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs)  # noqa: E731
+    opt_specs = pspecs if layout.zero == 0 else _specs(params, layout.replace(zero=3))
+    params = jax.device_put(params, shard(pspecs))
+    zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
+    opt = jax.device_put((zeros(), zeros()), shard((opt_specs, opt_specs)))
+    m = layout.microbatches
+    per = job.global_batch // m
+    tokens = jax.random.randint(jax.random.key(seed + 1), (m, per, job.seq_len + 1), 0,
+                                spec.vocab)
+    tokens = jax.device_put(tokens, NamedSharding(mesh, P(None, "dp")))
+    grad_fn = jax.grad(lambda p, t: _loss(spec, layout.remat, p, t))
+
+    def step(params, opt, tokens):
+        def accumulate(acc, t):
+            return jax.tree.map(jnp.add, acc, grad_fn(params, t)), None
+
+        grads, _ = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), tokens)
+        mu, nu = opt
+        mu = jax.tree.map(lambda a, g: 0.9 * a + 0.1 * g / m, mu, grads)
+        nu = jax.tree.map(lambda a, g: 0.999 * a + 0.001 * (g / m) ** 2, nu, grads)
+        params = jax.tree.map(lambda p, a, b: p - 1e-4 * a / (jnp.sqrt(b) + 1e-8),
+                              params, mu, nu)
+        return params, (mu, nu)
+
+    fn = jax.jit(step, out_shardings=(shard(pspecs), shard((opt_specs, opt_specs))),
+                 donate_argnums=(0, 1))
+    params, opt = jax.block_until_ready(fn(params, opt, tokens))
+    samples = []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        params, opt = jax.block_until_ready(fn(params, opt, tokens))
+        samples.append(time.perf_counter() - begin)
+    return statistics.median(samples)
