@@ -161,3 +161,42 @@ def test_a_laid_out_model_trains_under_fsdp_with_cp_as_on_one_device():
     got = [float(fsdp.train_step(loss_fn, batch)["loss"]) for _ in range(2)]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     assert want[1] < want[0] - 1e-3  # the step changed the weights
+
+
+def test_to_hf_and_from_hf_round_trip_in_bfloat16_and_refuse_what_they_lack(tmp_path):
+    # no transformers needed: a sharded Qwen3-MoE (experts over ep) written as one bfloat16
+    # file (no index) and read back onto another layout gives the same weights, rounded
+    import json
+
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    config = models.config_for("qwen3-moe-tiny")
+    model = models.CausalLM(config, rngs=nnx.Rngs(5))
+    want = {k: np.asarray(v.get_value()) for k, v in models.layout.param_paths(model).items()}
+    models.parallelize(model, jaxpg.ParallelDims(dp_shard=4, tp=2, ep=4))
+    files = models.to_hf(model, str(tmp_path / "bf16"), dtype=jnp.bfloat16)
+    assert files == ["model.safetensors"]
+    assert not (tmp_path / "bf16" / "model.safetensors.index.json").exists()
+    back = models.from_hf(str(tmp_path / "bf16"), dims=jaxpg.ParallelDims(dp_shard=2, cp=2, tp=2),
+                          dtype=jnp.bfloat16)
+    assert back.config == config
+    for path, var in models.layout.param_paths(back).items():
+        value = var.get_value()
+        assert value.dtype == jnp.bfloat16, path
+        np.testing.assert_array_equal(np.asarray(value),
+                                      want[path].astype(ml_dtypes.bfloat16), err_msg=path)
+    hf = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert hf["model_type"] == "qwen3_moe" and hf["torch_dtype"] == "bfloat16"
+    for change, message in ((dict(model_type="mistral"), "model_type='mistral' is not one of"),
+                            (dict(rope_scaling={"rope_type": "yarn"}), "RoPE type 'yarn'"),
+                            (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+                            (dict(num_hidden_layers=3), "has no tensor 'model.layers.2")):
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / "config.json").write_text(json.dumps({**hf, **change}))
+        (tmp_path / "bad" / "model.safetensors").write_bytes(
+            (tmp_path / "bf16" / "model.safetensors").read_bytes())
+        with pytest.raises((ValueError, KeyError), match=message):
+            models.from_hf(str(tmp_path / "bad"))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        models.from_hf(str(tmp_path / "nothing"))
