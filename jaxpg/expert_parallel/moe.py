@@ -177,7 +177,9 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
             ``ceil(capacity_factor · tokens · top_k / E)`` choices (``tokens`` of the whole
             group), first choices before second ones, then in rank and token order; the
             rest are dropped (their contribution is zero) and counted in ``aux.dropped``.
-        activation: the experts' activation.
+        activation: the experts' activation. A gated one that halves the width (SwiGLU
+            on ``[gate | up]`` rows, as ``jaxpg.models``' Qwen3-MoE) takes ``w1``
+            ``(E_local, d, 2f)`` and ``w2`` ``(E_local, f, d)``.
         normalize_topk: True: the weights are the softmax over the chosen logits (Mixtral);
             False: the full softmax's probabilities of the chosen experts (GShard, Switch).
         grouped_matmul: the experts' grouped matmul: ``"auto"`` (a tiled loop over the
