@@ -37,7 +37,7 @@ from jaxpg.errors import DistDesyncError, DistTimeoutError
 from jaxpg.supervision.desync import describe_mismatch, fingerprint_text
 from jaxpg.supervision.hang_diagnosis import processes_of, ranks_of_processes
 
-__all__ = ["check_enabled", "signature_text", "dispatch", "mismatched", "raise_mismatch", "clear"]
+__all__ = ["check_enabled", "signature_text", "dispatch", "mismatched", "raise_mismatch"]
 
 
 def check_enabled() -> bool:
@@ -70,8 +70,7 @@ def _kernel(group: Any) -> tuple[Any, NamedSharding]:
     """The group's check: each rank's digest in, 1 out on every rank when any two differ
     (one all-reduce: the maximum of the digests and of their negations, which meet only
     when every rank's is the same)."""
-    cache = group.__dict__.setdefault("_jaxpg_sigcheck", {})
-    entry = cache.get(None)
+    entry = group.__dict__.get("_jaxpg_sigcheck_kernel")
     if entry is None:
         mesh, axis = group.family_mesh, group.axis_name
 
@@ -82,17 +81,19 @@ def _kernel(group: Any) -> tuple[Any, NamedSharding]:
         sharding = NamedSharding(mesh, P(axis))
         kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis),
                                        out_specs=P(axis), check_vma=False))
-        entry = cache[None] = (kernel, sharding)
+        entry = group.__dict__["_jaxpg_sigcheck_kernel"] = (kernel, sharding)
     return entry
 
 
 def _digest_array(group: Any, fingerprint: Any) -> Any:
     """The signature's digest as the kernel's global input (one row per rank held here)."""
     cache = group.__dict__.setdefault("_jaxpg_sigcheck", {})
+    key = fingerprint
     try:
-        array = cache.get(fingerprint)
-    except TypeError:  # an unhashable static argument: digest it each time
-        fingerprint, array = repr(fingerprint), None
+        array = cache.get(key)
+    except TypeError:  # an unhashable static argument: keyed by its text
+        key = repr(fingerprint)
+        array = cache.get(key)
     if array is None:
         _, sharding = _kernel(group)
         local = group.local_members()
@@ -101,7 +102,7 @@ def _digest_array(group: Any, fingerprint: Any) -> Any:
                                                        (len(group.members), 2))
         if len(cache) > 4096:  # a new signature every call: keep the cache bounded
             cache.clear()
-        cache[fingerprint] = array
+        cache[key] = array
     return array
 
 
@@ -116,11 +117,6 @@ def mismatched(flags: Any) -> bool:
     """Waits for the check started by :func:`dispatch`: whether the ranks' signatures
     differ (the same answer on every rank)."""
     return bool(np.asarray(flags.addressable_shards[0].data)[0])
-
-
-def clear(group: Any) -> None:
-    """Forgets the group's check kernel and digests."""
-    group.__dict__.pop("_jaxpg_sigcheck", None)
 
 
 def raise_mismatch(group: Any, api: str, seq: int, fingerprint: Any) -> None:

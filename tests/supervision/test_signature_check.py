@@ -4,6 +4,7 @@ Across processes: tests/multiprocess/test_call_mismatch_mp.py."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,3 +84,22 @@ def test_one_process_runs_no_check(world):
     out = jaxpg.all_reduce(jnp.ones((8, 3)))
     np.testing.assert_allclose(np.asarray(out), np.full((8, 3), 8.0))
     assert "_jaxpg_sigcheck" not in world.__dict__
+
+
+def test_the_check_kernel_gives_every_rank_the_same_verdict(world):
+    # in one process every rank's digest is the same; rows that differ stand in for peers
+    fp = ("all_reduce", "ReduceOp.SUM", (("x", (4,), "float32"),))
+    assert not signature_check.mismatched(signature_check.dispatch(world, fp))
+    kernel, sharding = signature_check._kernel(world)
+    same = np.tile(signature_check._digest("a"), (8, 1))
+    for odd in (0, 5, 7):
+        rows = same.copy()
+        rows[odd] = signature_check._digest("b")
+        flags = np.asarray(kernel(jax.device_put(rows, sharding)))
+        assert flags.tolist() == [1] * 8, (odd, flags)
+    rows = same.copy()
+    rows[3, 1] ^= 1  # one bit of one half
+    assert np.asarray(kernel(jax.device_put(rows, sharding))).tolist() == [1] * 8
+    assert np.asarray(kernel(jax.device_put(same, sharding))).tolist() == [0] * 8
+    extreme = np.array([[0, 0x7FFFFFFF]] * 4 + [[0x7FFFFFFF, 0]] * 4, np.int32)
+    assert np.asarray(kernel(jax.device_put(extreme, sharding))).tolist() == [1] * 8
