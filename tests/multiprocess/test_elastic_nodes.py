@@ -184,6 +184,27 @@ def _lost_node_and_scale_up(names: list[str]) -> None:
             n.close()
 
 
+def test_the_endpoints_host_serves_and_node_ids_follow_the_order_of_joining():
+    from jaxpg.run.rdzv_join import claim_in_join_order, is_local_host, serve_if_local
+    from jaxpg.run.rdzv_store import RendezvousClient
+
+    assert is_local_host("127.0.0.1") and not is_local_host("192.0.2.77")
+    port = _free_port()
+    assert serve_if_local("192.0.2.77", port) is None  # another machine's: join it
+    server = serve_if_local("127.0.0.1", port)
+    assert server is not None
+    assert serve_if_local("127.0.0.1", port) is None  # served here already: join it
+    clients = [RendezvousClient("127.0.0.1", port, timeout=5) for _ in range(3)]
+    try:
+        assert claim_in_join_order(clients[0]) == 0  # the server's launcher
+        assert [claim_in_join_order(c, 1) for c in clients[1:]] == [1, 2]
+        assert claim_in_join_order(clients[1], 1) == 3  # a node started again: a new id
+    finally:
+        for c in clients:
+            c.close()
+        server.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchruns_command_without_node_rank_takes_node_ranks_in_join_order():

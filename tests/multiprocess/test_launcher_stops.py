@@ -109,6 +109,23 @@ def test_error_files_in_torchs_format_and_the_last_traceback(tmp_path, monkeypat
     assert last_exception("no traceback here") is None
 
 
+def test_jaxs_preemption_sync_only_where_the_environment_asks_for_it(monkeypatch):
+    import jax
+
+    from jaxpg.runtime.hosted_coordinator import preemption_sync_asked
+
+    monkeypatch.delenv("JAX_ENABLE_PREEMPTION_SERVICE", raising=False)
+    assert jax.config.jax_enable_preemption_service  # JAX's default, which does not count
+    assert not preemption_sync_asked()
+    monkeypatch.setenv("JAX_ENABLE_PREEMPTION_SERVICE", "1")
+    assert preemption_sync_asked()
+    try:
+        jax.config.update("jax_enable_preemption_service", False)
+        assert not preemption_sync_asked()
+    finally:
+        jax.config.update("jax_enable_preemption_service", True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
