@@ -175,3 +175,18 @@ def test_host_code_outputs_follow_their_layouts(mesh):
         output_layouts=Shard(1), desired_output_layouts=Replicate()))
     assert back(X).sharding.spec == P()
     assert max_diff(back(X), nnx.LayerNorm(16, rngs=nnx.Rngs(5))(X)) < 1e-5
+
+
+def test_attach_plan_sets_the_styles_and_returns_the_specs_without_touching_arrays(mesh):
+    # an abstract block (nnx.eval_shape): the styles and their specs, the arrays left abstract
+    from jaxpg.tensor_parallel import attach_plan
+
+    block = nnx.eval_shape(lambda: Block(16, 4, nnx.Rngs(0)))
+    specs = attach_plan(block, mesh["tp"], block_plan(False))
+    assert specs == {"qkv.kernel": P(None, "tp"), "qkv.bias": P("tp"),
+                     "proj.kernel": P("tp", None), "up.kernel": P(None, "tp"),
+                     "up.bias": P("tp"), "down.kernel": P("tp", None)}
+    assert isinstance(parallel_style_of(block.up)[0], ColwiseParallel)
+    assert isinstance(block.qkv.kernel.get_value(), jax.ShapeDtypeStruct)
+    with pytest.raises(ValueError, match="already parallelized"):
+        attach_plan(block, mesh["tp"], {"up": ColwiseParallel()})
