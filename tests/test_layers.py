@@ -240,3 +240,19 @@ def test_private_jax_apis_only_in_the_compat_module():
     users = sorted(str(path.relative_to(ROOT)) for path, _ in MODULES.values()
                    if private.search(path.read_text()))
     assert users == ["jaxpg/_jax_compat.py"]
+
+
+def test_the_library_imports_neither_torch_nor_transformers():
+    # torch and transformers are the tests' and benchmarks' references, never the library's
+    found = []
+    for name in sorted(MODULES):
+        for node in _nodes(name):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            found += [f"{name}:{node.lineno} imports {r}" for r in roots
+                      if r in ("torch", "transformers")]
+    assert found == []
