@@ -20,6 +20,7 @@ from jaxpg.context_parallel import ContextParallelAttention
 from jaxpg.expert_parallel import moe
 from jaxpg.models.config import ModelConfig, Qwen3MoeConfig
 from jaxpg.models.rope import apply_rope
+from jaxpg.spmd import current_context
 
 __all__ = ["RMSNorm", "Attention", "MLP", "MoE", "DecoderLayer", "swiglu"]
 
@@ -116,6 +117,12 @@ class MoE(nnx.Module):
         self.w2 = nnx.Param(_INIT(rngs.params(), (e, f, d), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.group is None and current_context() is not None:
+            raise ValueError(
+                "MoE: the model runs in SPMD code (jaxpg.spmd, a DDP or FSDP step) but was "
+                "not laid out, so its experts have no expert-parallel group; lay it out with "
+                "jaxpg.models.parallelize(model, dims) first (ep=1 keeps every expert on "
+                "every rank).")
         tokens = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         y, _ = moe(tokens, self.gate[...].astype(self.dtype), self.w1[...].astype(self.dtype),
                    self.w2[...].astype(self.dtype), group=self.group, top_k=self.top_k,

@@ -93,6 +93,13 @@ def test_layout_errors_name_the_fix():
         models.config_for("llama4")
     with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
         models.config_for("llama3-tiny", num_kv_heads=3)
+    moe_model = models.CausalLM(models.config_for("qwen3-moe-tiny"), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(moe_model)
+    run = jaxpg.spmd(lambda s, t: nnx.merge(graphdef, s).forward(t),
+                     mesh=jaxpg.ParallelDims(dp_shard=8), in_specs=(P(), P("dp_shard")),
+                     out_specs=P("dp_shard"))
+    with pytest.raises(ValueError, match=r"not laid out.*jaxpg.models.parallelize"):
+        jax.jit(run)(state, np.zeros((8, 4), np.int32))
 
 
 def test_pipeline_stages_chain_to_the_model_and_bounds_balance_the_edges():
