@@ -114,3 +114,19 @@ def test_grouped_query_attention_equals_full_attention_with_repeated_heads():
             assert full.shape == ref.shape, (name, full.shape, ref.shape)
             np.testing.assert_allclose(full, ref, rtol=1e-5, atol=1e-5,
                                        err_msg=f"{name} {method} kv_heads={g}")
+
+
+def test_the_ring_sends_grouped_query_kv_heads_once():
+    # the forward's collective-permutes carry cp - 1 blocks of K and V with their own 2
+    # heads, not the 8 query heads: 4x fewer bytes than K/V repeated to the query heads
+    from jaxpg.internal import collective_bytes
+
+    n, heads, kv = 4, 8, 2
+    group = jaxpg.new_group(list(range(n)))
+    q = np.zeros((n, B, S // n, heads, D), np.float32)
+    k = np.zeros((n, B, S // n, kv, D), np.float32)
+    run = jax.jit(jaxpg.spmd(lambda a, b, c: cp_.attention(a, b, c, group=group, causal=True),
+                             group=group))
+    sent = collective_bytes(run.lower(q, k, k).compile())["collective-permute"]
+    block = B * (S // n) * kv * D * 4  # one rank's K (or V) shard, float32
+    assert sent == (n - 1) * 2 * block, (sent, block)
