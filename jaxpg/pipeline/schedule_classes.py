@@ -188,7 +188,8 @@ class _PipelineSchedule:
         if self._shapes is None:
             self._shapes = exchange_shapes(self._tt, self._setup, self._stages,
                                            mb_args[0] if first else None, self._what,
-                                           self._stages[min(self._stages)].group)
+                                           self._stages[min(self._stages)].group,
+                                           self._loss_fn, targets[0] if last else None)
         elif first:
             structs = [(a.shape, a.dtype) for a in mb_args[0]]
             if structs != [(a.shape, a.dtype) for a in self._shapes[0][0]]:

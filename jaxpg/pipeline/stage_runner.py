@@ -13,8 +13,9 @@ soon as made and waited for right before they are read.
   its own previous chunk, or by the seed's ``recv_meta`` from the rank before it, computes
   its output's with ``jax.eval_shape`` and ``send_meta`` s them to the next rank. Each rank
   waits only for the stage before its own, so the chain cannot deadlock. A stage that
-  cannot take its input is named on every rank of the pipeline, before anything runs
-  (one ``all_gather_object`` of the verdict). The shapes fix every message's receive
+  cannot take its input (or a loss that cannot take the last stage's output and the
+  target) is named on every rank of the pipeline, before anything runs (one
+  ``all_gather_object`` of the verdict). The shapes fix every message's receive
   buffer from then on.
 * **Programs.** Per stage, jitted (``jaxpg.pipeline.stage_programs``): ``F`` keeps the
   pullback until ``B`` (or ``B`` and ``W``) applies it. A tensor-parallel stage's programs
@@ -82,7 +83,8 @@ def _structs(tree: Any) -> tuple:
 
 
 def exchange_shapes(tt: Any, setup: RankSetup, stages: dict, first_inputs: tuple | None,
-                    what: str, group: Any) -> tuple[dict, dict]:
+                    what: str, group: Any, loss_fn: Callable | None = None,
+                    target: Any = None) -> tuple[dict, dict]:
     """Each local stage's input and output shape structs (``send_meta``/``recv_meta``).
 
     Every rank of the pipeline finds out whether the chain holds before any activation
@@ -98,6 +100,8 @@ def exchange_shapes(tt: Any, setup: RankSetup, stages: dict, first_inputs: tuple
         first_inputs: one microbatch of the model's inputs (on the first stage's process).
         what: the schedule, for errors.
         group: the pipeline's process group (the verdict's).
+        loss_fn: the schedule's ``loss_fn(output, target)``, checked on the last stage's
+            output with ``target`` (one microbatch's, on the last stage's process).
 
     Returns:
         ``(inputs, outputs)``: model stage -> a tuple of shape structs.
@@ -125,6 +129,9 @@ def exchange_shapes(tt: Any, setup: RankSetup, stages: dict, first_inputs: tuple
             inputs[s] = got
             try:
                 outputs[s] = _stage_outputs(tt, stages[s], got, what)
+                if s == n - 1 and loss_fn is not None and target is not None \
+                        and stages[s].tp is None:  # a tp stage's loss may need its group
+                    _check_loss(loss_fn, outputs[s], target, s, what)
             except (ValueError, TypeError) as err:
                 failure = (s, err)
         if s < n - 1 and s + 1 not in stages:
@@ -169,6 +176,23 @@ def _stage_outputs(tt: Any, stage: Any, got: tuple, what: str) -> tuple:
         raise ValueError(f"{what}: stage {s} ({module}) cannot take {source}, "
                          f"{_shown(got)}: {type(err).__name__}: {str(err).rstrip('.')}; "
                          f"{fix}.") from err
+
+
+def _check_loss(loss_fn: Callable, outputs: tuple, target: Any, s: int, what: str) -> None:
+    """``loss_fn`` takes the last stage's ``outputs`` with ``target`` and gives a scalar."""
+    y = outputs[0] if len(outputs) == 1 else outputs
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)),
+                           target)
+    try:
+        loss = jax.eval_shape(loss_fn, y, structs)
+    except Exception as err:  # noqa: BLE001 (any failure to trace the loss on these shapes)
+        raise ValueError(f"{what}: loss_fn cannot take stage {s}'s output {_shown(outputs)} "
+                         f"with a target microbatch of {format_struct(structs)}: "
+                         f"{type(err).__name__}: {str(err).rstrip('.')}; make the last "
+                         "stage's output and the target fit the loss.") from err
+    if getattr(loss, "shape", None) != ():
+        raise ValueError(f"{what}: loss_fn must return a scalar loss per microbatch; on stage "
+                         f"{s}'s output {_shown(outputs)} it returns {format_struct(loss)}.")
 
 
 def _agree_on_shapes(group: Any, failure: tuple | None, me: int) -> None:

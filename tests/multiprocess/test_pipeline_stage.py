@@ -165,13 +165,20 @@ def test_paddle_pipeline_layer_trains_as_the_un_pipelined_model(results):
 def test_stages_that_do_not_fit_are_named_on_every_rank(results):
     """Stage 0 gives [2, 16], stage 1 takes 12 features: both ranks raise the same
     ValueError naming both stages and the shapes before anything runs (rank 1 raised
-    JAX's dot_general error, rank 0 a DistNetworkError), and the world goes on."""
+    JAX's dot_general error, rank 0 a DistNetworkError), and the world goes on; so does a
+    target that does not fit the loss on the last stage's output."""
     errors = [str(got["mismatch/error"]) for got in results]
     assert errors[0] == errors[1], errors
     assert re.search(r"Schedule1F1B \(pipeline rank 1\): stage 1 \(Wide\) cannot take stage "
                      r"0's output \(pipeline rank 0\), float32\[2,16\]: TypeError: dot_general"
                      r".*\(16,\) and \(12,\).*make stage 0's output fit stage 1's input.*"
                      r"found by rank 1 before the step ran", errors[0]), errors[0]
+    errors = [str(got["mismatch/loss_error"]) for got in results]
+    assert errors[0] == errors[1], errors
+    assert re.search(r"Schedule1F1B \(pipeline rank 1\): loss_fn cannot take stage 1's output "
+                     r"float32\[2,4\] with a target microbatch of float32\[2,5\]: TypeError: "
+                     r".*make the last stage's output and the target fit the loss.*found by "
+                     r"rank 1 before the step ran", errors[0]), errors[0]
     for got in results:
         np.testing.assert_array_equal(got["mismatch/after"], [3.0])
 

@@ -21,8 +21,8 @@ service; one CPU device per process). Writes ``OUT_DIR/rank{RANK}.npz`` with:
 * ``hetero``: a 4-piece model whose stages differ in shapes (widths 16, 12, 20, vocab)
   under the schedule classes of 2 stages per process (``hetero/{class}/...``), and the
   un-pipelined model's microbatch losses and gradients (``hetero/ref/...``, ``jax.grad``).
-* ``mismatch``: two stages that do not fit (16 features out, 12 in): each rank's error
-  text, and an all_reduce after it.
+* ``mismatch``: two stages that do not fit (16 features out, 12 in), then a target that
+  does not fit the loss: each rank's error texts, and an all_reduce after them.
 """
 
 from __future__ import annotations
@@ -475,22 +475,24 @@ class Wide(nnx.Module):
 
 
 def run_mismatched_stages(rank, out):
-    """Stage 0 gives 16 features, stage 1 takes 12: Schedule1F1B's first step must raise
-    the same ValueError on both ranks, before anything runs (``mismatch/error``), and leave
+    """Stage 0 gives 16 features, stage 1 takes 12 (``mismatch/error``); then stages that
+    fit and a target of 5 features for 4 outputs (``mismatch/loss_error``): Schedule1F1B's
+    first step must raise the same ValueError on both ranks, before anything runs, and leave
     the world usable (``mismatch/after``: an all_reduce of the ranks)."""
     import jaxpg
     from jaxpg.pipeline import PipelineStage, Schedule1F1B
 
-    stage = PipelineStage(Wide(8, 16) if rank == 0 else Wide(12, 4), rank, 2)
-    schedule = Schedule1F1B(stage, 2, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
-    try:
-        if rank == 0:
-            schedule.step(jnp.ones((4, 8)))
-        else:
-            schedule.step(target=jnp.zeros((4, 4)), losses=[])
-        out["mismatch/error"] = np.array("no error")
-    except ValueError as err:
-        out["mismatch/error"] = np.array(str(err))
+    for key, width, target in (("error", 12, (4, 4)), ("loss_error", 16, (4, 5))):
+        stage = PipelineStage(Wide(8, 16) if rank == 0 else Wide(width, 4), rank, 2)
+        schedule = Schedule1F1B(stage, 2, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
+        try:
+            if rank == 0:
+                schedule.step(jnp.ones((4, 8)))
+            else:
+                schedule.step(target=jnp.zeros(target), losses=[])
+            out[f"mismatch/{key}"] = np.array("no error")
+        except ValueError as err:
+            out[f"mismatch/{key}"] = np.array(str(err))
     out["mismatch/after"] = np.asarray(jaxpg.all_reduce(np.array([rank + 1.0], np.float32)))
 
 
