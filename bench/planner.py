@@ -1,0 +1,142 @@
+"""The layout planner against measurements and published runs (docs/planner.md).
+
+1. Calibrates the ``local`` hardware profile on 8 simulated CPU devices
+   (:func:`jaxpg.plan.calibrate.calibrate`).
+2. For a small GPT, predicts and measures (:func:`jaxpg.plan.trial.trial_step`) the step time
+   of at least 10 layouts over tp, dp_replicate / dp_shard with ZeRO 1 and 3, microbatches
+   and recomputation: Spearman's rank correlation, and how far the predicted best is from
+   the measured best.
+3. Megatron-LM's Table 1: the predicted tokens/s per GPU against the published figure.
+
+Writes ``bench/results/planner.json`` (``--quick``: 4 layouts, under the quick folder). XLA
+compiles at optimization level 0, as in the test suite, to keep the compiles short; the
+calibration and the trials run alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+_flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+if "xla_backend_optimization_level" not in _flags:  # as the test suite: short compiles
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from jaxpg.plan import Job, Layout, TransformerSpec, evaluate, get_model  # noqa: E402
+from jaxpg.plan.calibrate import calibrate  # noqa: E402
+from jaxpg.plan.published import MEGATRON_TABLE1, megatron_tokens_per_s  # noqa: E402
+from jaxpg.plan.trial import trial_step  # noqa: E402
+
+QUICK_ARGS: list[str] = ["--quick"]
+GPT = TransformerSpec(layers=2, dim=128, heads=8, ffn=512, vocab=512, mlp="gelu",
+                      flash_attention=False, tied_embeddings=True, name="bench-gpt")
+LAYOUTS = [
+    "dp_replicate=8,microbatches=1",
+    "dp_replicate=8,microbatches=1,remat=full",
+    "dp_replicate=8,microbatches=2",
+    "dp_replicate=8,microbatches=1,remat=selective",
+    "dp_shard=8,microbatches=1,zero=1",
+    "dp_shard=8,microbatches=1,zero=3",
+    "dp_replicate=4,tp=2,microbatches=1",
+    "dp_replicate=2,tp=4,microbatches=1",
+    "tp=8,microbatches=1",
+    "dp_replicate=2,tp=4,microbatches=1,remat=full",
+    "dp_shard=4,tp=2,microbatches=1,zero=3",
+    "tp=8,microbatches=2,remat=full",
+]
+
+
+def _ranks(values):
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(len(values))
+    return ranks
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation (no ties expected)."""
+    ra, rb = _ranks(np.asarray(a)), _ranks(np.asarray(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def megatron_rows() -> list[dict]:
+    rows = []
+    for run in MEGATRON_TABLE1:
+        spec = get_model(run.model)
+        job = Job(model=spec, devices=run.gpus, hardware="a100-80gb", seq_len=2048,
+                  global_batch=run.batch)
+        lay = Layout(dp_replicate=run.dp, tp=run.tp, pp=run.pp,
+                     microbatches=run.batch // run.dp, remat="full", sp=False)
+        est = evaluate(lay, job)
+        published = megatron_tokens_per_s(run, spec)
+        rows.append({"model": run.model, "params_b": spec.params / 1e9, "tp": run.tp,
+                     "pp": run.pp, "dp": run.dp, "gpus": run.gpus, "batch": run.batch,
+                     "published_tflops": run.tflops_per_gpu,
+                     "published_tokens_per_s": published,
+                     "predicted_tokens_per_s": est.tokens_per_s_per_device,
+                     "ratio": est.tokens_per_s_per_device / published,
+                     "predicted_memory_gib": est.memory.total_gib,
+                     "bubble_fraction": est.time.bubble / est.time.total,
+                     "exposed_comm_fraction": est.time.exposed_comm / est.time.total})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="4 layouts, results under /tmp")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per layout")
+    p.add_argument("--out", type=pathlib.Path)
+    args = p.parse_args(argv)
+    out = args.out or (pathlib.Path(tempfile.gettempdir()) / "jaxpg-bench-quick" /
+                       "planner.json" if args.quick else
+                       pathlib.Path(__file__).parent / "results" / "planner.json")
+    load_before = os.getloadavg()
+    began = time.time()
+    hw = calibrate(dtype="fp32", repeats=3, matmul_size=256, stream_mib=8)
+    print(f"calibrated in {time.time() - began:.0f} s: {hw}", flush=True)
+    job = Job(model=GPT, devices=8, hardware=hw, seq_len=128, global_batch=16, dtype="fp32",
+              param_dtype="fp32")
+    rows = []
+    for text in LAYOUTS[:4] if args.quick else LAYOUTS:
+        lay = Layout.parse(text)
+        est = evaluate(lay, job)
+        measured = trial_step(job, lay, steps=args.steps)
+        rows.append({"layout": str(lay), "predicted_s": est.step_s, "measured_s": measured,
+                     "predicted_memory_gib": est.memory.total_gib,
+                     "comm_s": dict(est.time.comm)})
+        print(f"{str(lay):<60} predicted {est.step_s:7.3f} s  measured {measured:7.3f} s",
+              flush=True)
+    predicted = [r["predicted_s"] for r in rows]
+    measured = [r["measured_s"] for r in rows]
+    best_predicted = int(np.argmin(predicted))
+    result = {
+        "machine": {"cpus": os.cpu_count(), "load_before": load_before,
+                    "load_after": os.getloadavg(), "python": sys.version.split()[0]},
+        "calibrated": hw.to_dict(),
+        "model": GPT.describe(), "seq_len": job.seq_len, "global_batch": job.global_batch,
+        "layouts": rows,
+        "spearman": spearman(predicted, measured),
+        "top_pick": rows[best_predicted]["layout"],
+        "top_pick_over_best_measured": measured[best_predicted] / min(measured),
+        "megatron_table1": megatron_rows(),
+        "seconds": time.time() - began,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"spearman {result['spearman']:.3f}, top pick {result['top_pick']} at "
+          f"{result['top_pick_over_best_measured']:.3f} x the best measured; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
