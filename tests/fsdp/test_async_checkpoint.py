@@ -18,7 +18,7 @@ from jaxpg import ddp as jddp
 from jaxpg import fsdp as jfsdp
 from jaxpg.ddp import checkpoint_writer
 
-OPT = optax.adam(1e-2)
+OPT = optax.sgd(0.5, momentum=0.9)  # linear in the gradient: a wrong average shows
 BATCHES = make_batches(5, 8)
 
 
@@ -81,7 +81,7 @@ _KILLED_WHILE_WRITING = textwrap.dedent("""
     from orbax.checkpoint._src.path import async_path
 
     jaxpg.init_process_group()
-    model = jfsdp.FullyShardedDataParallel(Net(0), optax.adam(1e-2), group=group(4),
+    model = jfsdp.FullyShardedDataParallel(Net(0), optax.sgd(0.5, momentum=0.9), group=group(4),
                                            units=Block)
     real_rename = async_path.rename
 

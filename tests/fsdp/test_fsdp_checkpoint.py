@@ -18,7 +18,7 @@ from jaxpg.ddp import save_checkpoint as ddp_save
 from jaxpg.fsdp import FullyShardedDataParallel
 from jaxpg.fsdp.checkpoint import consolidate_checkpoint, restore_checkpoint, save_checkpoint
 
-OPT = optax.adam(1e-2)
+OPT = optax.sgd(0.1, momentum=0.9)  # linear in the gradient: a wrong average shows
 BATCHES = make_batches(5, 8)
 
 

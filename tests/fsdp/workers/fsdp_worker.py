@@ -28,7 +28,7 @@ from jaxpg.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy  # noqa: E
 from jaxpg.fsdp.checkpoint import restore_checkpoint, save_checkpoint  # noqa: E402
 
 PER_RANK = 4
-OPT = optax.adam(1e-2)
+OPT = optax.sgd(0.5, momentum=0.9)  # linear in the gradient: a wrong average shows
 BF16 = MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
 
 

@@ -1,5 +1,6 @@
 """jaxpg FSDP against torch FSDP2 (``fully_shard`` per layer plus the root, gloo) in the
-same 2 processes: same weights, same data, 6 Adam steps. Prints ``CHECK <name> ok``.
+same 2 processes: same weights, same data, 6 SGD steps with momentum (linear in the gradient,
+so a wrong gradient average shows). Prints ``CHECK <name> ok``.
 
 argv: the port of torch's ``tcp://127.0.0.1`` rendezvous.
 """
@@ -19,7 +20,7 @@ import jaxpg
 from jaxpg.fsdp import FullyShardedDataParallel
 
 SIZES = (7, 13, 9, 5)  # odd sizes: torch shards them unevenly, jaxpg pads
-PER_RANK, STEPS, LR = 4, 6, 1e-2
+PER_RANK, STEPS, LR = 4, 6, 0.1
 
 
 class Mlp(nnx.Module):
@@ -64,9 +65,9 @@ def main(port):
     for lin in tmodel[::2]:
         fully_shard(lin, mesh=mesh)
     fully_shard(tmodel, mesh=mesh)
-    topt = torch.optim.Adam(tmodel.parameters(), lr=LR)
+    topt = torch.optim.SGD(tmodel.parameters(), lr=LR, momentum=0.9)
 
-    fsdp = FullyShardedDataParallel(model, optax.adam(LR), units=nnx.Linear)
+    fsdp = FullyShardedDataParallel(model, optax.sgd(LR, momentum=0.9), units=nnx.Linear)
     rng = np.random.default_rng(0)
     for _ in range(STEPS):
         x = rng.standard_normal((PER_RANK * n, SIZES[0])).astype(np.float32)
