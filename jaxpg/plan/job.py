@@ -10,7 +10,7 @@ Example:
     >>> job = Job(model=get_model("llama3-8b"), devices=64, hardware="h100-80gb",
     ...           seq_len=8192, global_batch=128)
     >>> job.tokens_per_step
-    1048576
+    2097152
 """
 
 from __future__ import annotations

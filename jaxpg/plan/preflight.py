@@ -21,7 +21,7 @@ Example:
     >>> job = Job(model=get_model("llama3-8b"), devices=16, hardware="h100-80gb",
     ...           seq_len=8192, global_batch=32)
     >>> [p.name for p in problems(Layout(tp=16), job)]
-    ['tp', 'microbatches']
+    ['tp', 'memory']
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ in full as Megatron-LM does.
 Example:
     >>> spec = TransformerSpec(layers=2, dim=64, heads=4, ffn=256, vocab=1000)
     >>> spec.params
-    181824
+    259392
 """
 
 from __future__ import annotations
