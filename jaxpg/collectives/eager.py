@@ -25,7 +25,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpg._jax_compat import array_from_single_block
 from jaxpg.collectives._dispatch import NARROW_64
 from jaxpg.groups.callbacks import on_reset
+from jaxpg.reduce_op import ReduceOp
 from jaxpg.spmd import SpmdContext
+from jaxpg.supervision import signature_check
 
 __all__ = ["run_eager", "local_count", "holds_every_member", "clear_kernel_cache"]
 
@@ -39,6 +41,21 @@ _plans: dict[int, tuple[int, bool, NamedSharding, Any]] = {}
 # Set by ``p2p`` while this process has point-to-point work outstanding: called with the
 # api before each collective across processes, it completes this process's earlier sends.
 before_collective: list[Callable[[str], None]] = []
+
+
+def _subgroup_max(group: Any) -> Callable[[Any], Any]:
+    """The signature check's reduction: the maximum over this rank's own subgroup of the
+    family, lowered as the group's collectives are (``jaxpg.collectives.layout``)."""
+    mesh, state = group.family_mesh, group._world
+
+    def maximum(x: Any) -> Any:
+        with SpmdContext(mesh, state) as ctx:
+            return ctx.layout(group).all_reduce(x, ReduceOp.MAX)
+
+    return maximum
+
+
+signature_check.group_max[:] = [_subgroup_max]
 
 
 @on_reset

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -66,16 +67,27 @@ def _digest(text: str) -> np.ndarray:
     return raw & np.int32(0x7FFFFFFF)
 
 
+# Set by ``jaxpg.collectives``: ``group_max(group)`` gives ``fn(x)`` that, traced per rank
+# over ``group.family_mesh``, returns the maximum of ``x`` over the rank's own subgroup
+# (a family of ``new_subgroups`` has several; each checks its own calls, as it runs them).
+group_max: list[Callable[[Any], Callable[[Any], Any]]] = []
+
+
 def _kernel(group: Any) -> tuple[Any, NamedSharding]:
-    """The group's check: each rank's digest in, 1 out on every rank when any two differ
-    (one all-reduce: the maximum of the digests and of their negations, which meet only
-    when every rank's is the same)."""
+    """The group's check: each rank's digest in, 1 out on every rank of its subgroup when
+    any two differ (one all-reduce: the maximum of the digests and of their negations,
+    which meet only when every rank's is the same)."""
     entry = group.__dict__.get("_jaxpg_sigcheck_kernel")
     if entry is None:
         mesh, axis = group.family_mesh, group.axis_name
+        if group_max:
+            maximum = group_max[0](group)
+        else:  # one subgroup: the whole axis
+            def maximum(x: Any) -> Any:
+                return lax.pmax(x, axis)
 
         def per_rank(digest: Any) -> Any:  # [1, 2], both halves in [0, 2**31)
-            both = lax.pmax(jnp.concatenate([digest, -digest], axis=1), axis)
+            both = maximum(jnp.concatenate([digest, -digest], axis=1))
             return jnp.any(both[:, :2] != -both[:, 2:]).astype(jnp.int32).reshape(1)
 
         sharding = NamedSharding(mesh, P(axis))
@@ -124,7 +136,7 @@ def raise_mismatch(group: Any, api: str, seq: int, fingerprint: Any) -> None:
     fingerprints' texts through the world's store (every rank of a mismatched check calls
     it, and all raise the same text)."""
     state = group._world
-    members = group.members
+    members = tuple(sorted(group.ranks))  # this rank's subgroup: the ranks that compared
     procs = processes_of(state, members)
     me = state.process_index
     rank_of = {p: ranks_of_processes(state, [p], members)[0] for p in procs}
