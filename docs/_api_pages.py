@@ -25,6 +25,7 @@ API_PACKAGES = {
     "jaxpg.pipeline": "Pipeline parallelism: schedules as timetables and their executors.",
     "jaxpg.plan": "The layout planner: specs, hardware, memory and time, preflight.",
     "jaxpg.run": "The jaxpg-run launcher.",
+    "jaxpg.train": "The training recipe: python -m jaxpg.train CONFIG.toml.",
     "jaxpg.supervision.fr_trace":
         "jaxpg-fr-trace: reads flight-recorder dumps and names the rank at fault.",
 }

@@ -34,7 +34,7 @@ _API_NAMES = {"RedOpType": "jaxpg.reduce_op", "ReduceOp": "jaxpg.reduce_op",
               "FileStore": "jaxpg.stores", "PrefixStore": "jaxpg.stores",
               "TCPStore": "jaxpg.stores"}
 _SUBPACKAGES = ("ddp", "fsdp", "models", "pipeline", "plan",
-                "tensor_parallel")  # listed by dir(jaxpg)
+                "tensor_parallel", "train")  # listed by dir(jaxpg)
 _ERRORS = ["DiscardedResultWarning", "DistBackendError", "DistDesyncError", "DistError",
            "DistNetworkError", "DistStoreError", "DistTimeoutError"]
 

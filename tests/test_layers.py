@@ -49,7 +49,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("pipeline",)),
     # the layout planner and preflight: specs, memory and time models over the timetables
     ("plan", ("plan",)),
-    ("run", ("run",)),
+    # the launcher, and the training recipe (python -m jaxpg.train)
+    ("run", ("run", "train")),
     # the internal tier (helpers for jaxpg's tests, benchmarks and tools) gathers from all
     ("internal", ("internal",)),
 ]

@@ -56,7 +56,7 @@ def test_import_jaxpg_loads_no_flax_optax_or_orbax():
 
 
 def test_parallelism_packages_are_attributes_of_jaxpg():
-    for name in ("ddp", "fsdp", "models", "pipeline", "plan", "tensor_parallel"):
+    for name in ("ddp", "fsdp", "models", "pipeline", "plan", "tensor_parallel", "train"):
         assert getattr(jaxpg, name).__name__ == f"jaxpg.{name}"
         assert name in dir(jaxpg)
     try:
@@ -74,7 +74,7 @@ def test_internals_are_out_of_every_public_all():
 
     public = ["jaxpg", "jaxpg.ddp", "jaxpg.fsdp", "jaxpg.models", "jaxpg.pipeline",
               "jaxpg.plan",
-              "jaxpg.tensor_parallel",
+              "jaxpg.tensor_parallel", "jaxpg.train",
               "jaxpg.rendezvous", "jaxpg.stores", "jaxpg.run"]
     exported = {name for package in public
                 for name in importlib.import_module(package).__all__}
