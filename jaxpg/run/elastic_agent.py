@@ -35,6 +35,7 @@ def run_elastic(args: argparse.Namespace, *, run_attempt: Callable[..., tuple],
     coordinator: WorkerCoordinator | None = None
     nodes: ElasticNodes | None = None
     code = 1
+    started = False  # whether any workers were started here
     try:
         node_id = args.node_rank if args.node_rank_given else None  # None: in join order
         if etcd:
@@ -61,6 +62,7 @@ def run_elastic(args: argparse.Namespace, *, run_attempt: Callable[..., tuple],
                 continue
             members, addr, port = joined
             group_rank = members.index(nodes.node_id)
+            started = True
             failure, code = run_attempt(args, nodes, attempt, port, node_rank=group_rank,
                                         nnodes=len(members), master_addr=addr)
             nodes.barrier(f"stopped/{attempt}")
@@ -78,7 +80,7 @@ def run_elastic(args: argparse.Namespace, *, run_attempt: Callable[..., tuple],
         if nodes is not None:
             nodes.close()
     except RendezvousHostLost as err:
-        _say(f"{err}; stopping all workers")
+        _say(f"{err}; stopping all workers" if started else str(err))
         code = 1
     except RuntimeError as err:  # etcd refused a request
         _say(f"rendezvous error: {err}")

@@ -46,8 +46,8 @@ def describe(rank: int, returncode: int, error: ErrorRecord | None = None,
              stuck: bool = False) -> str:
     """One line for a failed rank: its exit code (or how it was counted) and exception."""
     if stuck:
-        text = (f"rank {rank} raised and did not exit (jax.distributed's shutdown waits for "
-                "its peers): counted as failed with code 1")
+        text = (f"rank {rank} with code 1 (it raised and did not exit: counted as failed; "
+                "jax.distributed's shutdown waits for its peers)")
     else:
         text = f"rank {rank} exited with code {_code_text(returncode)}"
     if error is not None:

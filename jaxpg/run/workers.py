@@ -16,13 +16,16 @@ from jaxpg.run.env import affinity_of
 from jaxpg.run.error_file import ENV_VAR as ERROR_FILE_VAR
 from jaxpg.run.error_file import ErrorRecord, read_error_file
 from jaxpg.run.output import LineFilter, Tail, consoles, pump
+from jaxpg.runtime.service_client import LOBBY_VAR
 
 __all__ = ["EXIT_AFTER_RAISE_S", "WorkerGroup"]
 
-EXIT_AFTER_RAISE_S = 3.0
+EXIT_AFTER_RAISE_S = 10.0
 """Seconds a worker may live on after its error file appeared (an uncaught exception)
 before it counts as failed: ``jax.distributed``'s shutdown at exit can wait for a peer
-that goes on running (``--coordinator rank0``), and then the process never ends."""
+that goes on running (``--coordinator rank0``), and then the process never ends. A worker
+that joined through jaxpg's ``init_process_group`` (its rank is in the attempt's lobby) is
+left to jaxpg's own exit, whose waits for a lost or stopped peer end with their timeouts."""
 
 
 def _die_with_parent() -> None:
@@ -76,6 +79,7 @@ class WorkerGroup:
         self.first_rank = first_rank
         self.procs: list[subprocess.Popen] = []
         self.error_files = [env.get(ERROR_FILE_VAR) for env in envs]
+        self.lobby = envs[0].get(LOBBY_VAR) if envs else None
         self.stuck: set[int] = set()  # local ranks that raised but did not exit
         self.threads: list[threading.Thread] = []
         self.filter = LineFilter()
@@ -141,10 +145,12 @@ class WorkerGroup:
     def _raised_long_ago(self, local_rank: int) -> bool:
         path = self.error_files[local_rank]
         try:
-            return path is not None and (
-                time.time() - os.path.getmtime(path) > EXIT_AFTER_RAISE_S)
+            if path is None or time.time() - os.path.getmtime(path) <= EXIT_AFTER_RAISE_S:
+                return False
         except OSError:
             return False
+        rank = str(self.first_rank + local_rank)
+        return not (self.lobby and os.path.exists(os.path.join(self.lobby, rank)))
 
     def error(self, rank: int) -> ErrorRecord | None:
         """The exception that ended global ``rank``: its error file's, else the last

@@ -194,9 +194,9 @@ def test_a_rank_that_raised_but_cannot_exit_counts_as_failed_and_restarts():
     code, ended = launcher.finish(timeout=150)
     text = launcher.text()
     assert code == 0, text[-3000:]
-    assert "rank 1 raised and did not exit" in text
+    assert "rank 1 with code 1 (it raised and did not exit: counted as failed" in text
     assert "restarting the whole group" in text
     assert text.count("DONE") == 2  # both ranks of attempt 1
-    # Bound: EXIT_AFTER_RAISE_S (3 s), the stop, and attempt 1's start (two processes that
+    # Bound: EXIT_AFTER_RAISE_S (10 s), the stop, and attempt 1's start (two processes that
     # import JAX: up to 30 s on a loaded machine); rank 0's 120 s sleep is far above it.
     assert ended - raised < 60, (ended - raised, text[-3000:])
