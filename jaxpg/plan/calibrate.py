@@ -6,9 +6,10 @@ It times, on every local device at once (what a layout's devices do in a step):
   ``matmul_efficiency`` is 1: the measurement already is what matmuls reach), and a narrow
   one (width 16), whose slowdown gives ``matmul_half_width``;
 * an elementwise pass over a large array on each device: the memory bandwidth;
-* an all-reduce over all devices at two sizes: its latency and bandwidth, from the alpha-beta
-  model (:mod:`jaxpg.plan.links`), as the link within the "node" (this machine), with
-  ``collective_efficiency`` 1 for the same reason;
+* an all-reduce over all devices at two sizes: its bandwidth, from the alpha-beta model
+  (:mod:`jaxpg.plan.links`), as the link within the "node" (this machine), with
+  ``collective_efficiency`` 1 for the same reason; and 16 small ones in a row in one
+  program: its latency (what each collective of a program pays, not a program's launch);
 * on CPU devices, ``overlap=False``: XLA:CPU runs one operation at a time.
 
 Simulated CPU devices (``--xla_force_host_platform_device_count``) share the host's cores;
@@ -91,10 +92,15 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
     stream = jax.jit(lambda x: x * 1.5 + 1.0, out_shardings=spec)
     bandwidth = 2.0 * words * 4 / _best_seconds(stream, s, repeats=repeats)
 
-    def all_reduce_seconds(count: int) -> float:
+    def all_reduce_seconds(count: int, chain: int = 1) -> float:
+        def body(v):
+            for _ in range(chain):  # one after another: each waits for the previous one
+                v = jax.lax.psum(v, "d") * 0.5
+            return v
+
         x = jax.device_put(jnp.ones((n, count), jnp.float32), spec)
-        fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh,
-                               in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d")))
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("d"),
+                                   out_specs=PartitionSpec("d")))
         return _best_seconds(fn, x, repeats=repeats)
 
     if n > 1:
@@ -102,7 +108,9 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
         t_small, t_large = all_reduce_seconds(small), all_reduce_seconds(large)
         per_byte = max(t_large - t_small, 1e-9) / ((large - small) * 4)
         beta = 2 * (n - 1) / n / per_byte
-        alpha = max(t_small - 2 * (n - 1) / n * small * 4 / beta, 1e-7) / (2 * (n - 1))
+        # the latency inside a program: 16 small all-reduces in a row, less one program's
+        chained = all_reduce_seconds(small, chain=17) - t_small
+        alpha = max(chained / 16 - 2 * (n - 1) / n * small * 4 / beta, 1e-7) / (2 * (n - 1))
     else:
         beta, alpha = bandwidth, 1e-6
     link = Link(bandwidth=beta, latency=alpha)

@@ -179,6 +179,15 @@ class TransformerSpec:
         return (self.non_expert_params
                 + self.moe_layers * self.top_k * self.expert_params)
 
+    @property
+    def block_tensors(self) -> int:
+        """Parameter tensors of one block: q, k, v, o, the MLP's matrices (the routed experts
+        stacked, the shared ones, the router), two norms."""
+        mlp = 3 if self.mlp == "swiglu" else 2
+        if self.is_moe:
+            mlp = mlp * (2 if self.shared_experts else 1) + 1
+        return 4 + mlp + 2
+
     # -- FLOPs --------------------------------------------------------------------------
     def block_matmul_params(self, moe: bool) -> int:
         """The matrix parameters one token meets in one block (active experts for an MoE)."""

@@ -16,7 +16,8 @@ Each pipeline action (one microbatch through one chunk of blocks on one rank) is
   block and direction.
 * **the pipeline**: one activation send per action (exposed); ZeRO-3's parameter all-gathers
   (forward and backward) and gradient reduce-scatters run ahead (prefetch), so only what
-  exceeds the action's compute is exposed, plus the first block's.
+  exceeds the action's compute is exposed, plus the first block's; each parameter tensor
+  is its own collective and pays the link's latency.
 
 The actions' costs then play through the schedule's timetable with jaxpg's own event-driven
 replay (:func:`jaxpg.pipeline.costs.timed`): its makespan minus the ranks' work is the
@@ -148,12 +149,15 @@ def _actions(job: Job, layout: Layout) -> tuple[_Action, _Action, _Action | None
         link = axis_link(layout, ("dp_shard", "cp"), hw, dpn)
         n = layout.zero_group
         chunk_params = split.total / layout.chunks
+        # one collective per parameter tensor: the latency of all but one comes on top
+        tensors = blocks * (s.block_tensors) - 1
         rs = collective_time("reduce_scatter", chunk_params * DTYPE_BYTES[job.grad_dtype], n,
-                             link, eff)
+                             link, eff) + tensors * (n - 1) * link.latency
         gather = 0.0
         if layout.zero == 3:
             keep = DTYPE_BYTES[job.dtype]
-            gather = collective_time("all_gather", chunk_params * keep, n, link, eff)
+            gather = collective_time("all_gather", chunk_params * keep, n, link, eff) + (
+                tensors * (n - 1) * link.latency)
             f_comm["zero3"] = _prefetched(gather, f_compute, blocks, hw.overlap)
         b_comm[f"zero{layout.zero}"] = _prefetched(gather + rs, b_compute + w_compute,
                                                    blocks, hw.overlap)

@@ -20,7 +20,7 @@ from jaxpg.plan import (
     step_time,
 )
 from jaxpg.plan.cli import main
-from jaxpg.plan.hardware import get_hardware
+from jaxpg.plan.hardware import Link, get_hardware
 from jaxpg.plan.links import collective_time, span
 from jaxpg.plan.step_time import _makespan
 
@@ -123,6 +123,11 @@ def test_time_model_moves_the_right_way():
     fsdp = Layout(dp_shard=8, microbatches=2, zero=3)
     serial = job.replace(hardware=job.hardware.replace(overlap=False))
     assert step_time(serial, fsdp).comm["zero3"] > 3 * step_time(job, fsdp).comm["zero3"]
+    # each parameter tensor is its own collective: 3 per microbatch (2 gathers, 1 scatter)
+    laggy = serial.replace(hardware=serial.hardware.replace(
+        intra=Link(bandwidth=serial.hardware.intra.bandwidth, latency=1e-3)))
+    tensors = job.model.layers * job.model.block_tensors - 1
+    assert step_time(laggy, fsdp).comm["zero3"] > 3 * 2 * tensors * 7 * 1e-3
 
 
 def test_cli_ranks_evaluates_and_prints_json(capsys):
