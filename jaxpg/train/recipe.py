@@ -14,6 +14,7 @@ steps an (asynchronous) sharded checkpoint, from which a run resumes.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -152,6 +153,10 @@ def _build(cfg: TrainConfig) -> _Run:
         eval_data = StepBatches(held_out, global_batch=d.global_batch, dp=1, ranks=[0],
                                 seed=d.seed, shuffle=False)
     hardware = resolve_hardware(cfg.metrics.hardware)
+    if jax.process_index() == 0:
+        chosen = " x ".join(f"{k} {v}" for k, v in degrees.items())
+        print(f"jaxpg.train: {type(config).__name__} on {devices} devices, {chosen}"
+              f"{' (the planner)' if cfg.layout.auto else ''}", file=sys.stderr)
     return _Run(fsdp, graphdef, train_data, eval_data, schedule,
                 model_spec(config).train_flops_per_token(d.seq_len),
                 hardware.peak_flops(cfg.metrics.dtype) * devices)

@@ -17,7 +17,7 @@ from jaxpg import models
 from jaxpg.train import load_config, train
 from jaxpg.train.config import config_from_dict
 from jaxpg.train.data import EVAL_SEED_OFFSET, StepBatches, synthetic_sequences
-from jaxpg.train.recipe import make_optimizer
+from jaxpg.train.recipe import choose_degrees, make_optimizer
 
 STEPS, SEQ, BATCH = 4, 16, 8
 
@@ -144,6 +144,7 @@ def test_recipe_trains_as_one_device_logs_everywhere_and_resumes(tmp_path, capsy
     for key in ("loss=", "grad_norm=", "lr=", "tokens_per_s=", "mfu="):
         assert key in err
     assert "step 2 eval: loss=" in err and "4/4" in err
+    assert "LlamaConfig on 8 devices, dp_shard 2 x cp 2 x tp 2" in err
     # the JSONL holds the same records
     lines = (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == records
@@ -176,3 +177,19 @@ def test_bad_configs_name_the_key_and_the_fix():
                             "layout": {"dp_shard": 2, "tp": 2}, "metrics": {"progress": False}})
     with pytest.raises(ValueError, match="must equal the 8 devices"):
         train(cfg)
+
+
+def test_auto_layout_takes_the_planners_choice_of_the_devices():
+    cfg = config_from_dict({"model": {"name": "llama3-tiny"}, "layout": {"auto": True},
+                            "data": {"seq_len": 32, "global_batch": 8}})
+    config = models.config_for("llama3-tiny")
+    got = choose_degrees(cfg, config, 8)
+    assert got["dp_shard"] * got["cp"] * got["tp"] == 8
+    assert config.num_kv_heads % got["tp"] == 0 and 8 % got["dp_shard"] == 0
+    with pytest.raises(ValueError, match="no dp_shard x cp x tp layout"):
+        # one sequence of 3 tokens: no data parallelism, no cp (seq_len % 2cp), tp <= 2 (the
+        # kv heads) and pp <= 2 (the layers) cannot make 8 devices
+        choose_degrees(config_from_dict({"model": {"name": "llama3-tiny"},
+                                         "layout": {"auto": True},
+                                         "data": {"seq_len": 3, "global_batch": 1,
+                                                  "num_sequences": 4}}), config, 8)
