@@ -40,3 +40,29 @@ def test_grad_norm_is_the_whole_gradients_norm(world, wrapper):
     got = [float(m["grad_norm"]) for m in metrics]
     # a norm over one rank's shard only, or summed over every replica, is far off
     np.testing.assert_allclose(got, one_device_norms(batches), rtol=1e-5, atol=1e-6)
+
+
+def test_grad_norm_of_a_tensor_parallel_model_under_ddp(world):
+    """DDP over dp_replicate of a Llama split over tp: each tp rank holds a slice of the
+    split kernels, whose squares are summed over tp, and whole copies of the norms, which
+    are not."""
+    import jaxpg
+    from jaxpg import models
+
+    config = models.config_for("llama3-tiny")
+    window = np.random.default_rng(2).integers(0, 64, (8, 17)).astype(np.int32)
+    batch = {"tokens": window[:, :-1], "targets": window[:, 1:]}
+
+    def lm_loss(model, b):
+        logits = model(b["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    graphdef, params = nnx.split(models.CausalLM(config, rngs=nnx.Rngs(4)))
+    want = float(optax.tree.norm(jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p), batch))(
+        params)))
+    dims = jaxpg.ParallelDims(dp_replicate=4, tp=2)
+    model = models.CausalLM(config, rngs=nnx.Rngs(4))
+    models.parallelize(model, dims, fsdp=False)
+    ddp = DistributedDataParallel(model, optax.sgd(LR), group=dims.get_group("dp_replicate"))
+    got = float(ddp.train_step(lm_loss, batch)["grad_norm"])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
