@@ -29,5 +29,5 @@ def test_calibrated_prediction_ranks_measured_steps():
                Layout(tp=8, remat="full")]
     predicted = [evaluate(lay, job).step_s for lay in layouts]
     assert predicted[0] * 1.15 < min(predicted[1:]), predicted   # recomputation's forward
-    measured = [trial_step(job, lay, steps=2) for lay in layouts]
+    measured = [trial_step(job, lay, steps=3, statistic="min") for lay in layouts]
     assert measured[0] < min(measured[1:]), measured              # the pick is the fastest
