@@ -28,6 +28,6 @@ def test_calibrated_prediction_ranks_measured_steps():
     layouts = [Layout(dp_replicate=8), Layout(dp_replicate=8, remat="full"),
                Layout(tp=8, remat="full")]
     predicted = [evaluate(lay, job).step_s for lay in layouts]
-    assert predicted[0] * 1.15 < min(predicted[1:]), predicted   # recomputation's forward
+    assert predicted[0] < min(predicted[1:]), predicted   # recomputation's extra forward
     measured = [trial_step(job, lay, steps=3, statistic="min") for lay in layouts]
     assert measured[0] < min(measured[1:]), measured              # the pick is the fastest
