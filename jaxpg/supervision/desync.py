@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,9 @@ from typing import Any
 from jaxpg.errors import DistDesyncError, DistTimeoutError
 
 __all__ = ["detail_enabled", "fingerprint_text", "compare_fingerprints"]
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # <function gelu at 0x7f93...>
 
 
 def detail_enabled() -> bool:
@@ -51,8 +55,8 @@ def fingerprint_text(group_name: str, seq: int | None, fingerprint: Any) -> str:
     parts = [f"group={group_name!r}", *at]
     parts += [f"{name}={dtype}" if shape is None else f"{name}={dtype}{list(shape)}"
               for name, shape, dtype in inputs]
-    if static is not None:
-        parts.append(f"args={static!r}")
+    if static is not None:  # without memory addresses, which differ between processes
+        parts.append("args=" + _ADDRESS.sub("", repr(static)))
     return f"{api}({', '.join(parts)})"
 
 
