@@ -9,6 +9,8 @@ pipeline) share, so that neither imports the other's private helpers.
 * :mod:`~jaxpg.data_parallel.prng_keys`: PRNG key leaves as raw data and back.
 * :mod:`~jaxpg.data_parallel.checkpoint_format`: the numbered arrays a checkpoint holds and
   the restore of a state tree from them.
+* :mod:`~jaxpg.data_parallel.settle`: a constructor's placement finished before the first
+  checked call.
 * :mod:`~jaxpg.data_parallel.shard_layout`: how a leaf is split over the data-parallel axis.
 * :mod:`~jaxpg.data_parallel.zero`: the optimizer state split over it, and its update.
 

@@ -45,6 +45,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.settle import settle_placement
 from jaxpg.data_parallel.shard_layout import make_layouts
 from jaxpg.data_parallel.step_cache import StepCache
 from jaxpg.data_parallel.zero import init_sharded_opt_state
@@ -208,6 +209,7 @@ class DistributedDataParallel:
         self._comm_hook, init_state = make_comm_hook(comm_hook or "allreduce",
                                                      **(comm_hook_config or {}))
         self.hook_state = self._per_rank(init_state(self.bucket_plan))
+        settle_placement((self.params, self.rest, self.opt_state, self.hook_state))
         self.step = 0
         self._acc: Any = None
         self._no_sync = False

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxpg.data_parallel.settle import settle_placement
 from jaxpg.data_parallel.shard_layout import ShardLayout, layout_bytes, make_layouts
 from jaxpg.data_parallel.step_cache import StepCache
 from jaxpg.data_parallel.zero import abstract_sharded_opt_state, init_sharded_opt_state
@@ -167,6 +168,7 @@ class FullyShardedDataParallel:
         if not self.abstract:
             self.opt_state, opt_shardings = init_sharded_opt_state(
                 optimizer, self.params, self.layouts, mesh, axes, params_padded=stage == 3)
+            settle_placement((self.params, self.rest, self.opt_state))
         wrapped = None
         if graphdef is not None:
             wrap_root = mp_policy is not None
