@@ -7,8 +7,6 @@ collectives under ``shard_map``.
 
 import importlib
 import importlib.util
-import sys
-import types
 
 import jaxpg.runtime.mpi_library  # noqa: F401  (first: checks MPITRAMPOLINE_LIB before jax is imported)
 from jaxpg.errors import (  # noqa: F401  (the exceptions, loaded eagerly: they import no jax)
@@ -30,7 +28,7 @@ __version__ = "0.1.0"
 # optax and orbax: ``jaxpg.ddp`` (or ``import jaxpg.ddp``) imports the package on first use.
 _API_MODULES = ("jaxpg.collectives", "jaxpg.groups")
 _API_NAMES = {"RedOpType": "jaxpg.reduce_op", "ReduceOp": "jaxpg.reduce_op",
-              "spmd": "jaxpg.spmd", "Store": "jaxpg.stores", "HashStore": "jaxpg.stores",
+              "spmd": "jaxpg.spmd_lowering", "Store": "jaxpg.stores", "HashStore": "jaxpg.stores",
               "FileStore": "jaxpg.stores", "PrefixStore": "jaxpg.stores",
               "TCPStore": "jaxpg.stores"}
 _SUBPACKAGES = ("ddp", "fsdp", "models", "pipeline", "plan",
@@ -49,7 +47,7 @@ def _load_api() -> None:
     for module in _API_MODULES:
         names.update(dict.fromkeys(modules[module].__all__, module))
     names.update(_API_NAMES)
-    namespace = globals()  # bound after every import: ``spmd`` is the function, not the module
+    namespace = globals()
     for name, module in names.items():
         namespace[name] = getattr(modules[module], name)
     namespace["__all__"] = [*names, *_ERRORS]
@@ -70,14 +68,3 @@ def __dir__() -> list[str]:
     _load_api()
     return sorted(set(globals()) | set(_SUBPACKAGES))
 
-
-class _Package(types.ModuleType):
-    """This package's module type: the import system binds each loaded submodule as an
-    attribute of its package, and ``jaxpg.spmd`` stays the function, not ``jaxpg/spmd.py``."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if not (name in _API_NAMES and isinstance(value, types.ModuleType)):
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -1,10 +1,10 @@
 """jaxpg's layers, bottom-up, and no import cycles: read from the source with ``ast``.
 
 Layers (docs/design.md): errors/reduce_op/_jax_compat -> runtime -> stores -> rendezvous ->
-supervision -> groups -> collectives (and spmd) -> tensor_parallel/context_parallel/
+supervision -> groups -> collectives (and spmd_lowering) -> tensor_parallel/context_parallel/
 expert_parallel -> models -> ddp/fsdp -> pipeline -> plan -> run -> the ``jaxpg`` package's own
 ``__init__`` (the torch.distributed-style surface, which re-exports everything). A module's
-layer is its package's; only the base modules and ``spmd`` sit loose at jaxpg's root.
+layer is its package's; only the base modules and ``spmd_lowering`` sit loose at jaxpg's root.
 
 Every ``import`` and ``from ... import`` counts, wherever it is: at module level, inside a
 function (a lazy import), or under ``if TYPE_CHECKING:``. As in grimp/import-linter, importing
@@ -25,7 +25,8 @@ PACKAGE = ROOT / "jaxpg"
 
 # Bottom-up; a module may import from its own layer and the layers below it. A layer is a set
 # of packages (``jaxpg.<name>`` and everything under it); the only modules at jaxpg's root are
-# the base ones below, ``spmd`` (beside the collectives) and ``jaxpg`` itself (the surface).
+# the base ones below, ``spmd_lowering`` (beside the collectives) and ``jaxpg`` itself (the
+# surface).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # _jax_compat holds every private jax API jaxpg uses; it imports only jaxpg.errors.
     ("base", ("errors", "reduce_op", "_jax_compat")),
@@ -39,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # (jaxpg.supervision.world_link).
     ("supervision", ("supervision",)),
     ("groups", ("groups",)),
-    ("collectives", ("collectives", "spmd")),
+    ("collectives", ("collectives", "spmd_lowering")),
     ("tensor_parallel", ("tensor_parallel", "context_parallel", "expert_parallel")),
     # the data-parallel core ddp and fsdp share (batch placement, checkpoint format, ZeRO)
     ("data_parallel", ("data_parallel",)),
@@ -54,7 +55,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the internal tier (helpers for jaxpg's tests, benchmarks and tools) gathers from all
     ("internal", ("internal",)),
 ]
-ROOT_MODULES = {"errors", "reduce_op", "_jax_compat", "spmd"}  # besides jaxpg/__init__.py
+# besides jaxpg/__init__.py:
+ROOT_MODULES = {"errors", "reduce_op", "_jax_compat", "spmd_lowering"}
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
@@ -168,7 +170,7 @@ def test_the_import_graph_is_read():
     # The parser sees module-level, function-level and TYPE_CHECKING imports alike, and
     # resolves relative ones: a few edges that must be there.
     edges = {(m, t) for m, targets in GRAPH.items() for t, _ in targets}
-    assert ("jaxpg.collectives.eager", "jaxpg.spmd") in edges
+    assert ("jaxpg.collectives.eager", "jaxpg.spmd_lowering") in edges
     assert ("jaxpg.groups.world", "jaxpg.groups.multiprocess") in edges  # a lazy import
     assert ("jaxpg", "jaxpg.runtime.mpi_library") in edges  # the package's own imports
     assert len(MODULES) > 40
@@ -184,7 +186,7 @@ def test_every_module_has_a_layer():
     assert [m for m in MODULES if _layer(m) < 0] == []
     assert _layer("jaxpg.supervision.watchdog") < _layer("jaxpg.groups.world")
     assert _layer("jaxpg.runtime.service_client") < _layer("jaxpg.stores.tcp_store")
-    assert _layer("jaxpg.spmd") == _layer("jaxpg.collectives.eager")
+    assert _layer("jaxpg.spmd_lowering") == _layer("jaxpg.collectives.eager")
     assert _layer("jaxpg.groups.world") < _layer("jaxpg.collectives.eager")
 
 

@@ -28,15 +28,16 @@ def test_the_launcher_and_import_jaxpg_load_no_jax():
     assert not any(loaded.values()), loaded
 
 
-def test_the_api_is_bound_on_first_use_and_spmd_stays_the_function():
-    # a submodule imported first (jaxpg/spmd.py, by jaxpg.ddp) must not shadow jaxpg.spmd
+def test_the_api_is_bound_on_first_use_and_spmd_is_the_function():
+    # the API's modules imported first (by jaxpg.ddp) bind only their own names
     out = subprocess.run(
         [sys.executable, "-c",
-         "import sys, jaxpg.ddp, jaxpg.spmd, jaxpg\n"
-         "assert callable(jaxpg.spmd) and jaxpg.spmd.__module__ == 'jaxpg.spmd', jaxpg.spmd\n"
+         "import sys, jaxpg.ddp, jaxpg.spmd_lowering, jaxpg\n"
+         "assert callable(jaxpg.spmd), jaxpg.spmd\n"
+         "assert jaxpg.spmd.__module__ == 'jaxpg.spmd_lowering', jaxpg.spmd\n"
          "from jaxpg import *\n"
          "assert init_process_group is jaxpg.groups.init_process_group\n"
-         "assert spmd is sys.modules['jaxpg.spmd'].spmd\n"
+         "assert spmd is sys.modules['jaxpg.spmd_lowering'].spmd\n"
          "print(len(jaxpg.__all__))"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

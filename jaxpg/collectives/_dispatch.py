@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxpg.groups import world as _world
 from jaxpg.reduce_op import ReduceOp, as_reduce_op
-from jaxpg.spmd import SpmdContext, current_context
+from jaxpg.spmd_lowering import SpmdContext, current_context
 
 __all__ = ["resolve", "is_traced", "check_same_shapes", "group_rank_of", "checked_op",
            "check_input", "check_inputs", "torch_form_error"]

@@ -26,7 +26,7 @@ from jaxpg._jax_compat import array_from_single_block
 from jaxpg.collectives._dispatch import NARROW_64
 from jaxpg.groups.callbacks import on_reset
 from jaxpg.reduce_op import ReduceOp
-from jaxpg.spmd import SpmdContext
+from jaxpg.spmd_lowering import SpmdContext
 from jaxpg.supervision import signature_check
 
 __all__ = ["run_eager", "local_count", "holds_every_member", "clear_kernel_cache"]

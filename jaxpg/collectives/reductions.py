@@ -139,7 +139,7 @@ def _reduce_scatter_uneven(pg: Any, input_list: list[Any], op: ReduceOp, api: st
     """torch's reduce_scatter with chunks of different shapes: each chunk is flattened and
     padded to the largest, the padded stack is reduce-scattered, and this rank keeps its
     chunk's part (host code with one rank of the group here)."""
-    from jaxpg.spmd import current_context
+    from jaxpg.spmd_lowering import current_context
 
     dtypes = {str(jnp.result_type(x)) for x in input_list}
     if len(dtypes) > 1:
@@ -165,6 +165,6 @@ def _is_array_like(x: Any) -> bool:
 
 
 def _stacked(pg: Any) -> bool:
-    from jaxpg.spmd import current_context
+    from jaxpg.spmd_lowering import current_context
 
     return current_context() is None and len(pg.local_members()) > 1

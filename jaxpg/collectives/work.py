@@ -181,7 +181,7 @@ def returns_work_at_once(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return call_pinned(fn, args, kwargs)
             return fn(*args, **kwargs)
         from jaxpg.groups import world
-        from jaxpg.spmd import current_context
+        from jaxpg.spmd_lowering import current_context
 
         state = world.current(required=False)
         if state is None or not state.multiprocess or current_context() is not None:

@@ -28,7 +28,7 @@ from jaxpg.context_parallel.cp_axis import CPAxis, resolve_cp_axis
 from jaxpg.context_parallel.gathered import all_gather_attention, all_to_all_attention
 from jaxpg.context_parallel.ring import ring_attention
 from jaxpg.groups import world as _world
-from jaxpg.spmd import current_context
+from jaxpg.spmd_lowering import current_context
 
 __all__ = ["attention", "METHODS"]
 

@@ -237,7 +237,7 @@ def build_train_step(
 
     def body_in_context(*args):
         # jaxpg collectives and jaxpg.get_rank() inside loss_fn lower onto this mesh.
-        from jaxpg.spmd import SpmdContext
+        from jaxpg.spmd_lowering import SpmdContext
 
         with SpmdContext(mesh, pg._world):
             return body(*args)

@@ -28,7 +28,7 @@ from jaxpg.expert_parallel.ep_group import resolve_ep_group
 from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
 from jaxpg.expert_parallel.router import route
 from jaxpg.groups import world as _world
-from jaxpg.spmd import SpmdContext, current_context
+from jaxpg.spmd_lowering import SpmdContext, current_context
 from jaxpg.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,

@@ -220,7 +220,7 @@ def build_train_step(loss_fn: Callable[..., Any], plan: StepPlan, mode: StepMode
         return grads, new_rest, None, metrics
 
     def body_in_context(*args):
-        from jaxpg.spmd import SpmdContext
+        from jaxpg.spmd_lowering import SpmdContext
 
         with SpmdContext(group.mesh, group.world):
             return body(*args)

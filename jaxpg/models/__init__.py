@@ -2,8 +2,8 @@
 (published and tiny sizes), their parallel plans on the one mesh, pipeline stages, and
 Hugging Face checkpoints in and out on any layout (see docs/models.md)."""
 
+from jaxpg.models import config as _config
 from jaxpg.models.config import (
-    PRESETS,
     Llama3RopeScaling,
     LlamaConfig,
     ModelConfig,
@@ -16,6 +16,11 @@ from jaxpg.models.layout import ModelLayout, parallelize
 from jaxpg.models.model import CausalLM
 from jaxpg.models.plans import tp_plan
 from jaxpg.models.stages import Stage, pipeline_stages, stage_bounds
+
+#: The published sizes by name (``"llama3-8b"``, ``"qwen3-0.6b"``, ``"qwen3-30b-a3b"``...):
+#: each is its config class and the fields that differ from the class's defaults.
+#: :func:`config_for` builds one.
+PRESETS = _config.PRESETS
 
 __all__ = [
     "ModelConfig", "LlamaConfig", "Qwen3Config", "Qwen3MoeConfig", "Llama3RopeScaling",

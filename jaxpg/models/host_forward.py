@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.context_parallel.chunks import all_positions
 from jaxpg.models.layout import param_paths
-from jaxpg.spmd import spmd
+from jaxpg.spmd_lowering import spmd
 
 __all__ = ["host_logits", "gather_fsdp"]
 

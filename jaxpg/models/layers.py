@@ -20,7 +20,7 @@ from jaxpg.context_parallel import ContextParallelAttention
 from jaxpg.expert_parallel import moe
 from jaxpg.models.config import ModelConfig, Qwen3MoeConfig
 from jaxpg.models.rope import apply_rope
-from jaxpg.spmd import current_context
+from jaxpg.spmd_lowering import current_context
 
 __all__ = ["RMSNorm", "Attention", "MLP", "MoE", "DecoderLayer", "swiglu"]
 
