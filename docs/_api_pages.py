@@ -26,6 +26,7 @@ API_PACKAGES = {
     "jaxpg.plan": "The layout planner: specs, hardware, memory and time, preflight.",
     "jaxpg.run": "The jaxpg-run launcher.",
     "jaxpg.train": "The training recipe: python -m jaxpg.train CONFIG.toml.",
+    "jaxpg.supervision": "Named hangs: recorded jitted steps and the flight recorder's dump.",
     "jaxpg.supervision.fr_trace":
         "jaxpg-fr-trace: reads flight-recorder dumps and names the rank at fault.",
 }

@@ -31,8 +31,15 @@ _API_NAMES = {"RedOpType": "jaxpg.reduce_op", "ReduceOp": "jaxpg.reduce_op",
               "spmd": "jaxpg.spmd_lowering", "Store": "jaxpg.stores", "HashStore": "jaxpg.stores",
               "FileStore": "jaxpg.stores", "PrefixStore": "jaxpg.stores",
               "TCPStore": "jaxpg.stores"}
-_SUBPACKAGES = ("ddp", "fsdp", "models", "pipeline", "plan",
-                "tensor_parallel", "train")  # listed by dir(jaxpg)
+# The tiers: every package under jaxpg/ is in exactly one (tests/test_public_tiers.py).
+# Public packages are reached by their own names (``jaxpg.supervision.recorded_step``), have
+# an API page and are listed by dir(jaxpg). The implementation packages' names reach users
+# through the top level (``groups``, ``collectives``) or a public package; ``internal`` holds
+# the helpers of jaxpg's tests, benchmarks and tools.
+_SUBPACKAGES = ("ddp", "fsdp", "tensor_parallel", "context_parallel", "expert_parallel",
+                "pipeline", "models", "train", "plan", "supervision", "stores", "rendezvous",
+                "run")
+_INTERNAL_PACKAGES = ("collectives", "groups", "data_parallel", "runtime", "internal")
 _ERRORS = ["DiscardedResultWarning", "DistBackendError", "DistDesyncError", "DistError",
            "DistNetworkError", "DistStoreError", "DistTimeoutError"]
 

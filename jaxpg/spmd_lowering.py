@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.groups import world as _world
 from jaxpg.groups.callbacks import set_traced_rank
 from jaxpg.groups.resolve import resolve_group, resolve_mesh
-from jaxpg.supervision.recorded_step import recorded_step
+from jaxpg.supervision.step_recording import recorded_step
 
 __all__ = ["spmd", "SpmdContext", "current_context"]
 
@@ -97,8 +97,8 @@ def _stacked_specs(tree: Any, axis: str) -> Any:
 
 def _recorded_from_host(mapped: Callable[..., Any], target: Any, fn: Any) -> Callable[..., Any]:
     """``mapped``, which, called from host code in a multi-process world, runs jitted as a
-    recorded collective call on ``target``'s group (``jaxpg.recorded_step``: numbered, in the
-    flight recorder, and a hang inside names the ranks at fault)."""
+    recorded collective call on ``target``'s group (``jaxpg.supervision.recorded_step``:
+    numbered, in the flight recorder, and a hang inside names the ranks at fault)."""
     name = f"spmd({getattr(fn, '__name__', None) or 'fn'})"
     step: list[Any] = []
 
@@ -142,7 +142,7 @@ def spmd(
     ``jax.jit`` and ``jax.grad``. Called from host code in a multi-process world it runs
     jitted as a recorded collective call on the group (the mesh's devices for ``mesh=``):
     numbered like an eager collective, in the flight recorder, and a hang inside raises a
-    ``DistTimeoutError`` naming the ranks at fault (``jaxpg.recorded_step``).
+    ``DistTimeoutError`` naming the ranks at fault (``jaxpg.supervision.recorded_step``).
 
     Example:
         >>> f = jaxpg.spmd(lambda x: jaxpg.all_reduce(x) * jaxpg.get_rank())

@@ -62,7 +62,7 @@ from jaxpg.ddp.step_layout import (
     step_layout,
 )
 from jaxpg.ddp.train_step import REDUCTIONS, StepMode, ZeroSharding, build_train_step
-from jaxpg.supervision.recorded_step import recorded_step
+from jaxpg.supervision.step_recording import recorded_step
 
 __all__ = ["DistributedDataParallel"]
 

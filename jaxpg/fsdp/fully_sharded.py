@@ -34,7 +34,7 @@ from jaxpg.fsdp.model_parallel import compose_with_model_mesh, has_block_padding
 from jaxpg.fsdp.shard_group import resolve_shard_group
 from jaxpg.fsdp.train_step import StepMode, StepPlan, build_train_step
 from jaxpg.fsdp.units import path_str, resolve_units, wrap_model
-from jaxpg.supervision.recorded_step import recorded_step
+from jaxpg.supervision.step_recording import recorded_step
 
 __all__ = ["FullyShardedDataParallel"]
 

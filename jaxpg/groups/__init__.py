@@ -25,8 +25,6 @@ from jaxpg.groups.world import (
     init_process_group,
     is_initialized,
 )
-from jaxpg.supervision.fr_on_demand import dump_flight_recorder
-from jaxpg.supervision.recorded_step import RecordedStep, recorded_step
 
 __all__ = [
     "Backend", "DeviceMesh", "init_device_mesh", "HybridCommunicateGroup",
@@ -34,6 +32,5 @@ __all__ = [
     "get_group_rank", "get_process_group_ranks", "new_group",
     "new_subgroups", "new_subgroups_by_enumeration", "as_rank", "default_pg_timeout",
     "destroy_process_group", "get_backend", "get_rank", "get_world_size", "init_process_group",
-    "is_initialized", "dump_flight_recorder", "RecordedStep", "recorded_step",
-    "ParallelDims",
+    "is_initialized", "ParallelDims",
 ]

@@ -99,7 +99,7 @@ from jaxpg.pipeline.stage_order import check_stage_order, loop_view, stacked
 from jaxpg.pipeline.stage_split import split_stage
 from jaxpg.pipeline.staged_params import StagedParams
 from jaxpg.pipeline.tick_program import KIND_OF, slot_buffers, tick_steps, write_slot
-from jaxpg.supervision.recorded_step import recorded_step
+from jaxpg.supervision.step_recording import recorded_step
 
 __all__ = [
     "EXECUTORS",

@@ -31,7 +31,7 @@ from jaxpg.pipeline.executor import (
 )
 from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
 from jaxpg.pipeline.stage_order import check_stage_order
-from jaxpg.supervision.recorded_step import recorded_step
+from jaxpg.supervision.step_recording import recorded_step
 
 __all__ = ["make_train_step", "place_pipeline_params", "init_train_state"]
 

@@ -1,7 +1,7 @@
 """One collective call of a multi-process world: numbered, recorded, and never a silent hang.
 
-Every eager collective and every recorded jitted step (``jaxpg.recorded_step``) goes
-through :func:`run_collective`. The call takes the group's next sequence number, notes it
+Every eager collective and every recorded jitted step (``jaxpg.supervision.recorded_step``)
+goes through :func:`run_collective`. The call takes the group's next sequence number, notes it
 as this process's progress (``jaxpg.supervision.progress``, published in the background),
 starts a flight-recorder record (``jaxpg.supervision.flight_recorder``) and runs by the
 world's semantics (``jaxpg.supervision.watchdog``): blocking on the runner thread

@@ -1,4 +1,4 @@
-"""``jaxpg.dump_flight_recorder()``: the flight recorder's dump, on demand."""
+"""``jaxpg.supervision.dump_flight_recorder()``: the flight recorder's dump, on demand."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def dump_flight_recorder(path: str | None = None, *, all_ranks: bool = False) ->
             each does so within a second).
 
     Example:
-        >>> path = jaxpg.dump_flight_recorder()
+        >>> path = jaxpg.supervision.dump_flight_recorder()
     """
     state = world_link.current_world()
     written = fr_dump.write_dump("dump_flight_recorder()", state, path)

@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxpg
-from jaxpg.supervision.recorded_step import group_of_devices, hlo_collectives
+from jaxpg.supervision.step_recording import group_of_devices, hlo_collectives
 
 
 def _program(mesh):
@@ -59,7 +59,7 @@ def test_a_mesh_is_numbered_on_the_world_or_on_the_group_of_its_devices(world):
 def test_outside_a_multiprocess_world_a_recorded_step_is_the_function(world):
     mesh = Mesh(np.array(jax.devices()), ("i",))
     fn = _program(mesh)
-    step = jaxpg.recorded_step(fn, mesh, name="my_step")
+    step = jaxpg.supervision.recorded_step(fn, mesh, name="my_step")
     x = jnp.arange(16.0).reshape(16, 1)
     for got, want in zip(step(x), fn(x)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -69,8 +69,8 @@ def test_outside_a_multiprocess_world_a_recorded_step_is_the_function(world):
     def inner(y):
         return y + 1
 
-    assert jaxpg.recorded_step(jax.jit(inner)).name == "inner"  # no "<locals>" in it
-    decorated = jaxpg.recorded_step(group=world, name="dec")(jax.jit(inner))
+    assert jaxpg.supervision.recorded_step(jax.jit(inner)).name == "inner"  # no "<locals>" in it
+    decorated = jaxpg.supervision.recorded_step(group=world, name="dec")(jax.jit(inner))
     assert decorated.name == "dec" and float(decorated(1.0)) == 2.0
 
 
@@ -81,7 +81,7 @@ def test_outside_a_multiprocess_world_a_recorded_step_is_the_function(world):
 ])
 def test_bad_arguments_are_named(world, kwargs, match):
     with pytest.raises(TypeError, match=match):
-        jaxpg.recorded_step(**kwargs)
+        jaxpg.supervision.recorded_step(**kwargs)
 
 
 def test_ddp_and_the_pipeline_record_their_steps(world):
@@ -91,7 +91,7 @@ def test_ddp_and_the_pipeline_record_their_steps(world):
     from jaxpg.ddp.train_step import StepMode
     from jaxpg.pipeline import pipeline_mesh
     from jaxpg.pipeline.train_step import make_train_step
-    from jaxpg.supervision.recorded_step import RecordedStep
+    from jaxpg.supervision.step_recording import RecordedStep
 
     step = make_train_step(lambda w, x: x @ w, lambda h, y, t: jnp.mean((y - t) ** 2),
                            optax.sgd(0.1), mesh=pipeline_mesh(2), num_microbatches=2)

@@ -12,7 +12,7 @@ import pytest
 import jaxpg
 from jaxpg.supervision import collective_call, signature_check
 from jaxpg.supervision.desync import fingerprint_text
-from jaxpg.supervision.recorded_step import _Signatures
+from jaxpg.supervision.step_recording import _Signatures
 
 
 def test_the_signature_names_op_group_shapes_dtypes_and_arguments_but_not_the_seq(world):

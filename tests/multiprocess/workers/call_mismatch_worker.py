@@ -61,7 +61,7 @@ def _desync_cases() -> None:
             return lax.psum(b * scale, "i")
 
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P()))
-        return jaxpg.recorded_step(fn, mesh, name=name)
+        return jaxpg.supervision.recorded_step(fn, mesh, name=name)
 
     train, evaluate = step("train_step", 1.0), step("eval_step", 2.0)
 

@@ -9,7 +9,8 @@ a timeout of TEST_TIMEOUT_S (4 s). Every rank first runs one all_reduce on it. T
 * ``uneven``: DDP on an ``nnx.Linear``; ranks 0 and 2 run 4 train_steps, rank 1 runs 3
   (it has one batch fewer), then every rank calls ``barrier()``;
 * ``desync``: rank 1 calls ``all_gather_into_tensor`` where the others call ``all_reduce``
-  (before it, rank 2 dumps on SIGUSR1 and rank 0 calls ``jaxpg.dump_flight_recorder``);
+  (before it, rank 2 dumps on SIGUSR1 and rank 0 calls
+  ``jaxpg.supervision.dump_flight_recorder``);
 * ``stop``: a ``jaxpg.spmd`` step; on its third launch rank 1 SIGSTOPs itself inside it;
 * ``kill``: the same, but rank 1 SIGKILLs itself inside the step.
 
@@ -91,7 +92,8 @@ def desync() -> None:
             time.sleep(0.05)
         say(f"USR1 dumped: {os.path.exists(mine)}")
     if rank == 0:
-        path = jaxpg.dump_flight_recorder(os.path.join(os.path.dirname(dumps), "manual_0"))
+        manual = os.path.join(os.path.dirname(dumps), "manual_0")
+        path = jaxpg.supervision.dump_flight_recorder(manual)
         say(f"MANUAL dump at {path}")
     if rank == 1:
         jaxpg.all_gather_into_tensor(np.ones(4, np.float32), group=group)

@@ -24,8 +24,8 @@ Outside a multi-process world, and when called with traced arguments (inside ano
 
 Example (any jitted function whose collectives run over a group or mesh)::
 
-    step = jaxpg.recorded_step(jax.jit(train_step, donate_argnums=0), group=pg,
-                               name="FullyShardedDataParallel.train_step")
+    step = jaxpg.supervision.recorded_step(jax.jit(train_step, donate_argnums=0), group=pg,
+                                           name="FullyShardedDataParallel.train_step")
     state, loss = step(state, batch)
 """
 
