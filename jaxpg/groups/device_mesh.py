@@ -29,10 +29,11 @@ class DeviceMesh:
     ``jax_mesh`` is the ``jax.sharding.Mesh`` with the same axis names, for ``shard_map``;
     ``mesh`` is torch's name for the array of global ranks (``ranks`` says the same).
 
-    Besides its dimensions, a mesh may name *flattened* dimensions, torch's
-    ``mesh["dp_shard", "cp"]._flatten("dp_shard_cp")``: ``mesh["dp_shard_cp"]`` is then the
-    1-D mesh over the acting rank's ranks of those dimensions (row-major in the order
-    named), and its group a family over the whole mesh, like any dimension's.
+    Besides its dimensions, a mesh may name *flattened* dimensions,
+    ``mesh["dp_shard", "cp"].flatten("dp_shard_cp")`` (torch's ``_flatten`` works too):
+    ``mesh["dp_shard_cp"]`` is then the 1-D mesh over the acting rank's ranks of those
+    dimensions (row-major in the order named), and its group a family over the whole mesh,
+    like any dimension's.
     ``jaxpg.ParallelDims`` names its flattened dimensions (``dp``, ``dp_shard_cp``, ``ep``)
     this way.
     """
@@ -167,18 +168,24 @@ class DeviceMesh:
             child._groups[n] = self._groups[n]
         return child
 
-    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+    def flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
         """Flattens this (sub-)mesh's dimensions into one named dimension of the root mesh.
 
-        As torch's ``mesh["dp_shard", "cp"]._flatten("dp_shard_cp")``: afterwards
-        ``root["dp_shard_cp"]`` is a 1-D mesh and ``root.get_group("dp_shard_cp")`` its group.
-        Returns the flattened 1-D mesh.
+        ``mesh["dp_shard", "cp"].flatten("dp_shard_cp")``: afterwards ``root["dp_shard_cp"]``
+        is a 1-D mesh and ``root.get_group("dp_shard_cp")`` its group. ``_flatten`` is the
+        same method under torch's name.
+
+        Args:
+            mesh_dim_name: the new dimension's name (default: the names joined by ``_``).
+
+        Returns:
+            The flattened 1-D mesh.
         """
         names = getattr(self, "_flat_dims", self.mesh_dim_names)
         name = mesh_dim_name or "_".join(names)
         root = self._root
         if name in root.mesh_dim_names:
-            raise ValueError(f"DeviceMesh._flatten: mesh_dim_name={name!r} is already a "
+            raise ValueError(f"DeviceMesh.flatten: mesh_dim_name={name!r} is already a "
                              f"dimension of the mesh {root.mesh_dim_names}; pick another name.")
         dims = [root._dim(n) for n in names]
         others = [i for i in range(root.ndim) if i not in dims]
@@ -186,6 +193,8 @@ class DeviceMesh:
         rows = np.transpose(root.mesh, others + dims).reshape(-1, size)
         root._add_flat_dim(name, rows)
         return root[name]
+
+    _flatten = flatten  # torch's spelling: mesh["dp", "cp"]._flatten("dp_cp")
 
     def _add_flat_dim(self, name: str, rows: np.ndarray) -> None:
         """Names a partition of the mesh's ranks into equal rows as a flattened dimension."""

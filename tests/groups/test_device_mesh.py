@@ -44,6 +44,27 @@ def test_device_mesh_bad_input():
         mesh.get_group("tp")
 
 
+def test_flatten_is_the_rank_arithmetic_and_torchs_flatten_is_the_same():
+    # (dp, cp, tp) = (2, 2, 2): a rank's dp_cp group is the ranks of its tp coordinate,
+    # row-major over (dp, cp)
+    want = np.arange(8).reshape(2, 2, 2).transpose(2, 0, 1).reshape(2, 4)
+    public = jaxpg.init_device_mesh((2, 2, 2), ("dp", "cp", "tp"))
+    torch_spelling = jaxpg.init_device_mesh((2, 2, 2), ("dp", "cp", "tp"))
+    flat = public["dp", "cp"].flatten("dp_cp")
+    alias = torch_spelling["dp", "cp"]._flatten("dp_cp")
+    assert flat.mesh_dim_names == alias.mesh_dim_names == ("dp_cp",)
+    for rank in (0, 5):
+        with jaxpg.as_rank(rank):
+            assert public["dp_cp"].mesh.tolist() == want[rank % 2].tolist()
+            assert torch_spelling["dp_cp"].mesh.tolist() == want[rank % 2].tolist()
+    assert sorted(public.get_group("dp_cp").family) == sorted(
+        torch_spelling.get_group("dp_cp").family) == sorted(tuple(r) for r in want.tolist())
+    assert public["dp", "cp"].flatten().mesh_dim_names == ("dp_cp",)  # the default name
+    assert jaxpg.DeviceMesh._flatten is jaxpg.DeviceMesh.flatten  # one implementation
+    with pytest.raises(ValueError, match=r"DeviceMesh.flatten: mesh_dim_name='tp' is already"):
+        public["dp", "cp"].flatten("tp")
+
+
 def test_hybrid_communicate_group():
     hcg = jaxpg.HybridCommunicateGroup(dp_degree=2, pp_degree=2, mp_degree=2)
     # ranks laid out (dp, pp, mp), mp innermost: rank = dp*4 + pp*2 + mp
