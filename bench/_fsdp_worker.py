@@ -5,7 +5,7 @@ step of each variant per round, in a rotating order:
 
 * ``torch_fsdp2``: torch's ``fully_shard`` on every block and on the root;
 * ``jaxpg_ddp``: ``jaxpg.ddp.DistributedDataParallel``;
-* ``jaxpg_zero1``: the same with ``shard_optimizer_state=True``;
+* ``jaxpg_zero1``: the same with ``zero_stage=1``;
 * ``jaxpg_stage1`` / ``jaxpg_stage2`` / ``jaxpg_stage3``: ``FullyShardedDataParallel``
   (stage 3 with every block a unit, ``reshard_after_forward=True``);
 * ``jaxpg_stage3_keep``: stage 3 with ``reshard_after_forward=False``.
@@ -139,11 +139,11 @@ def main() -> None:
     kinds = {
         "jaxpg_ddp": lambda: DistributedDataParallel(ResMLP(args.depth), optax.adam(lr)),
         "jaxpg_zero1": lambda: DistributedDataParallel(ResMLP(args.depth), optax.adam(lr),
-                                                       shard_optimizer_state=True),
+                                                       zero_stage=1),
         "jaxpg_stage1": lambda: FullyShardedDataParallel(ResMLP(args.depth), optax.adam(lr),
-                                                         stage=1),
+                                                         zero_stage=1),
         "jaxpg_stage2": lambda: FullyShardedDataParallel(ResMLP(args.depth), optax.adam(lr),
-                                                         stage=2),
+                                                         zero_stage=2),
         "jaxpg_stage3": lambda: FullyShardedDataParallel(ResMLP(args.depth), optax.adam(lr),
                                                          units=Block),
         "jaxpg_stage3_keep": lambda: FullyShardedDataParallel(

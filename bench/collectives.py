@@ -17,7 +17,7 @@ Sizes follow nccl-tests: ``S`` is the per-rank buffer nccl-tests reports (the in
 all_reduce, broadcast, reduce_scatter and all_to_all; the output for all_gather, whose
 per-rank input is ``S / n``). ``algbw = S / time``; ``busbw = algbw x`` 2(n-1)/n for
 all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast.
-jaxpg's broadcast lowers to a masked ``psum`` (what ``GroupLayout.broadcast`` does on a
+jaxpg's broadcast lowers to a masked ``psum`` (what ``GroupLowering.broadcast`` does on a
 native axis), and the hand-written kernel does the same.
 
 The variants are timed in interleaved rounds (each round calls every variant once, in a

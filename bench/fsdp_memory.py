@@ -3,7 +3,7 @@ analysis of the compiled step (nothing is allocated: the models are ``nnx.eval_s
 structs and the steps are only compiled).
 
 For N = 2, 4 and 8 simulated CPU devices in one process, and each of DDP, ZeRO-1 on DDP
-(``shard_optimizer_state=True``), FSDP stage 1, 2, 3 (``reshard_after_forward`` True and
+(``zero_stage=1``), FSDP stage 1, 2, 3 (``reshard_after_forward`` True and
 False), the table gives one rank's bytes of
 
 * parameters, gradients and optimizer state (Adam: two moments), ZeRO's accounting: the
@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpg  # noqa: E402
-from jaxpg.data_parallel.shard_layout import make_layouts  # noqa: E402
+from jaxpg.data_parallel.leaf_split import make_leaf_splits  # noqa: E402
 from jaxpg.data_parallel.zero import abstract_sharded_opt_state  # noqa: E402
 from jaxpg.ddp import bucket_plan, comm_hooks  # noqa: E402
 from jaxpg.ddp.train_step import StepMode, ZeroSharding, build_train_step  # noqa: E402
@@ -72,7 +72,7 @@ def ddp_memory(model, optimizer, group, batch, *, zero: bool) -> StepMemory:
     plan = bucket_plan.make_bucket_plan(params)
     zero_sharding = None
     if zero:
-        layouts = make_layouts(params, group.size())
+        layouts = make_leaf_splits(params, group.size())
         opt, shardings = abstract_sharded_opt_state(optimizer, params, layouts, mesh,
                                                     (group.axis_name,), params_padded=False)
         zero_sharding = ZeroSharding(layouts=layouts, mesh=mesh, axes=(group.axis_name,),
@@ -106,10 +106,10 @@ def units(path, module):
 VARIANTS = {
     "ddp": lambda m, o, g, b: ddp_memory(m, o, g, b, zero=False),
     "ddp_zero1": lambda m, o, g, b: ddp_memory(m, o, g, b, zero=True),
-    "stage1": lambda m, o, g, b: fsdp_memory(m, o, g, b, stage=1),
-    "stage2": lambda m, o, g, b: fsdp_memory(m, o, g, b, stage=2),
-    "stage3": lambda m, o, g, b: fsdp_memory(m, o, g, b, stage=3, units=units),
-    "stage3_keep": lambda m, o, g, b: fsdp_memory(m, o, g, b, stage=3, units=units,
+    "stage1": lambda m, o, g, b: fsdp_memory(m, o, g, b, zero_stage=1),
+    "stage2": lambda m, o, g, b: fsdp_memory(m, o, g, b, zero_stage=2),
+    "stage3": lambda m, o, g, b: fsdp_memory(m, o, g, b, zero_stage=3, units=units),
+    "stage3_keep": lambda m, o, g, b: fsdp_memory(m, o, g, b, zero_stage=3, units=units,
                                                   reshard_after_forward=False),
 }
 

@@ -48,7 +48,7 @@ class SpmdContext:
         devices = np.asarray(mesh.devices).reshape(-1)
         self.rank_at_position = np.array([world.rank_of_device(d) for d in devices], np.int32)
         self.position_of_rank = {int(r): i for i, r in enumerate(self.rank_at_position)}
-        self._layouts: dict[int, Any] = {}
+        self._lowerings: dict[int, Any] = {}
 
     def __enter__(self) -> SpmdContext:
         _local.__dict__.setdefault("stack", []).append(self)
@@ -65,14 +65,14 @@ class SpmdContext:
         """This rank's (traced) position."""
         return lax.axis_index(self.axes)
 
-    def layout(self, group: Any) -> Any:
-        """Returns the :class:`GroupLayout` of ``group`` on this mesh (cached)."""
-        from jaxpg.collectives.layout import GroupLayout
+    def lowering(self, group: Any) -> Any:
+        """Returns the :class:`GroupLowering` of ``group`` on this mesh (cached)."""
+        from jaxpg.collectives.group_lowering import GroupLowering
 
-        lay = self._layouts.get(group.id)
+        lay = self._lowerings.get(group.id)
         if lay is None:
-            lay = GroupLayout(self, group)
-            self._layouts[group.id] = lay
+            lay = GroupLowering(self, group)
+            self._lowerings[group.id] = lay
         return lay
 
     def traced_group_rank(self, group: Any) -> jax.Array:

@@ -115,7 +115,7 @@ def test_fully_sharded_data_parallel(world):
              "device_mesh=": dict(device_mesh=dims["dp_shard"]),
              "group=ParallelDims": dict(group=dims)}
     for name, kwargs in forms.items():
-        _assert_params(_one_step(FullyShardedDataParallel, stage=3, **kwargs), want, name)
+        _assert_params(_one_step(FullyShardedDataParallel, zero_stage=3, **kwargs), want, name)
 
 
 def test_tensor_parallel(dims):

@@ -94,7 +94,7 @@ def all_to_all(input_tensor_list: Sequence[Any], group: Any = None,
         if len(shapes) > 1:
             raise ValueError(f"{api}: in SPMD code every chunk must have the same shape; got "
                              f"{sorted(shapes)}.")
-        out = ctx.layout(pg).all_to_all(jnp.stack([jnp.asarray(x) for x in input_tensor_list]))
+        out = ctx.lowering(pg).all_to_all(jnp.stack([jnp.asarray(x) for x in input_tensor_list]))
         return completed([out[i] for i in range(k)], async_op, api)
     n_local = local_count(pg, api)
     nested = n_local > 1 and all(isinstance(x, (list, tuple)) for x in input_tensor_list)
@@ -147,7 +147,7 @@ def all_to_all_single(input: Any, output_split_sizes: Sequence[int] | None = Non
         if x.shape[0] % k:
             raise ValueError(f"{api}: input's dim 0 ({x.shape[0]}) must divide by the group "
                              f"size {k} for even splits.")
-        out = ctx.layout(pg).all_to_all(x.reshape((k, -1, *x.shape[1:])))
+        out = ctx.lowering(pg).all_to_all(x.reshape((k, -1, *x.shape[1:])))
         return completed(out.reshape(x.shape), async_op, api)
     n_local = local_count(pg, api)
     # Even splits (no split sizes): every rank passes the same shape, as torch requires, so

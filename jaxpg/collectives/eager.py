@@ -45,12 +45,12 @@ before_collective: list[Callable[[str], None]] = []
 
 def _subgroup_max(group: Any) -> Callable[[Any], Any]:
     """The signature check's reduction: the maximum over this rank's own subgroup of the
-    family, lowered as the group's collectives are (``jaxpg.collectives.layout``)."""
+    family, lowered as the group's collectives are (``jaxpg.collectives.group_lowering``)."""
     mesh, state = group.family_mesh, group._world
 
     def maximum(x: Any) -> Any:
         with SpmdContext(mesh, state) as ctx:
-            return ctx.layout(group).all_reduce(x, ReduceOp.MAX)
+            return ctx.lowering(group).all_reduce(x, ReduceOp.MAX)
 
     return maximum
 
@@ -159,7 +159,7 @@ def _compile_flat(group: Any, api: str, static_key: Any, body: Callable[..., Any
 
     def per_rank(*blocks: Any) -> Any:
         with SpmdContext(mesh, state) as ctx:
-            return body(ctx.layout(group), **dict(zip(names, blocks)))
+            return body(ctx.lowering(group), **dict(zip(names, blocks)))
 
     def probe(*blocks: Any) -> Any:  # which outputs are 0-d decides their out_specs
         return jax.tree.map(lambda a: a[None], per_rank(*blocks))
@@ -278,7 +278,7 @@ def run_eager(
 
         def per_rank(*args: Any) -> Any:
             with SpmdContext(mesh, state) as ctx:
-                out = body(ctx.layout(group), **{k: a[0] for k, a in zip(names, args)})
+                out = body(ctx.lowering(group), **{k: a[0] for k, a in zip(names, args)})
             return jax.tree.map(lambda a: jnp.expand_dims(a, 0), out)
 
         kernel = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(axis),

@@ -67,7 +67,7 @@ def all_gather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     pg, ctx = resolve(group, api)
     check_inputs(tensor, api)
     if ctx is not None:
-        stack = ctx.layout(pg).gather(jnp.asarray(tensor))
+        stack = ctx.lowering(pg).gather(jnp.asarray(tensor))
         return completed([stack[i] for i in range(pg.size())], async_op, api)
     n_local = local_count(pg, api)
     per_rank = isinstance(tensor, (tuple, list))
@@ -125,7 +125,7 @@ def all_gather_into_tensor(input_tensor: Any, group: Any = None, async_op: bool 
         return stack.reshape((-1, *x.shape[1:])) if x.ndim else stack
 
     if ctx is not None:
-        return completed(body(ctx.layout(pg), jnp.asarray(input_tensor)), async_op, api)
+        return completed(body(ctx.lowering(pg), jnp.asarray(input_tensor)), async_op, api)
     return completed(run_eager(pg, api, None, body, {"x": input_tensor}), async_op, api)
 
 
@@ -146,7 +146,7 @@ def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: 
     check_input(tensor, api)
     s = group_rank_of(pg, src, group_src, api, "src")
     if ctx is not None:
-        return completed(ctx.layout(pg).broadcast(jnp.asarray(tensor), s), async_op, api)
+        return completed(ctx.lowering(pg).broadcast(jnp.asarray(tensor), s), async_op, api)
     out = run_eager(pg, api, s, lambda lay, x: lay.broadcast(x, s), {"x": tensor})
     return completed(out, async_op, api)
 
@@ -169,7 +169,7 @@ def gather(tensor: Any, dst: int | None = None, group: Any = None, async_op: boo
     check_input(tensor, api)
     d = group_rank_of(pg, dst, group_dst, api, "dst")
     if ctx is not None:
-        stack = ctx.layout(pg).gather(jnp.asarray(tensor))
+        stack = ctx.lowering(pg).gather(jnp.asarray(tensor))
         return completed([stack[i] for i in range(pg.size())], async_op, api)
     holds_dst = pg.ranks[d] in pg._world.local_ranks
     stack = run_eager(pg, api, d, lambda lay, x: lay.gather(x), {"x": tensor})
@@ -205,7 +205,7 @@ def scatter(tensor: Any = None, scatter_list: list[Any] | None = None, src: int 
                              "arrays (only src's values are used).")
         check_same_shapes(list(scatter_list), api, "scatter_list")
         rows = jnp.stack([jnp.asarray(x) for x in scatter_list])
-        lay = ctx.layout(pg)
+        lay = ctx.lowering(pg)
         mine = lay.all_to_all(rows)[s]
         return completed(lay.keep_for_nonmembers(mine, rows[0]), async_op, api)
     holds_src = pg.ranks[s] in pg._world.local_ranks

@@ -312,7 +312,7 @@ def _recv(tensor: Any, src: int | None, group: Any, tag: int, group_src: int | N
         if not pending:
             raise ValueError(f"{api}: no matching send(src={src_rank}, dst={dst}, tag={tag}) "
                              "was traced before this recv.")
-        moved = ctx.layout(pg).permute(pending.pop(0), [(pg.group_rank(src_rank),
+        moved = ctx.lowering(pg).permute(pending.pop(0), [(pg.group_rank(src_rank),
                                                          pg.group_rank(dst))])
         here = ctx.traced_group_rank(pg) == pg.group_rank(dst)
         return jnp.where(here, moved, jnp.asarray(tensor))
@@ -454,6 +454,6 @@ def permute(tensor: Any, pairs: Sequence[tuple[int, int]], group: Any = None) ->
         raise ValueError(f"{api}: pairs={list(pairs)} must not repeat a source or destination.")
     pairs = [(int(a), int(b)) for a, b in pairs]
     if ctx is not None:
-        return ctx.layout(pg).permute(jnp.asarray(tensor), pairs)
+        return ctx.lowering(pg).permute(jnp.asarray(tensor), pairs)
     return run_eager(pg, api, tuple(pairs), lambda lay, x: lay.permute(x, pairs),
                      {"x": tensor})

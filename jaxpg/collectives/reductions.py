@@ -49,7 +49,7 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     check_input(tensor, api)
     op = checked_op(op, tensor, api)
     if ctx is not None:
-        return completed(ctx.layout(pg).all_reduce(jnp.asarray(tensor), op), async_op, api)
+        return completed(ctx.lowering(pg).all_reduce(jnp.asarray(tensor), op), async_op, api)
     out = run_eager(pg, api, op, lambda lay, x: lay.all_reduce(x, op), {"x": tensor})
     return completed(out, async_op, api)
 
@@ -72,7 +72,7 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, gro
         return jnp.where(lay.member_index() == d, lay.all_reduce(x, op), x)
 
     if ctx is not None:
-        return completed(body(ctx.layout(pg), jnp.asarray(tensor)), async_op, api)
+        return completed(body(ctx.lowering(pg), jnp.asarray(tensor)), async_op, api)
     return completed(run_eager(pg, api, (op, d), body, {"x": tensor}), async_op, api)
 
 
@@ -100,7 +100,7 @@ def reduce_scatter_tensor(input: Any, op: ReduceOp = ReduceOp.SUM, group: Any = 
             f"{tuple(per_rank_shape)}."
         )
     if ctx is not None:
-        return completed(ctx.layout(pg).reduce_scatter(jnp.asarray(input), op), async_op, api)
+        return completed(ctx.lowering(pg).reduce_scatter(jnp.asarray(input), op), async_op, api)
     out = run_eager(pg, api, op, lambda lay, x: lay.reduce_scatter(x, op), {"x": input})
     return completed(out, async_op, api)
 

@@ -4,7 +4,6 @@ layer, and the ``SequenceSplit`` that DDP and FSDP take as ``context_parallel=``
 docs/context_parallel.md)."""
 
 from jaxpg.context_parallel.attention import attention
-from jaxpg.context_parallel.cp_axis import CPAxis, resolve_cp_axis
 from jaxpg.context_parallel.layer import ContextParallelAttention
 from jaxpg.context_parallel.sequence import (
     SequenceLayout,
@@ -15,6 +14,6 @@ from jaxpg.context_parallel.sequence import (
 from jaxpg.context_parallel.sequence_split import SequenceSplit
 
 __all__ = [
-    "attention", "CPAxis", "resolve_cp_axis", "SequenceLayout", "SequenceShards",
+    "attention", "SequenceLayout", "SequenceShards",
     "shard_sequence", "unshard_sequence", "ContextParallelAttention", "SequenceSplit",
 ]

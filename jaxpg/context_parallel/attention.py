@@ -24,10 +24,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.context_parallel.cp_axis import CPAxis, resolve_cp_axis
 from jaxpg.context_parallel.gathered import all_gather_attention, all_to_all_attention
 from jaxpg.context_parallel.ring import ring_attention
 from jaxpg.groups import world as _world
+from jaxpg.groups.mesh_axis import MeshAxis, resolve_mesh_axis
 from jaxpg.spmd_lowering import current_context
 
 __all__ = ["attention", "METHODS"]
@@ -114,7 +114,7 @@ def attention(q: Any, k: Any, v: Any, *, group: Any = None, causal: bool = False
         >>> f = jaxpg.spmd(lambda q, k, v: attention(q, k, v, group=cp, causal=True),
         ...                group=cp)
     """
-    cp = resolve_cp_axis(group, API)
+    cp = resolve_mesh_axis(group, "cp", api=API)
     load_balance = causal if load_balance is None else bool(load_balance)
     axis = cp.bound_axis(API)
     if axis is not None:
@@ -131,7 +131,7 @@ def attention(q: Any, k: Any, v: Any, *, group: Any = None, causal: bool = False
     return _host_attention(q, k, v, cp, causal, method, scale, load_balance)
 
 
-def _group_mesh(cp: CPAxis) -> tuple[Mesh, int, bool]:
+def _group_mesh(cp: MeshAxis) -> tuple[Mesh, int, bool]:
     """The group's own 1-D mesh, its local rank count and whether data comes unstacked."""
     if cp.group is None:
         raise TypeError(f"{API}: from host code, pass group= as a ProcessGroup or mesh['cp'].")
@@ -178,7 +178,7 @@ def _host_attention(q, k, v, cp, causal, method, scale, load_balance):
     return jnp.asarray(local[0] if unstacked else local)
 
 
-def _check_same_lengths(q: Any, cp: CPAxis) -> None:
+def _check_same_lengths(q: Any, cp: MeshAxis) -> None:
     from jaxpg.collectives.objects import all_gather_object
 
     shapes = all_gather_object(list(np.shape(q)), group=cp.group)

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpg.context_parallel.chunks import chunk_order, local_positions
-from jaxpg.context_parallel.cp_axis import resolve_cp_axis
 from jaxpg.groups import world as _world
+from jaxpg.groups.mesh_axis import resolve_mesh_axis
 
 __all__ = ["SequenceLayout", "SequenceShards", "shard_sequence", "unshard_sequence"]
 
@@ -63,7 +63,7 @@ class SequenceShards(NamedTuple):
 
 
 def _local_layout(group: Any, api: str) -> tuple[Any, tuple[int, ...], bool]:
-    cp = resolve_cp_axis(group, api)
+    cp = resolve_mesh_axis(group, "cp", api=api)
     if cp.group is None:
         raise TypeError(f"{api}: pass group= as a ProcessGroup or mesh['cp'].")
     state = _world.current()

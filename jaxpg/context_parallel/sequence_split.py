@@ -15,7 +15,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxpg.context_parallel.cp_axis import resolve_cp_axis
+from jaxpg.groups.mesh_axis import resolve_mesh_axis
 
 __all__ = ["SequenceSplit", "ResolvedSequenceSplit", "resolve_sequence_split"]
 
@@ -83,5 +83,5 @@ def resolve_sequence_split(context_parallel: Any, api: str) -> ResolvedSequenceS
     if not isinstance(split.load_balance, bool):
         raise TypeError(f"{api}: context_parallel's load_balance={split.load_balance!r} must "
                         "be a bool.")
-    cp = resolve_cp_axis(split.group, api, arg="context_parallel")
+    cp = resolve_mesh_axis(split.group, "cp", api=api, arg="context_parallel")
     return ResolvedSequenceSplit(cp.mesh, cp.axis, cp.size, split.seq_dim, split.load_balance)

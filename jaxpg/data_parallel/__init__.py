@@ -11,7 +11,7 @@ pipeline) share, so that neither imports the other's private helpers.
   the restore of a state tree from them.
 * :mod:`~jaxpg.data_parallel.settle`: a constructor's placement finished before the first
   checked call.
-* :mod:`~jaxpg.data_parallel.shard_layout`: how a leaf is split over the data-parallel axis.
+* :mod:`~jaxpg.data_parallel.leaf_split`: how a leaf is split over the data-parallel axis.
 * :mod:`~jaxpg.data_parallel.zero`: the optimizer state split over it, and its update.
 
 Nothing is re-exported here: the public names are ``jaxpg.ddp``'s and ``jaxpg.fsdp``'s.

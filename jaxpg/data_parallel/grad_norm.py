@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.data_parallel.shard_layout import spec_axes
+from jaxpg.data_parallel.leaf_split import spec_axes
 
 __all__ = ["global_grad_norm"]
 

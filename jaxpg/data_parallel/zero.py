@@ -4,7 +4,7 @@ torch's ``ZeroRedundancyOptimizer`` and Paddle's ``DygraphShardingOptimizer`` gi
 rank the optimizer state of a part of the parameters: after the gradient all-reduce each
 rank steps its part and broadcasts the new values. Here the state is a pytree of global
 ``jax.Array`` s, each param-shaped leaf padded on dim 0 to a multiple of the rank count and
-laid out ``P(axis)`` over the group (:mod:`jaxpg.data_parallel.shard_layout`); the update is written
+laid out ``P(axis)`` over the group (:mod:`jaxpg.data_parallel.leaf_split`); the update is written
 on those global arrays *outside* ``shard_map`` but inside the same ``jit``, so XLA's SPMD
 partitioner gives each rank its shard of every element-wise operation and turns whole-tree
 reductions into all-reduces:
@@ -35,16 +35,57 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.data_parallel.shard_layout import ShardLayout, pad_leaf, unpad_leaf
+from jaxpg.data_parallel.leaf_split import LeafSplit, pad_leaf, unpad_leaf
 
 __all__ = [
-    "opt_state_shardings", "abstract_sharded_opt_state", "init_sharded_opt_state",
+    "ZERO_STAGES", "PADDLE_LEVELS", "resolve_zero_stage", "opt_state_shardings",
+    "abstract_sharded_opt_state", "init_sharded_opt_state",
     "sharded_update", "padded_params",
 ]
 
 
+ZERO_STAGES = {0: "nothing sharded (replicated)", 1: "the optimizer state",
+               2: "the optimizer state and gradients",
+               3: "the optimizer state, gradients and parameters"}
+"""What each ZeRO stage splits over the data-parallel ranks: ``zero_stage=`` everywhere."""
+
+PADDLE_LEVELS = {"os": 1, "os_g": 2, "p_g_os": 3}
+"""Paddle's ``group_sharded_parallel(level=...)`` names of stages 1 to 3."""
+
+
+def resolve_zero_stage(api: str, allowed: tuple[int, ...], default: int,
+                       zero_stage: int | None, hint: str = "", **aliases: Any) -> int:
+    """The ZeRO stage that ``zero_stage=`` or one of its aliases names.
+
+    Args:
+        api: the caller's name, for errors.
+        allowed: the stages the caller runs.
+        default: the stage when none is passed.
+        zero_stage: the ``zero_stage=`` argument (None: not passed).
+        hint: said after the error for a stage outside ``allowed`` (where to find it).
+        **aliases: each alias' name and the stage it names (None: not passed), already
+            mapped to an int (``stage=2``, ``shard_optimizer_state=True`` as 1, Paddle's
+            ``level='os_g'`` as 2).
+
+    Raises:
+        ValueError: for more than one spelling passed, or a stage outside ``allowed``.
+    """
+    given = {"zero_stage": zero_stage, **aliases}
+    passed = {k: v for k, v in given.items() if v is not None}
+    if len(passed) > 1:
+        both = " and ".join(f"{k}=" for k in passed)
+        raise ValueError(f"{api}: pass zero_stage= only, not {both}: they name the same ZeRO "
+                         "stage.")
+    name, stage = next(iter(passed.items()), ("zero_stage", default))
+    if isinstance(stage, bool) or stage not in allowed:
+        known = ", ".join(f"{k} ({ZERO_STAGES[k]})" for k in allowed)
+        raise ValueError(f"{api}: {name}={stage!r} is not a ZeRO stage it runs; pass "
+                         f"zero_stage= one of {known}.{hint}")
+    return stage
+
+
 def _is_layout(x: Any) -> bool:
-    return isinstance(x, ShardLayout)
+    return isinstance(x, LeafSplit)
 
 
 def _axes_entry(axes: tuple[Hashable, ...]) -> Any:
@@ -119,7 +160,7 @@ def init_sharded_opt_state(optimizer: optax.GradientTransformation, params: Any,
     Args:
         optimizer: the optax transformation.
         params: the parameters: padded and sharded (``params_padded``) or true-shape.
-        layouts: a :class:`ShardLayout` per parameter.
+        layouts: a :class:`LeafSplit` per parameter.
         mesh: the mesh holding ``axes``.
         axes: the mesh axes the state is split over.
         params_padded: whether ``params`` are already in their padded form.
@@ -142,7 +183,7 @@ def sharded_update(optimizer: optax.GradientTransformation, grads: Any, opt_stat
         opt_state: the sharded optimizer state (:func:`init_sharded_opt_state`).
         params: the parameters: padded and sharded (ZeRO-3, ``params_padded``) or
             true-shape and replicated.
-        layouts: a :class:`ShardLayout` per parameter.
+        layouts: a :class:`LeafSplit` per parameter.
         mesh: the mesh holding ``axes``.
         axes: the mesh axes the state is split over.
         opt_shardings: the optimizer state's shardings.

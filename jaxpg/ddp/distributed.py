@@ -22,7 +22,7 @@ Decisions (the full table is in ``docs/ddp.md``):
 - **Tensor-parallel models** (arrays laid out on a larger mesh, e.g. by
   ``jaxpg.tensor_parallel.parallelize_module`` on a ``("dp", "tp")`` DeviceMesh): the group
   must be one dimension of that mesh, and the step runs over the whole mesh with the arrays'
-  layouts (:mod:`jaxpg.ddp.step_layout`).
+  layouts (:mod:`jaxpg.ddp.step_mesh`).
 
 Example:
     >>> ddp = DistributedDataParallel(model, optax.adam(1e-3))
@@ -45,21 +45,21 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.leaf_split import make_leaf_splits
 from jaxpg.data_parallel.settle import settle_placement
-from jaxpg.data_parallel.shard_layout import make_layouts
 from jaxpg.data_parallel.step_cache import StepCache
-from jaxpg.data_parallel.zero import init_sharded_opt_state
+from jaxpg.data_parallel.zero import init_sharded_opt_state, resolve_zero_stage
 from jaxpg.ddp import param_sync
 from jaxpg.ddp.bucket_plan import BucketPlan, make_bucket_plan
 from jaxpg.ddp.comm_hooks import make_comm_hook
 from jaxpg.ddp.join import Join
-from jaxpg.ddp.step_layout import (
-    StepLayout,
+from jaxpg.ddp.step_mesh import (
+    StepMesh,
     dense_leaves,
-    layout_batch,
-    layout_per_rank,
-    place_on_layout,
-    step_layout,
+    place_on_step_mesh,
+    place_per_rank,
+    place_step_batch,
+    step_mesh,
 )
 from jaxpg.ddp.train_step import REDUCTIONS, StepMode, ZeroSharding, build_train_step
 from jaxpg.supervision.step_recording import recorded_step
@@ -89,11 +89,13 @@ class DistributedDataParallel:
         donate: let the step reuse the state's buffers (on CPU the step is compiled with
             XLA's region-based copy insertion, so donated parameters are updated in place
             instead of copied first).
-        shard_optimizer_state: ZeRO-1, as torch's ``ZeroRedundancyOptimizer``: the
-            optimizer state is split on dim 0 over the group (padded to a multiple of the
-            rank count, :mod:`jaxpg.data_parallel.zero`), the gradients are still reduced by the
-            bucketed reducer and its hook, each rank steps its shard, and the new
-            parameters are all-gathered. ``opt_state`` then holds sharded global arrays.
+        zero_stage: 0 (the default: everything replicated) or 1, ZeRO-1 as torch's
+            ``ZeroRedundancyOptimizer``: the optimizer state is split on dim 0 over the group
+            (padded to a multiple of the rank count, :mod:`jaxpg.data_parallel.zero`), the
+            gradients are still reduced by the bucketed reducer and its hook, each rank
+            steps its shard, and the new parameters are all-gathered. ``opt_state`` then
+            holds sharded global arrays. Stages 2 and 3 are ``FullyShardedDataParallel``'s.
+        shard_optimizer_state: ``True`` is ``zero_stage=1`` (an alias; pass one of them).
         expert_axes: expert parallelism (``jaxpg.expert_parallel.MoELayer`` on a
             ``("dp", "ep")`` mesh, DDP over the whole mesh: ``expert_axes=("ep",)``): the
             data-parallel axes that parameters (the experts) may be split over. The batch
@@ -106,7 +108,7 @@ class DistributedDataParallel:
             torchtitan composes it with DDP): the cp group (``mesh["cp"]``, a
             ``ParallelDims``) or a :class:`~jaxpg.context_parallel.SequenceSplit`. The
             step runs over the cp group's mesh, ``group`` must span cp and the
-            data-parallel axes (``mesh["dp", "cp"]._flatten("dp_cp")``, ``dims["dp_cp"]``),
+            data-parallel axes (``mesh["dp", "cp"].flatten("dp_cp")``, ``dims["dp_cp"]``),
             and each process passes its samples with whole sequences: every leaf's
             sequence dimension (1 by default) is laid out load-balanced over cp (by
             default), the samples over the other axes. Put the position ids in the batch.
@@ -129,7 +131,8 @@ class DistributedDataParallel:
         broadcast_params: bool = True,
         reduction: str = "buckets",
         donate: bool = True,
-        shard_optimizer_state: bool = False,
+        zero_stage: int | None = None,
+        shard_optimizer_state: bool | None = None,
         device_mesh: Any = None,
         expert_axes: tuple[str, ...] = (),
         context_parallel: Any = None,
@@ -140,7 +143,7 @@ class DistributedDataParallel:
         api = "DistributedDataParallel"
         given = one_of(api, group=group, device_mesh=device_mesh)
         if context_parallel is not None and getattr(given, "ndim", 1) > 1:
-            from jaxpg.ddp.step_layout import cp_group_fix
+            from jaxpg.ddp.step_mesh import cp_group_fix
 
             raise ValueError(
                 f"{api}: group={given!r} with context_parallel=: DDP averages over one "
@@ -163,8 +166,14 @@ class DistributedDataParallel:
             raise ValueError(
                 f"DistributedDataParallel: reduction='fused_pmean' uses no hook; got {comm_hook=}."
             )
-        if not isinstance(shard_optimizer_state, bool):
+        if shard_optimizer_state is not None and not isinstance(shard_optimizer_state, bool):
             raise TypeError(f"DistributedDataParallel: {shard_optimizer_state=} must be a bool.")
+        zero_stage = resolve_zero_stage(
+            api, (0, 1), 0, zero_stage,
+            hint=" ZeRO-2 and -3 are FullyShardedDataParallel(..., zero_stage=2 or 3).",
+            shard_optimizer_state=None if shard_optimizer_state is None
+            else int(shard_optimizer_state))
+        shard_optimizer_state = zero_stage == 1
         self.optimizer = optimizer
         self.reduction = reduction
         self.donate = donate
@@ -174,7 +183,7 @@ class DistributedDataParallel:
                             "names, e.g. expert_axes=('ep',).")
         sequence = None if context_parallel is None else \
             resolve_sequence_split(context_parallel, api)
-        self.layout: StepLayout = step_layout(self.group, params, rest,
+        self.layout: StepMesh = step_mesh(self.group, params, rest,
                                               expert_axes=tuple(expert_axes),
                                               sequence=sequence)
         signatures = param_sync.gather_param_signatures(params, self.group)
@@ -184,14 +193,14 @@ class DistributedDataParallel:
         self.bucket_plan: BucketPlan = make_bucket_plan(dense, bucket_cap_mb, first_bucket_mb)
         if shard_optimizer_state and dense is not local:
             raise ValueError(
-                "DistributedDataParallel: shard_optimizer_state=True (ZeRO-1) does not take "
+                "DistributedDataParallel: zero_stage=1 (ZeRO-1) does not take "
                 f"expert parameters (split over expert_axes={tuple(expert_axes)}); leave it "
-                "False, or use FullyShardedDataParallel for the dense part.")
+                "at 0, or use FullyShardedDataParallel for the dense part.")
         self._opt_specs: Any = None
         if self.layout.sharded:  # laid out on a larger mesh (tensor parallel)
-            self.params = place_on_layout(params, self.layout.param_specs, self.layout,
+            self.params = place_on_step_mesh(params, self.layout.param_specs, self.layout,
                                           broadcast=broadcast_params)
-            self.rest = place_on_layout(rest, self.layout.rest_specs, self.layout,
+            self.rest = place_on_step_mesh(rest, self.layout.rest_specs, self.layout,
                                         broadcast=broadcast_params)
         else:
             self.params = param_sync.replicate_from_rank0(params, self.group,
@@ -224,10 +233,10 @@ class DistributedDataParallel:
         lay = self.layout
         axes = lay.dp_axes
         if lay.sharded:
-            layouts = make_layouts(self.params, self.group.size(), lay.param_specs,
+            layouts = make_leaf_splits(self.params, self.group.size(), lay.param_specs,
                                    dict(lay.mesh.shape))
         else:
-            layouts = make_layouts(self.params, self.group.size())
+            layouts = make_leaf_splits(self.params, self.group.size())
         opt_state, shardings = init_sharded_opt_state(
             self.optimizer, self.params, layouts, lay.mesh, axes, params_padded=False)
         return opt_state, ZeroSharding(layouts=layouts, mesh=lay.mesh, axes=axes,
@@ -312,12 +321,12 @@ class DistributedDataParallel:
         if tree is None:
             return None
         if self.layout.sharded:
-            return layout_per_rank(tree, self.layout)
+            return place_per_rank(tree, self.layout)
         return param_sync.per_rank(tree, self.group)
 
     def _shard_batch(self, batch: Any) -> Any:
         if self.layout.sharded:
-            return layout_batch(batch, self.layout)
+            return place_step_batch(batch, self.layout)
         return param_sync.shard_batch(batch, self.group)
 
     # ------------------------------------------------------------------ configuration
@@ -503,6 +512,6 @@ class DistributedDataParallel:
     def __repr__(self) -> str:
         return (
             f"DistributedDataParallel(group={self.group!r}, buckets={len(self.bucket_plan)}, "
-            f"reduction={self.reduction!r}, shard_optimizer_state={self._zero is not None}, "
+            f"reduction={self.reduction!r}, zero_stage={int(self._zero is not None)}, "
             f"step={self.step})"
         )

@@ -54,7 +54,7 @@ from jaxpg.ddp._axis import axis_size
 from jaxpg.ddp.bucket_plan import BucketPlan
 from jaxpg.ddp.comm_hooks import CommHook
 from jaxpg.ddp.reducer import fused_pmean, reduce_gradients
-from jaxpg.ddp.step_layout import dense_leaves, with_experts_reduced
+from jaxpg.ddp.step_mesh import dense_leaves, with_experts_reduced
 
 __all__ = ["StepMode", "ZeroSharding", "build_train_step", "REDUCTIONS"]
 
@@ -150,13 +150,13 @@ def build_train_step(
             with the default analysis XLA:CPU copies every donated parameter the backward
             still reads (80 MB a step for the 25M-parameter benchmark MLP) so that the
             update can write in place (docs/design.md, "CPU all_reduce: where the time goes").
-        layout: a :class:`~jaxpg.ddp.step_layout.StepLayout` for state laid out on a larger
+        layout: a :class:`~jaxpg.ddp.step_mesh.StepMesh` for state laid out on a larger
             mesh (tensor parallelism): the step runs over that mesh, parameters keep their
             specs, and gradients are reduced over its data-parallel axes (an expert
             parameter's over those that replicate it). None: the group's own mesh,
             everything replicated.
         opt_specs: the optimizer state's ``PartitionSpec`` tree, with ``layout``.
-        zero: ZeRO-1 (``shard_optimizer_state=True``): the optimizer state is split over
+        zero: ZeRO-1 (``zero_stage=1``): the optimizer state is split over
             the group (:mod:`jaxpg.data_parallel.zero`; with ``layout``, over its
             data-parallel axes on top of each parameter's tensor-parallel split) and never
             enters the ``shard_map``; the per-rank function returns the reduced gradients,
@@ -270,7 +270,7 @@ class ZeroSharding:
     """Where DDP's ZeRO-1 optimizer state lives (see :mod:`jaxpg.data_parallel.zero`).
 
     Attributes:
-        layouts: a ``ShardLayout`` per parameter.
+        layouts: a ``LeafSplit`` per parameter.
         mesh: the group's mesh.
         axes: the mesh axes the state is split over.
         opt_shardings: the optimizer state's shardings.

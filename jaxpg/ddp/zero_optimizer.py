@@ -1,7 +1,7 @@
 """torch's ``ZeroRedundancyOptimizer`` for a host-driven training loop: each rank of a
 data-parallel group keeps the optimizer state of its share of the parameters only.
 
-``DistributedDataParallel(shard_optimizer_state=True)`` is ZeRO-1 inside DDP's jitted step.
+``DistributedDataParallel(zero_stage=1)`` is ZeRO-1 inside DDP's jitted step.
 Loops that hold their gradients on the host side, one rank per process (a
 :class:`~jaxpg.pipeline.PipelineStage`'s ``grads``, a hand-written ``jax.grad`` loop), use
 this class instead, as torch's users do:
@@ -57,15 +57,17 @@ def partition_parameters(sizes: list[int], n: int) -> list[list[int]]:
 
 
 class ZeroRedundancyOptimizer:
-    """ZeRO-1 (ZeRO-2 with ``reduce_gradients``) over a group of one rank per process.
+    """ZeRO-1 (or ZeRO-2) over a group of one rank per process.
 
     Args:
         optimizer: the optax transformation each rank applies to its share.
         params: the parameters (any pytree of arrays; an ``nnx.State``), the same shapes
             on every rank.
         group: the data-parallel group (a ProcessGroup, ``mesh["dp"]``; None: the world).
-        reduce_gradients: ZeRO-2: :meth:`step` takes local gradients and reduces each
-            share onto its owner.
+        zero_stage: 1 (the default): :meth:`step` takes gradients already averaged over
+            the group; 2: it takes each rank's local gradients and reduces each share onto
+            its owner. (Stage 3 is ``FullyShardedDataParallel``'s.)
+        reduce_gradients: ``True`` is ``zero_stage=2`` (an alias; pass one of them).
 
     Raises:
         ValueError: this process holds no rank, or several ranks, of the group.
@@ -73,7 +75,14 @@ class ZeroRedundancyOptimizer:
     """
 
     def __init__(self, optimizer: optax.GradientTransformation, params: Any, *,
-                 group: Any = None, reduce_gradients: bool = False) -> None:
+                 group: Any = None, zero_stage: int | None = None,
+                 reduce_gradients: bool | None = None) -> None:
+        from jaxpg.data_parallel.zero import resolve_zero_stage
+
+        stage = resolve_zero_stage(
+            _API, (1, 2), 1, zero_stage,
+            hint=" ZeRO-3 is FullyShardedDataParallel(..., zero_stage=3).",
+            reduce_gradients=None if reduce_gradients is None else 1 + bool(reduce_gradients))
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"{_API}: optimizer must be an optax.GradientTransformation "
                             f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}.")
@@ -83,10 +92,10 @@ class ZeroRedundancyOptimizer:
             raise ValueError(
                 f"{_API}: this process holds {len(local)} ranks of {self.group!r}; it steps "
                 "on the host with one rank per process. With several ranks in one process "
-                "use DistributedDataParallel(..., shard_optimizer_state=True) or "
-                "FullyShardedDataParallel(..., stage=1).")
+                "use DistributedDataParallel(..., zero_stage=1) or "
+                "FullyShardedDataParallel(..., zero_stage=1).")
         self.optimizer = optimizer
-        self.reduce_gradients = bool(reduce_gradients)
+        self.reduce_gradients = stage == 2
         leaves, self._treedef = jax.tree.flatten(params)
         self._structs = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
         self._owned = partition_parameters([int(np.prod(s.shape)) for s in self._structs],

@@ -23,11 +23,10 @@ from flax import nnx
 from flax.nnx.nn.linear import default_kernel_init
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.expert_parallel.ep_group import resolve_ep_group
 from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
 from jaxpg.expert_parallel.moe import MoEAux, moe
+from jaxpg.groups.mesh_axis import resolve_mesh_axis
 from jaxpg.tensor_parallel.mp_layers import make_param
-from jaxpg.tensor_parallel.tp_mesh import TPMesh
 
 __all__ = ["MoELayer", "expert_init"]
 
@@ -66,7 +65,7 @@ class MoELayer(nnx.Module):
             raise TypeError(f"{api}: replicated_tokens must be a bool; got "
                             f"{replicated_tokens!r}.")
         self.replicated_tokens = replicated_tokens
-        self.ep = resolve_ep_group(group, api)
+        self.ep = resolve_mesh_axis(group, "ep", api=api)
         if num_experts % self.ep.size:
             raise ValueError(f"{api}: num_experts={num_experts} must be divisible by the "
                              f"expert-parallel degree ep={self.ep.size}.")
@@ -76,7 +75,7 @@ class MoELayer(nnx.Module):
         self.d_model, self.d_hidden, self.num_experts = d_model, d_hidden, num_experts
         self.top_k, self.capacity_factor = top_k, capacity_factor
         self.normalize_topk, self.activation = normalize_topk, activation
-        mesh = TPMesh(self.ep.mesh, self.ep.axis)
+        mesh = self.ep
         experts = P(self.ep.axis, None, None)
         self.gate_weight = make_param(gate_init or default_kernel_init, default_kernel_init,
                                       rngs, (d_model, num_experts), param_dtype, mesh, P(), api,

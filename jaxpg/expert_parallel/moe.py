@@ -24,10 +24,10 @@ from jaxpg.collectives.gathers import exchange_sizes
 from jaxpg.collectives.reductions import all_reduce
 from jaxpg.expert_parallel.checks import check_moe_args
 from jaxpg.expert_parallel.dispatch import dispatch_rows, exchange, keep_mask, slot_counts
-from jaxpg.expert_parallel.ep_group import resolve_ep_group
 from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
 from jaxpg.expert_parallel.router import route
 from jaxpg.groups import world as _world
+from jaxpg.groups.mesh_axis import resolve_mesh_axis
 from jaxpg.spmd_lowering import SpmdContext, current_context
 from jaxpg.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -207,7 +207,7 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
     """
     api = "moe"
     check_grouped_matmul(grouped_matmul, api)
-    ep_group = resolve_ep_group(group, api)
+    ep_group = resolve_mesh_axis(group, "ep", api=api)
     pg, ep = ep_group.group, ep_group.size
     options = dict(group=pg, ep=ep, top_k=top_k, capacity_factor=capacity_factor,
                    activation=activation, normalize_topk=normalize_topk,

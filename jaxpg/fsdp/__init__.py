@@ -3,7 +3,7 @@ Flax NNX and optax, HSDP, mixed precision, sharded checkpoints that reshard on l
 ZeRO-1/2 inside pipeline stages (:mod:`jaxpg.pipeline.zero`, in the pipeline's layer above).
 
 See ``docs/fsdp.md``. DDP's ZeRO-1 switch is ``DistributedDataParallel(...,
-shard_optimizer_state=True)`` (:mod:`jaxpg.data_parallel.zero`).
+zero_stage=1)`` (:mod:`jaxpg.data_parallel.zero`).
 """
 
 from jaxpg.fsdp.checkpoint import (

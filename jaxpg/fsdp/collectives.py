@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpg.data_parallel.shard_layout import ShardLayout, spec_axes
+from jaxpg.data_parallel.leaf_split import LeafSplit, spec_axes
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["Comm", "divide_factors", "gather_leaf", "reduce_leaf", "allreduce_leaf",
@@ -56,7 +56,7 @@ class Comm:
     def all_axes(self) -> tuple[Hashable, ...]:
         return (*self.replicate_axes, *self.shard_axes)
 
-    def extra_axes(self, layout: ShardLayout) -> tuple[Hashable, ...]:
+    def extra_axes(self, layout: LeafSplit) -> tuple[Hashable, ...]:
         """The expert-parallel axes ``layout``'s gradient is summed over besides the shard
         and replica axes: all of them for a dense parameter, none for an expert."""
         return () if spec_axes(layout.base_spec) & set(self.expert_axes) else self.expert_axes
@@ -83,7 +83,7 @@ def _size(axes: tuple[Hashable, ...]) -> int:
     return int(np.prod([jax.lax.axis_size(a) for a in axes], dtype=np.int64))
 
 
-def _padded(g: jax.Array, layout: ShardLayout) -> jax.Array:
+def _padded(g: jax.Array, layout: LeafSplit) -> jax.Array:
     """The unsharded gradient padded to the shards' rows (a no-op unless the layout pads)."""
     if layout.sharded and layout.padding:
         width = [(0, 0)] * g.ndim
@@ -92,7 +92,7 @@ def _padded(g: jax.Array, layout: ShardLayout) -> jax.Array:
     return g
 
 
-def gather_leaf(shard: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
+def gather_leaf(shard: jax.Array, layout: LeafSplit, comm: Comm) -> jax.Array:
     """The unsharded parameter (its tensor-parallel block) from this rank's shard."""
     x = shard.astype(comm.policy.compute_dtype_for(layout.dtype))
     if not layout.sharded:
@@ -104,7 +104,7 @@ def gather_leaf(shard: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
     return x
 
 
-def reduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
+def reduce_leaf(grad: jax.Array, layout: LeafSplit, comm: Comm) -> jax.Array:
     """This rank's shard of the gradient averaged over every rank (stage 2 and 3)."""
     rd = comm.policy.reduce_dtype_for(layout.dtype)
     g = grad.astype(rd)
@@ -130,7 +130,7 @@ def reduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
     return g.astype(layout.dtype)
 
 
-def allreduce_leaf(grad: jax.Array, layout: ShardLayout, comm: Comm) -> jax.Array:
+def allreduce_leaf(grad: jax.Array, layout: LeafSplit, comm: Comm) -> jax.Array:
     """The whole gradient averaged over every rank (stage 1: all-reduce, not scatter)."""
     rd = comm.policy.reduce_dtype_for(layout.dtype)
     g = grad.astype(rd)
@@ -151,7 +151,7 @@ def accumulate(grad: jax.Array, acc: jax.Array | None) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def gather_param(shard: jax.Array, acc: jax.Array | None, layout: ShardLayout, comm: Comm,
+def gather_param(shard: jax.Array, acc: jax.Array | None, layout: LeafSplit, comm: Comm,
                  no_sync: bool) -> jax.Array:
     """:func:`gather_leaf` whose gradient is :func:`reduce_leaf`.
 

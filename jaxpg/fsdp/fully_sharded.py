@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import optax
 
+from jaxpg.data_parallel.leaf_split import LeafSplit, leaf_split_bytes, make_leaf_splits
 from jaxpg.data_parallel.settle import settle_placement
-from jaxpg.data_parallel.shard_layout import ShardLayout, layout_bytes, make_layouts
 from jaxpg.data_parallel.step_cache import StepCache
 from jaxpg.data_parallel.zero import abstract_sharded_opt_state, init_sharded_opt_state
 from jaxpg.ddp import param_sync
@@ -67,8 +67,11 @@ class FullyShardedDataParallel:
             a ``ParallelDims`` (replicate over ``dp_replicate``, shard over ``dp_shard``).
         device_mesh: torch's spelling of ``group`` (FSDP's ``device_mesh=``, fully_shard's
             ``mesh=``); pass one of them.
-        stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
-            (Paddle's ``'os'``, ``'os_g'``, ``'p_g_os'``).
+        zero_stage: 1 shards the optimizer state, 2 also the gradients, 3 (the default)
+            also the parameters.
+        stage: an alias of ``zero_stage`` (DeepSpeed's spelling); pass one of them.
+        level: Paddle's ``group_sharded_parallel`` spelling of the stage: ``'os'`` (1),
+            ``'os_g'`` (2) or ``'p_g_os'`` (3); an alias of ``zero_stage``.
         reshard_after_forward: stage 3: drop each unit's gathered parameters after its
             forward and gather them again for its backward (False: keep them).
         mp_policy: a :class:`MixedPrecisionPolicy` (None: compute in the stored dtypes).
@@ -79,12 +82,12 @@ class FullyShardedDataParallel:
         context_parallel: context parallelism, as torchtitan's FSDP over ``dp_shard_cp``:
             the cp group (``mesh["cp"]``, a ``ParallelDims``) or a
             :class:`~jaxpg.context_parallel.SequenceSplit`. ``group`` must be the shard
-            and cp dimensions flattened (``mesh["dp_shard", "cp"]._flatten(...)``,
+            and cp dimensions flattened (``mesh["dp_shard", "cp"].flatten(...)``,
             ``dims["dp_shard_cp"]``); parameters are sharded over both, and each process
             passes its samples with whole sequences, laid out over cp as DDP's are.
         expert_axes: expert parallelism (``jaxpg.expert_parallel.MoELayer`` on a
             ``("dp", "ep")`` mesh, ``group`` its data-parallel ranks over both axes, e.g.
-            the world or ``mesh["dp", "ep"]._flatten()``): ``expert_axes=("ep",)``. The
+            the world or ``mesh["dp", "ep"].flatten()``): ``expert_axes=("ep",)``. The
             batch is split over both axes; parameters are sharded over the others, the
             experts on top of their ep split; the experts' gradients are averaged over
             those axes only, every other one over ep too (torchtitan's and Paddle's rule).
@@ -97,7 +100,8 @@ class FullyShardedDataParallel:
     """
 
     def __init__(self, module: Any, optimizer: optax.GradientTransformation, *,
-                 group: Any = None, stage: int = 3, reshard_after_forward: bool = True,
+                 group: Any = None, zero_stage: int | None = None, stage: int | None = None,
+                 level: str | None = None, reshard_after_forward: bool = True,
                  mp_policy: MixedPrecisionPolicy | None = None, units: Any = None,
                  broadcast_params: bool = True, donate: bool = True,
                  device_mesh: Any = None, context_parallel: Any = None,
@@ -106,16 +110,22 @@ class FullyShardedDataParallel:
         from jaxpg.groups.resolve import one_of
 
         group = one_of(_API, group=group, device_mesh=device_mesh)
-        if isinstance(stage, bool) or stage not in (1, 2, 3):
-            raise ValueError(f"{_API}: {stage=} must be 1 (optimizer state), 2 (+ gradients) "
-                             "or 3 (+ parameters).")
+        from jaxpg.data_parallel.zero import PADDLE_LEVELS, resolve_zero_stage
+
+        if level is not None and level not in PADDLE_LEVELS:
+            raise ValueError(f"{_API}: {level=} is not one of Paddle's levels "
+                             f"{tuple(PADDLE_LEVELS)}; or pass zero_stage=1, 2 or 3.")
+        stage = resolve_zero_stage(
+            _API, (1, 2, 3), 3, zero_stage, hint=" Stage 0 (no sharding) is "
+            "DistributedDataParallel's.", stage=stage,
+            level=None if level is None else PADDLE_LEVELS[level])
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"{_API}: {reshard_after_forward=} must be a bool.")
         if stage != 3 and not reshard_after_forward:
             raise ValueError(
-                f"{_API}: reshard_after_forward=False contradicts {stage=}: only stage 3 "
-                "shards the parameters, so there is nothing to reshard; drop the option or "
-                "use stage=3."
+                f"{_API}: reshard_after_forward=False contradicts zero_stage={stage}: only "
+                "stage 3 shards the parameters, so there is nothing to reshard; drop the option or "
+                "use zero_stage=3."
             )
         if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
             raise TypeError(f"{_API}: mp_policy must be a MixedPrecisionPolicy or None, got "
@@ -140,8 +150,8 @@ class FullyShardedDataParallel:
         self.units = resolve_units(module, units)
         self._graphdef = graphdef
         tp = self._model_layout
-        self.layouts = make_layouts(params, self.group.num_shards) if tp is None else \
-            make_layouts(params, self.group.num_shards, tp.param_specs, dict(tp.mesh.shape))
+        self.layouts = make_leaf_splits(params, self.group.num_shards) if tp is None else \
+            make_leaf_splits(params, self.group.num_shards, tp.param_specs, dict(tp.mesh.shape))
         owners = _owners(params, self.units)
         for unit in self.units:
             if unit not in owners:
@@ -153,12 +163,12 @@ class FullyShardedDataParallel:
             self.params, self.rest, self.opt_state, opt_shardings = self._abstract_state(
                 params, rest)
         elif tp is not None:  # tensor parallel: each leaf keeps its layout on the mesh
-            from jaxpg.ddp.step_layout import place_on_layout
+            from jaxpg.ddp.step_mesh import place_on_step_mesh
 
-            whole = place_on_layout(params, tp.param_specs, tp, broadcast=broadcast_params)
+            whole = place_on_step_mesh(params, tp.param_specs, tp, broadcast=broadcast_params)
             self.params = placement.shard_params(whole, self.layouts, mesh, axes) \
                 if stage == 3 else whole
-            self.rest = place_on_layout(rest, tp.rest_specs, tp, broadcast=broadcast_params)
+            self.rest = place_on_step_mesh(rest, tp.rest_specs, tp, broadcast=broadcast_params)
         else:
             whole = (self.group.replicate_from_rank0(params) if broadcast_params
                      else self._place_whole(params))
@@ -241,13 +251,13 @@ class FullyShardedDataParallel:
         rows = [f"{_API}: stage {self.stage}, {self.group.describe()}, "
                 f"reshard_after_forward={self.reshard_after_forward}"]
         shape = dict(self.group.mesh.shape)
-        by_unit: dict[str, list[ShardLayout]] = {}
+        by_unit: dict[str, list[LeafSplit]] = {}
         for owner, (_, lay) in zip(self._plan.owners, leaves, strict=True):
             by_unit.setdefault(owner or "<root>", []).append(lay)
         for unit, lays in by_unit.items():
             pad = sum(lay.padding for lay in lays)
-            rows.append(f"  {unit}: {len(lays)} params, {layout_bytes(lays, per_rank=False)} "
-                        f"bytes, {layout_bytes(lays, per_rank=True, mesh_shape=shape)} per "
+            rows.append(f"  {unit}: {len(lays)} params, {leaf_split_bytes(lays, per_rank=False)} "
+                        f"bytes, {leaf_split_bytes(lays, per_rank=True, mesh_shape=shape)} per "
                         "rank, "
                         f"{pad} padding rows")
         return "\n".join(rows)
@@ -391,5 +401,5 @@ class FullyShardedDataParallel:
             )
 
     def __repr__(self) -> str:
-        return (f"{_API}(stage={self.stage}, {self.group.describe()}, units={len(self.units)}, "
-                f"step={self.step})")
+        return (f"{_API}(zero_stage={self.stage}, {self.group.describe()}, "
+                f"units={len(self.units)}, step={self.step})")

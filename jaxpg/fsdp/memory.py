@@ -110,9 +110,9 @@ def step_memory(wrapper: Any, loss_fn: Any, batch: Any) -> StepMemory:
         scale = wrapper.group.size // wrapper.group.local_batch_positions()
         args = (wrapper.params, wrapper.rest, wrapper.opt_state, None,
                 _batch_struct(batch, spec, scale))
-        from jaxpg.data_parallel.shard_layout import layout_bytes
+        from jaxpg.data_parallel.leaf_split import leaf_split_bytes
 
-        grads = layout_bytes(wrapper.layouts, per_rank=wrapper.stage >= 2,
+        grads = leaf_split_bytes(wrapper.layouts, per_rank=wrapper.stage >= 2,
                              mesh_shape=dict(wrapper.group.mesh.shape))
     compiled = fn.lower(*_abstract(args)).compile()
     ma = compiled.memory_analysis()

@@ -7,11 +7,11 @@ DeviceMesh holds global arrays laid out on that mesh (a column-parallel kernel
 ``FullyShardedDataParallel(model, opt, group=mesh.get_group("dp"))`` then
 
 * runs its step over the *whole* mesh, as DDP does for such a model
-  (:mod:`jaxpg.ddp.step_layout`): the batch is split over ``dp`` and is the same on every
+  (:mod:`jaxpg.ddp.step_mesh`): the batch is split over ``dp`` and is the same on every
   ``tp`` rank of a replica, and ``loss_fn`` runs the tensor-parallel code on each device's
   blocks;
 * shards each parameter over ``dp`` on top of its tensor-parallel split
-  (:class:`~jaxpg.data_parallel.shard_layout.ShardLayout` with the parameter's
+  (:class:`~jaxpg.data_parallel.leaf_split.LeafSplit` with the parameter's
   ``base_spec``): dim 0's spec entry gains ``"dp"`` (``P("dp", "tp")`` for a column-parallel kernel,
   ``P(("tp", "dp"))`` for a row-parallel one, whose ``tp`` blocks are each padded alone);
   gathering over ``dp`` inside the step gives back exactly the block the
@@ -37,8 +37,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from jaxpg.data_parallel.shard_layout import ShardLayout
-from jaxpg.ddp.step_layout import StepLayout, cp_group_fix, step_layout
+from jaxpg.data_parallel.leaf_split import LeafSplit
+from jaxpg.ddp.step_mesh import StepMesh, cp_group_fix, step_mesh
 from jaxpg.fsdp.shard_group import ShardGroup
 
 __all__ = ["compose_with_model_mesh", "local_block_shape", "has_block_padding"]
@@ -59,7 +59,7 @@ def _elsewhere(group: ShardGroup, tree: Any) -> bool:
 def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: Any,
                             api: str, sequence: Any = None,
                             expert_axes: tuple[str, ...] = ()
-                            ) -> tuple[ShardGroup, StepLayout | None]:
+                            ) -> tuple[ShardGroup, StepMesh | None]:
     """``group`` extended to the mesh a tensor-parallel model lives on (or the
     ``context_parallel`` group's), and that mesh's layout of ``params`` and ``rest`` (None
     for a plain model: ``group`` unchanged).
@@ -77,7 +77,7 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
         ValueError: for an HSDP group with a tensor-parallel model or context
             parallelism, or a model laid out
             on a mesh the group is not a dimension of (named by
-            :func:`jaxpg.ddp.step_layout.step_layout`).
+            :func:`jaxpg.ddp.step_mesh.step_mesh`).
     """
     if sequence is None and not _elsewhere(group, (params, rest)):
         if expert_axes:
@@ -104,7 +104,7 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
             "parallelism here; pass the data-parallel dimension's process group, e.g. "
             "group=mesh.get_group('dp'), to shard over dp on top of the tp split."
         )
-    layout = step_layout(group.process_group, params, rest, api=api, sequence=sequence,
+    layout = step_mesh(group.process_group, params, rest, api=api, sequence=sequence,
                          cp_flat="dp_shard_cp",
                          expert_axes=tuple(expert_axes))
     model_axes = tuple(a for a in layout.mesh.axis_names if a not in layout.dp_axes)
@@ -115,7 +115,7 @@ def compose_with_model_mesh(group: ShardGroup, given: Any, params: Any, rest: An
     return composed, layout
 
 
-def local_block_shape(lay: ShardLayout, mesh_shape: dict[Any, int]) -> tuple[int, ...]:
+def local_block_shape(lay: LeafSplit, mesh_shape: dict[Any, int]) -> tuple[int, ...]:
     """One device's unsharded block of a parameter (its tensor-parallel block): the true
     shape with every dimension but the sharded one divided by its ``base_spec`` axes."""
     if not lay.sharded:
@@ -135,4 +135,4 @@ def has_block_padding(layouts: Any) -> bool:
     """Whether a leaf is split into tensor-parallel blocks on its sharded dimension and
     padded (zero rows inside the array, not only at its end)."""
     return any(lay.dim0_blocks > 1 and lay.padding
-               for lay in jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, ShardLayout)))
+               for lay in jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafSplit)))

@@ -1,7 +1,7 @@
 """Moving FSDP state between its stored form and whole arrays.
 
 The stored form of a parameter (and of each optimizer-state leaf that mirrors one) is
-its :class:`~jaxpg.data_parallel.shard_layout.ShardLayout`'s padded global array, split on dim 0
+its :class:`~jaxpg.data_parallel.leaf_split.LeafSplit`'s padded global array, split on dim 0
 over the shard axes (stage 3), or the whole array replicated (stages 1 and 2). These
 helpers pad and shard whole values, unpad and gather stored ones, and fit any value of
 a compatible shape (the same but for dim 0's zero padding) into a stored leaf's shape
@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.data_parallel.shard_layout import pad_leaf, unpad_leaf
+from jaxpg.data_parallel.leaf_split import pad_leaf, unpad_leaf
 
 __all__ = ["shard_params", "gather_params", "fit_leaf", "check_fits", "shard_bytes"]
 

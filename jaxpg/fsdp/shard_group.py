@@ -301,7 +301,7 @@ def resolve_shard_group(group: Any, api: str) -> ShardGroup:
                 f"{api}: group={group!r} has {bad}; FullyShardedDataParallel shards over its "
                 "'sharding' dimension and replicates over 'dp' only. "
                 + ("With context parallelism (sep) pass the sharding and sep dimensions "
-                   "flattened, group=hcg.device_mesh['sharding', 'sep']._flatten("
+                   "flattened, group=hcg.device_mesh['sharding', 'sep'].flatten("
                    "'sharding_sep'), and context_parallel=hcg.get_sep_parallel_group()."
                    if "sep" in bad and "pp" not in bad else
                    "For a pipeline use jaxpg.pipeline.zero (ZeRO-1/2 over dp inside each "

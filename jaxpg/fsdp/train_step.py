@@ -68,7 +68,7 @@ class StepPlan:
     Attributes:
         graphdef: the NNX graphdef whose units call through the step (None for a
             parameter pytree).
-        layouts: a ``ShardLayout`` per parameter (the parameters' pytree structure).
+        layouts: a ``LeafSplit`` per parameter (the parameters' pytree structure).
         owners: per flattened parameter, the unit path that owns it ('' for the root).
         units: the units' dotted paths.
         stage: 1, 2 or 3.

@@ -71,7 +71,7 @@ class StepContext:
         comm: the collectives' static facts.
         stage: 1, 2 or 3 (only stage 3 gathers inside units).
         reshard_after_forward: drop gathered parameters between forward and backward.
-        unit_layouts: unit path -> its parameters' ``ShardLayout`` leaves, in the order
+        unit_layouts: unit path -> its parameters' ``LeafSplit`` leaves, in the order
             ``nnx.split(unit, nnx.Param)`` flattens them.
         unit_accs: unit path -> its ``no_sync`` accumulators (same order), or None.
         no_sync: gradients are accumulated, not reduced.

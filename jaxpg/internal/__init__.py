@@ -7,7 +7,8 @@ parallelism packages (flax, optax).
 
 * :func:`collective_counts`, :func:`collective_bytes`: the collectives of a compiled
   program's optimised HLO, counted and sized (the tensor-parallel tests and benchmark).
-* :func:`resolve_tp_mesh`: the tensor-parallel mesh of a ``mesh=`` argument.
+* :class:`MeshAxis`, :func:`resolve_mesh_axis`: a parallelism's group as one axis of the
+  topology's mesh, and the one resolver that builds it (tensor, context, expert).
 * :func:`fused_pmean`: DDP's unbucketed reduction (``reduction="fused_pmean"``).
 * :func:`param_signature`: the shapes and dtypes DDP compares across ranks.
 * ``KIND_CODES``: the integer code of each timetable action kind.
@@ -16,12 +17,12 @@ parallelism packages (flax, optax).
 
 from jaxpg.ddp.param_sync import param_signature
 from jaxpg.ddp.reducer import fused_pmean
+from jaxpg.groups.mesh_axis import MeshAxis, resolve_mesh_axis
 from jaxpg.pipeline.timetable import KIND_CODES
 from jaxpg.rendezvous.init_method import free_port
 from jaxpg.tensor_parallel.hlo_counts import collective_bytes, collective_counts
-from jaxpg.tensor_parallel.tp_mesh import resolve_tp_mesh
 
 __all__ = [
-    "KIND_CODES", "collective_bytes", "collective_counts", "free_port", "fused_pmean",
-    "param_signature", "resolve_tp_mesh",
+    "KIND_CODES", "MeshAxis", "collective_bytes", "collective_counts", "free_port", "fused_pmean",
+    "param_signature", "resolve_mesh_axis",
 ]

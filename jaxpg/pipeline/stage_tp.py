@@ -30,12 +30,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.collectives.reductions import all_reduce
-from jaxpg.data_parallel.shard_layout import spec_axes
+from jaxpg.data_parallel.leaf_split import spec_axes
 from jaxpg.groups import world
+from jaxpg.groups.mesh_axis import MeshAxis, resolve_mesh_axis
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.resolve import resolve_group
 from jaxpg.reduce_op import ReduceOp
-from jaxpg.tensor_parallel.tp_mesh import resolve_tp_mesh
 
 __all__ = ["StageTP", "stage_tensor_parallel"]
 
@@ -61,21 +61,21 @@ def _row(mesh: Mesh, axis: str, device: Any) -> Mesh:
     return Mesh(np.asarray(mesh.devices)[index], (axis,))
 
 
-@dataclasses.dataclass(frozen=True)
-class StageTP:
-    """A stage's tensor parallelism: its mesh, axis and this process's device.
+@dataclasses.dataclass(frozen=True, repr=False)
+class StageTP(MeshAxis):
+    """A stage's tensor parallelism: its group as an axis (a :class:`MeshAxis` over the
+    stage's own 1-D mesh), this process's device, and the specs of the module's state.
 
     Attributes:
         mesh: the stage's 1-D mesh over its tp group's devices, axis ``axis``.
         axis: the tensor-parallel axis name (the one the module's styles use).
+        group: the tp ``ProcessGroup``.
         device: this process's device on ``mesh``.
         param_specs: the ``PartitionSpec`` of every ``nnx.Param`` (flattened) and its tree.
         rest_specs: the same for the module's other state.
     """
 
-    mesh: Mesh
-    axis: str
-    device: Any
+    device: Any = None
     param_specs: tuple[Any, tuple] = dataclasses.field(default=(), repr=False)
     rest_specs: tuple[Any, tuple] = dataclasses.field(default=(), repr=False)
 
@@ -237,7 +237,7 @@ def stage_tensor_parallel(module: nnx.Module, given: Any, *, device: Any, me: in
         group = resolve_group(given, api="PipelineStage", arg="tensor_parallel_group")
         arg = f"tensor_parallel_group={given!r}"
     _check_group(group, arg, me, {"pipeline": pipeline, "data-parallel": data_parallel})
-    tp = resolve_tp_mesh(group, "PipelineStage", "tensor_parallel_group")
+    tp = resolve_mesh_axis(group, "tp", api="PipelineStage", arg="tensor_parallel_group")
     mesh, axis = tp.mesh, tp.axis
     row = _row(mesh, axis, device)
     if list(row.devices.flat) != list(group.devices):
@@ -250,6 +250,6 @@ def stage_tensor_parallel(module: nnx.Module, given: Any, *, device: Any, me: in
             raise ValueError(f"PipelineStage {arg}: the module's array {path!r} is laid out "
                              f"as {sharding}, not on the group's mesh {dict(mesh.shape)} split "
                              f"over {axis!r} only; {_FIX}.")
-    layout = StageTP(row, axis, device)
+    layout = StageTP(row, axis, group, device=device)
     nnx.update(module, layout.place(nnx.state(module)))
     return group, layout.with_specs(module)

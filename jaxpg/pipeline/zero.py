@@ -30,7 +30,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.data_parallel.shard_layout import ShardLayout
+from jaxpg.data_parallel.leaf_split import LeafSplit
 from jaxpg.data_parallel.zero import (
     abstract_sharded_opt_state,
     init_sharded_opt_state,
@@ -64,13 +64,13 @@ def _staged(params: Any) -> tuple[StagedParams, bool]:
 
 def pipeline_layouts(params: StagedParams | Any, mesh: Any, *, pp_axis: str = "pp",
                      dp_axis: str = "dp") -> StagedParams:
-    """The ``ShardLayout`` of every leaf: stage stacks on dim 1, the rest on dim 0."""
+    """The ``LeafSplit`` of every leaf: stage stacks on dim 1, the rest on dim 0."""
     mesh = _mesh(mesh, pp_axis, dp_axis)
     staged, _ = _staged(params)
     n = mesh.shape[dp_axis]
-    stages = jax.tree.map(lambda a: ShardLayout.of(a.shape, a.dtype, n, dim=1,
+    stages = jax.tree.map(lambda a: LeafSplit.of(a.shape, a.dtype, n, dim=1,
                                                    base_spec=P(pp_axis)), staged.stages)
-    whole = lambda a: ShardLayout.of(a.shape, a.dtype, n)
+    whole = lambda a: LeafSplit.of(a.shape, a.dtype, n)
     return StagedParams(stages, jax.tree.map(whole, staged.first),
                         jax.tree.map(whole, staged.last))
 
@@ -110,7 +110,7 @@ def zero2_grad_reducer(layouts: StagedParams, *, pp_axis: str = "pp",
     def reducer(grads: StagedParams) -> StagedParams:
         return jax.tree.map(lambda g, lay: reduce_leaf(g, lay, comm), grads, layouts)
 
-    def stage_spec(lay: ShardLayout) -> P:  # the executor's [v, p, ...] view
+    def stage_spec(lay: LeafSplit) -> P:  # the executor's [v, p, ...] view
         return P(None, pp_axis, dp_axis) if lay.sharded else P(None, pp_axis)
 
     reducer.grad_spec = StagedParams(

@@ -36,7 +36,6 @@ from jaxpg.tensor_parallel.styles import (
     RowwiseParallel,
     SequenceParallel,
 )
-from jaxpg.tensor_parallel.tp_mesh import TPMesh
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -45,7 +44,7 @@ __all__ = [
     "ParallelStyle",
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
     "PrepareModuleOutput", "PrepareModuleInputOutput", "Placement", "Shard", "Replicate",
-    "Partial", "TPMesh", "param_specs", "local_shape", "distribute_tensor",
+    "Partial", "param_specs", "local_shape", "distribute_tensor",
     "to_global", "to_local", "copy_to_tensor_parallel_region",
     "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "scatter_to_sequence_parallel_region",

@@ -18,9 +18,9 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxpg.groups.mesh_axis import MeshAxis, resolve_mesh_axis
 from jaxpg.tensor_parallel.placements import Replicate, Shard
 from jaxpg.tensor_parallel.redistribute import to_global
-from jaxpg.tensor_parallel.tp_mesh import TPMesh, in_spmd, resolve_tp_mesh
 
 __all__ = ["ParallelCrossEntropy", "vocab_parallel_cross_entropy"]
 
@@ -58,7 +58,7 @@ def _ce_bwd(axis, ignore_index, res, g):
 _parallel_ce.defvjp(_ce_fwd, _ce_bwd)
 
 
-def vocab_parallel_cross_entropy(logits: Any, labels: Any, tp: TPMesh, *,
+def vocab_parallel_cross_entropy(logits: Any, labels: Any, tp: MeshAxis, *,
                                  ignore_index: int = -100) -> jax.Array:
     """Per-token softmax cross-entropy of logits split on their last (vocabulary) dimension.
 
@@ -79,7 +79,7 @@ def vocab_parallel_cross_entropy(logits: Any, labels: Any, tp: TPMesh, *,
     if tuple(jnp.shape(labels)) != tuple(jnp.shape(logits))[:-1]:
         raise ValueError(f"{api}: labels of shape {tuple(jnp.shape(labels))} do not match logits "
                          f"of shape {tuple(jnp.shape(logits))}; labels must be logits.shape[:-1].")
-    if in_spmd(tp, api):
+    if tp.in_spmd(api):
         return _parallel_ce(logits.astype(jnp.float32), labels, tp.axis, ignore_index)
     logits = to_global(logits, Shard(-1), tp)
     labels = to_global(labels, Replicate(), tp)
@@ -110,7 +110,7 @@ class ParallelCrossEntropy(nnx.Module):
     """
 
     def __init__(self, mp_group: Any = None, name: str | None = None, ignore_index: int = -100):
-        self.tp = resolve_tp_mesh(mp_group, "ParallelCrossEntropy")
+        self.tp = resolve_mesh_axis(mp_group, "tp", api="ParallelCrossEntropy")
         self.name = name
         self.ignore_index = int(ignore_index)
 

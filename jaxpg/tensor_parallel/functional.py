@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 from jax import lax
 
+from jaxpg.groups.mesh_axis import MeshAxis
 from jaxpg.tensor_parallel import mappings as ops
 from jaxpg.tensor_parallel.placements import Partial, Placement, Replicate, Shard
 from jaxpg.tensor_parallel.redistribute import redistribute_local, to_global, to_local
 from jaxpg.tensor_parallel.shared_inputs import shared_twin
-from jaxpg.tensor_parallel.tp_mesh import TPMesh, in_spmd
 
 __all__ = ["dense", "column_parallel_linear", "row_parallel_linear",
            "vocab_parallel_embedding", "column_parallel_embedding", "check_local_shape"]
@@ -65,13 +65,13 @@ def check_local_shape(value: Any, full: tuple[int, ...], local: tuple[int, ...],
     raise ValueError(f"{api}: {name} has shape {shape}; this rank's shard of {full} is {local}.")
 
 
-def _host_out(y: jax.Array, layout: Placement, tp: TPMesh, use_local_output: bool) -> jax.Array:
+def _host_out(y: jax.Array, layout: Placement, tp: MeshAxis, use_local_output: bool) -> jax.Array:
     y = to_global(y, layout, tp)
     return to_local(y, tp) if use_local_output else y
 
 
 def column_parallel_linear(
-    x: Any, kernel: Any, bias: Any, tp: TPMesh, *, shape: tuple[int, int],
+    x: Any, kernel: Any, bias: Any, tp: MeshAxis, *, shape: tuple[int, int],
     input_layout: Placement = REPLICATE, output_layout: Placement = LAST_DIM,
     use_local_output: bool = True, matmul: Matmul = dense, api: str = "ColumnParallelLinear",
 ) -> jax.Array:
@@ -83,7 +83,7 @@ def column_parallel_linear(
     gradient; the local matmul gives ``Shard(-1)``, moved to ``output_layout``
     (``Replicate``: an all-gather). ``shape`` is the kernel's full ``(in, out)``.
     """
-    if in_spmd(tp, api):
+    if tp.in_spmd(api):
         n_in, n_out = shape
         check_local_shape(kernel, (n_in, n_out), (n_in, n_out // tp.size), "weight", api)
         if input_layout.is_replicate():
@@ -98,7 +98,7 @@ def column_parallel_linear(
 
 
 def row_parallel_linear(
-    x: Any, kernel: Any, bias: Any, tp: TPMesh, *, shape: tuple[int, int],
+    x: Any, kernel: Any, bias: Any, tp: MeshAxis, *, shape: tuple[int, int],
     input_layout: Placement = LAST_DIM, output_layout: Placement = REPLICATE,
     use_local_output: bool = True, matmul: Matmul = dense, api: str = "RowParallelLinear",
 ) -> jax.Array:
@@ -110,7 +110,7 @@ def row_parallel_linear(
     parallelism); the bias is added after the reduction. ``shape`` is the kernel's full
     ``(in, out)``.
     """
-    if in_spmd(tp, api):
+    if tp.in_spmd(api):
         n_in, n_out = shape
         check_local_shape(kernel, (n_in, n_out), (n_in // tp.size, n_out), "weight", api)
         x = redistribute_local(x, input_layout, Shard(-1), tp.axis)
@@ -134,7 +134,7 @@ def _check_ids(ids: Any, api: str) -> None:
 
 
 def vocab_parallel_embedding(
-    ids: Any, table: Any, tp: TPMesh, *, shape: tuple[int, int],
+    ids: Any, table: Any, tp: MeshAxis, *, shape: tuple[int, int],
     input_layout: Placement = REPLICATE, output_layout: Placement = REPLICATE,
     use_local_output: bool = True, dtype: Any = None, api: str = "VocabParallelEmbedding",
 ) -> jax.Array:
@@ -146,7 +146,7 @@ def vocab_parallel_embedding(
     ``(vocab, dim)``.
     """
     _check_ids(ids, api)
-    if in_spmd(tp, api):
+    if tp.in_spmd(api):
         vocab, dim = shape
         per_part = vocab // tp.size
         check_local_shape(table, (vocab, dim), (per_part, dim), "weight", api)
@@ -161,14 +161,14 @@ def vocab_parallel_embedding(
 
 
 def column_parallel_embedding(
-    ids: Any, table: Any, tp: TPMesh, *, shape: tuple[int, int],
+    ids: Any, table: Any, tp: MeshAxis, *, shape: tuple[int, int],
     input_layout: Placement = REPLICATE, output_layout: Placement = LAST_DIM,
     use_local_output: bool = True, dtype: Any = None, api: str = "ColwiseParallel(Embed)",
 ) -> jax.Array:
     """Embedding lookup with ``table`` ``[vocab, dim]`` (``shape``) split on the embedding
     dimension."""
     _check_ids(ids, api)
-    if in_spmd(tp, api):
+    if tp.in_spmd(api):
         vocab, dim = shape
         check_local_shape(table, (vocab, dim), (vocab, dim // tp.size), "weight", api)
         ids = redistribute_local(ids, input_layout, Replicate(), tp.axis)

@@ -24,8 +24,8 @@ from typing import Any
 
 from flax import nnx
 
+from jaxpg.groups.mesh_axis import MeshAxis
 from jaxpg.tensor_parallel.styles import ColwiseParallel, RowwiseParallel
-from jaxpg.tensor_parallel.tp_mesh import TPMesh
 
 __all__ = ["HEAD_COUNT_ATTRS", "HEAD_SIZE_ATTRS", "check_heads"]
 
@@ -53,7 +53,7 @@ def _fits(n: int, tp: int) -> str:
     return f"use a tp that divides {n} (one of {fits}), or a head count that {tp} divides"
 
 
-def check_heads(root: nnx.Module, entries: list[tuple[str, Any, Any]], tp: TPMesh,
+def check_heads(root: nnx.Module, entries: list[tuple[str, Any, Any]], tp: MeshAxis,
                 api: str) -> None:
     """Raises if a plan's split gives some tp rank a fraction of an attention head.
 

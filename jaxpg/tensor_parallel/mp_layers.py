@@ -34,16 +34,16 @@ from flax import nnx
 from flax.nnx.nn.linear import default_bias_init, default_embed_init, default_kernel_init
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups.mesh_axis import MeshAxis, resolve_mesh_axis
 from jaxpg.tensor_parallel import functional as F
 from jaxpg.tensor_parallel.placements import Replicate, Shard
 from jaxpg.tensor_parallel.sharded_params import check_divisible, distribute_tensor
-from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "make_param"]
 
 
 def make_param(init: Any, default: Callable[..., Any], rngs: nnx.Rngs | None,
-               shape: tuple[int, ...], dtype: Any, tp: TPMesh, spec: P, api: str,
+               shape: tuple[int, ...], dtype: Any, tp: MeshAxis, spec: P, api: str,
                name: str) -> nnx.Param:
     """A sharded parameter from an initializer (or a full array), as its layer's shard."""
     if init is not None and not callable(init):
@@ -70,7 +70,7 @@ class _ParallelLinear(nnx.Module):
                has_bias: bool, mp_group: Any, name: str | None, rngs: nnx.Rngs | None,
                dtype: Any, param_dtype: Any, precision: Any, bias_init: Any,
                split: int, fuse_matmul_bias: bool) -> None:
-        self.tp = resolve_tp_mesh(mp_group, api)
+        self.tp = resolve_mesh_axis(mp_group, "tp", api=api)
         check_divisible((in_features, out_features)[split], self.tp,
                         ("in_features", "out_features")[split], api)
         self.in_features, self.out_features = in_features, out_features
@@ -145,7 +145,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return Replicate(), Replicate() if self.gather_output else Shard(-1)
 
     def __call__(self, x: Any) -> jax.Array:
-        input_layout, output_layout = self._layouts()
+        input_layout, output_layout = self._lowerings()
         return F.column_parallel_linear(
             x, self.weight[...], self._bias(), self.tp, shape=self._shape(),
             input_layout=input_layout,
@@ -191,7 +191,7 @@ class RowParallelLinear(_ParallelLinear):
         return Shard(-1) if self.input_is_parallel else Replicate(), Replicate()
 
     def __call__(self, x: Any) -> jax.Array:
-        input_layout, output_layout = self._layouts()
+        input_layout, output_layout = self._lowerings()
         return F.row_parallel_linear(
             x, self.weight[...], self._bias(), self.tp, shape=self._shape(),
             input_layout=input_layout,
@@ -220,7 +220,7 @@ class VocabParallelEmbedding(nnx.Module):
                  rngs: nnx.Rngs | None = None, dtype: Any = None,
                  param_dtype: Any = jnp.float32):
         api = "VocabParallelEmbedding"
-        self.tp = resolve_tp_mesh(mp_group, api)
+        self.tp = resolve_mesh_axis(mp_group, "tp", api=api)
         check_divisible(num_embeddings, self.tp, "num_embeddings", api)
         self.origin_num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim

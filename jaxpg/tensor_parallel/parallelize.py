@@ -27,10 +27,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups.mesh_axis import MeshAxis, resolve_mesh_axis
 from jaxpg.tensor_parallel.head_check import check_heads
 from jaxpg.tensor_parallel.sharded_params import distribute_tensor
 from jaxpg.tensor_parallel.styles import ParallelStyle
-from jaxpg.tensor_parallel.tp_mesh import TPMesh, resolve_tp_mesh
 
 __all__ = ["parallelize_module", "parallel_style_of", "attach_plan"]
 
@@ -58,8 +58,8 @@ def _hooked_class(cls: type) -> type:
     return sub
 
 
-def parallel_style_of(module: nnx.Module) -> tuple[ParallelStyle, TPMesh] | None:
-    """The ``(style, TPMesh)`` a module was parallelized with, or None."""
+def parallel_style_of(module: nnx.Module) -> tuple[ParallelStyle, MeshAxis] | None:
+    """The ``(style, MeshAxis)`` a module was parallelized with, or None."""
     return getattr(module, _ATTR, None)
 
 
@@ -148,10 +148,10 @@ def parallelize_module(module: nnx.Module, device_mesh: Any = None,
 
 
 def _checked_entries(module: Any, device_mesh: Any, plan: Any, api: str
-                     ) -> tuple[TPMesh, list[tuple[str, nnx.Module, ParallelStyle]]]:
+                     ) -> tuple[MeshAxis, list[tuple[str, nnx.Module, ParallelStyle]]]:
     if not isinstance(module, nnx.Module):
         raise TypeError(f"{api}: module must be an nnx.Module; got {type(module).__name__}.")
-    tp = resolve_tp_mesh(device_mesh, api, "device_mesh")
+    tp = resolve_mesh_axis(device_mesh, "tp", api=api, arg="device_mesh")
     entries = _resolve_plan(module, plan)
     for path, sub, style in entries:
         if parallel_style_of(sub) is not None:
@@ -188,12 +188,12 @@ def attach_plan(module: nnx.Module, device_mesh: Any,
     return specs
 
 
-def _on_mesh(value: Any, tp: TPMesh) -> bool:
+def _on_mesh(value: Any, tp: MeshAxis) -> bool:
     sharding = getattr(value, "sharding", None)
     return isinstance(sharding, NamedSharding) and sharding.mesh == tp.mesh
 
 
-def _replicate_the_rest(module: nnx.Module, tp: TPMesh, src_data_rank: int | None) -> None:
+def _replicate_the_rest(module: nnx.Module, tp: MeshAxis, src_data_rank: int | None) -> None:
     for _, var in nnx.iter_graph(module):
         if not isinstance(var, nnx.Variable):
             continue

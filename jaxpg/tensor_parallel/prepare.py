@@ -18,12 +18,12 @@ from typing import Any
 
 from flax import nnx
 
+from jaxpg.groups.mesh_axis import MeshAxis
 from jaxpg.tensor_parallel import mappings as ops
 from jaxpg.tensor_parallel.placements import Placement, check_placement
 from jaxpg.tensor_parallel.redistribute import redistribute_local, to_global, to_local
 from jaxpg.tensor_parallel.shared_inputs import sharing
 from jaxpg.tensor_parallel.styles import ParallelStyle
-from jaxpg.tensor_parallel.tp_mesh import TPMesh, in_spmd
 
 __all__ = ["PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"]
 
@@ -62,8 +62,8 @@ def _pair(src: tuple | None, dst: tuple | None, names: tuple[str, str], api: str
 class _Moves:
     """Moves values between placements, in SPMD or host code (one call's worth)."""
 
-    def __init__(self, tp: TPMesh, api: str, use_local: bool):
-        self.tp, self.spmd, self.use_local = tp, in_spmd(tp, api), use_local
+    def __init__(self, tp: MeshAxis, api: str, use_local: bool):
+        self.tp, self.spmd, self.use_local = tp, tp.in_spmd(api), use_local
         self.shared: list[tuple[Any, Any]] = []
 
     def move(self, x: Any, src: Placement | None, dst: Placement | None,
@@ -114,7 +114,7 @@ class PrepareModuleInput(ParallelStyle):
                              "name the same keyword arguments.")
         self.use_local_output = bool(use_local_output)
 
-    def _prepare(self, tp: TPMesh, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
+    def _prepare(self, tp: MeshAxis, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
         api = type(self).__name__
         if self._pairs and len(args) != len(self._pairs):
             raise ValueError(f"{api}: the module got {len(args)} positional inputs, but "
@@ -129,7 +129,7 @@ class PrepareModuleInput(ParallelStyle):
                                           share=True)
         return args, kwargs, moves.shared
 
-    def call(self, module: nnx.Module, original: Any, tp: TPMesh, args: tuple,
+    def call(self, module: nnx.Module, original: Any, tp: MeshAxis, args: tuple,
              kwargs: dict) -> Any:
         args, kwargs, shared = self._prepare(tp, args, kwargs)
         with sharing(shared):
@@ -156,7 +156,7 @@ class PrepareModuleOutput(ParallelStyle):
                             ("output_layouts", "desired_output_layouts"), api)
         self.use_local_output = bool(use_local_output)
 
-    def _finish(self, tp: TPMesh, out: Any) -> Any:
+    def _finish(self, tp: MeshAxis, out: Any) -> Any:
         api = type(self).__name__
         moves = _Moves(tp, api, self.use_local_output)
         single = not isinstance(out, (tuple, list))
@@ -167,7 +167,7 @@ class PrepareModuleOutput(ParallelStyle):
         moved = [moves.move(o, s, d) for o, (s, d) in zip(outs, self._pairs)]
         return moved[0] if single else type(out)(moved)
 
-    def call(self, module: nnx.Module, original: Any, tp: TPMesh, args: tuple,
+    def call(self, module: nnx.Module, original: Any, tp: MeshAxis, args: tuple,
              kwargs: dict) -> Any:
         return self._finish(tp, original(module, *args, **kwargs))
 
@@ -192,7 +192,7 @@ class PrepareModuleInputOutput(ParallelStyle):
             output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
             use_local_output=use_local_output)
 
-    def call(self, module: nnx.Module, original: Any, tp: TPMesh, args: tuple,
+    def call(self, module: nnx.Module, original: Any, tp: MeshAxis, args: tuple,
              kwargs: dict) -> Any:
         args, kwargs, shared = self.prepare_input._prepare(tp, args, kwargs)
         with sharing(shared):

@@ -20,9 +20,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from jaxpg.groups.mesh_axis import MeshAxis
 from jaxpg.tensor_parallel import mappings as ops
 from jaxpg.tensor_parallel.placements import Placement, Shard, layout_spec, normalize_dim
-from jaxpg.tensor_parallel.tp_mesh import TPMesh
 
 __all__ = ["redistribute_local", "to_global", "to_local", "is_traced"]
 
@@ -78,7 +78,7 @@ def _dim(p: Placement, x: jax.Array) -> int:
     return normalize_dim(p.dim, x.ndim)
 
 
-def to_global(x: Any, placement: Placement, tp: TPMesh) -> jax.Array:
+def to_global(x: Any, placement: Placement, tp: MeshAxis) -> jax.Array:
     """``x`` as a global array on ``tp.mesh`` laid out by ``placement`` (host code).
 
     A traced value, or a global ``jax.Array`` spanning several processes, is resharded (its
@@ -96,7 +96,7 @@ def to_global(x: Any, placement: Placement, tp: TPMesh) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
 
-def to_local(y: jax.Array, tp: TPMesh) -> jax.Array:
+def to_local(y: jax.Array, tp: MeshAxis) -> jax.Array:
     """This process's local data of the global array ``y`` (``y`` itself in one process)."""
     if is_traced(y) or not isinstance(y, jax.Array) or y.is_fully_addressable:
         return y

@@ -2,7 +2,7 @@
 
 **The representation** (what DDP, FSDP and the pipeline rely on): a tensor-parallel
 parameter is an ``nnx.Param`` whose value is a global ``jax.Array`` of the *unsharded*
-shape, laid out ``NamedSharding(mesh, spec)`` on the topology's mesh (:class:`TPMesh`),
+shape, laid out ``NamedSharding(mesh, spec)`` on the topology's mesh (:class:`MeshAxis`),
 where ``spec`` names the tp axis on the split dimension (``P(None, "tp")`` for a
 column-parallel kernel) and nothing else, so it is replicated over every other axis. Each
 device holds exactly its shard; in a run with one rank per process, each process holds only
@@ -30,12 +30,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.tensor_parallel.tp_mesh import TPMesh
+from jaxpg.groups.mesh_axis import MeshAxis, resolve_mesh_axis
 
 __all__ = ["init_sharded", "distribute_tensor", "param_specs", "local_shape", "check_divisible"]
 
 
-def check_divisible(size: int, tp: TPMesh, what: str, api: str) -> None:
+def check_divisible(size: int, tp: MeshAxis, what: str, api: str) -> None:
     """Raises a ValueError unless ``tp.size`` divides ``size``; ``what`` names the dimension."""
     if size % tp.size:
         raise ValueError(
@@ -57,13 +57,15 @@ def init_sharded(init: Callable[..., Any], key: jax.Array, shape: tuple[int, ...
     return jax.jit(make, out_shardings=sharding)(raw)
 
 
-def distribute_tensor(full: Any, tp: TPMesh, spec: P, *, src_data_rank: int | None = 0
+def distribute_tensor(full: Any, tp: Any, spec: P, *, src_data_rank: int | None = 0
                       ) -> jax.Array:
-    """Lays out the full tensor ``full`` as a global array ``NamedSharding(tp.mesh, spec)``.
+    """Lays out the full tensor ``full`` as a global array ``NamedSharding(mesh, spec)``.
 
     Args:
         full: this process's copy of the whole tensor.
-        tp: the tensor-parallel mesh.
+        tp: the tensor-parallel group, in any form a layer's ``mp_group`` takes (a 1-D
+            ``DeviceMesh`` such as ``mesh["tp"]``, a ``ProcessGroup``, a topology); its
+            arrays live on the topology's whole mesh.
         spec: the layout (the tp axis on the split dimension, if any).
         src_data_rank: 0 (torch's default): every rank takes its shard of the copy held by
             tp rank 0 of its replica (a scatter, so copies that differ across processes
@@ -72,6 +74,7 @@ def distribute_tensor(full: Any, tp: TPMesh, spec: P, *, src_data_rank: int | No
     Returns:
         A fresh global array (never an alias of ``full``).
     """
+    tp = resolve_mesh_axis(tp, "tp", api="distribute_tensor", arg="tp")
     if src_data_rank is not None and not 0 <= src_data_rank < tp.size:
         raise ValueError(f"distribute_tensor: src_data_rank={src_data_rank} is not a rank of "
                          f"the tensor-parallel group of size {tp.size}; pass 0..{tp.size - 1} "
@@ -90,7 +93,7 @@ def distribute_tensor(full: Any, tp: TPMesh, spec: P, *, src_data_rank: int | No
     return _scatter_from_rank(host, tp, spec, src_data_rank)
 
 
-def _scatter_from_rank(host: np.ndarray, tp: TPMesh, spec: P, src: int) -> jax.Array:
+def _scatter_from_rank(host: np.ndarray, tp: MeshAxis, spec: P, src: int) -> jax.Array:
     """Every rank's shard of tp rank ``src``'s copy (one all-to-all or broadcast)."""
     axis, n = tp.axis, tp.size
     split_dim = next((d for d, e in enumerate(spec) if e == axis), None)
@@ -113,7 +116,7 @@ def _scatter_from_rank(host: np.ndarray, tp: TPMesh, spec: P, src: int) -> jax.A
     return jax.jit(fn, out_shardings=NamedSharding(tp.mesh, spec))(stacked)
 
 
-def _local_coords(tp: TPMesh) -> list[int]:
+def _local_coords(tp: MeshAxis) -> list[int]:
     """The distinct tp coordinates of this process's devices on the mesh."""
     devices = np.asarray(tp.mesh.devices)
     index = tp.mesh.axis_names.index(tp.axis)

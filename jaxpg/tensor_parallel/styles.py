@@ -31,12 +31,12 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.groups.mesh_axis import MeshAxis
 from jaxpg.tensor_parallel import functional as F
 from jaxpg.tensor_parallel import mappings as ops
 from jaxpg.tensor_parallel.placements import Placement, Replicate, Shard, check_placement
 from jaxpg.tensor_parallel.redistribute import to_global, to_local
 from jaxpg.tensor_parallel.sharded_params import check_divisible
-from jaxpg.tensor_parallel.tp_mesh import TPMesh, in_spmd
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel"]
 
@@ -45,14 +45,14 @@ class ParallelStyle:
     """How a module is parallelized (torch's ``ParallelStyle``). Subclasses define
     :meth:`param_specs` (where each parameter is split) and :meth:`call` (the forward)."""
 
-    def check(self, module: nnx.Module, key: str, tp: TPMesh) -> None:
+    def check(self, module: nnx.Module, key: str, tp: MeshAxis) -> None:
         """Raises if ``module`` (at plan key ``key``) cannot take this style."""
 
-    def param_specs(self, module: nnx.Module, tp: TPMesh) -> dict[str, P]:
+    def param_specs(self, module: nnx.Module, tp: MeshAxis) -> dict[str, P]:
         """``{attribute name: PartitionSpec}`` for the parameters this style splits."""
         return {}
 
-    def call(self, module: nnx.Module, original: Any, tp: TPMesh, args: tuple,
+    def call(self, module: nnx.Module, original: Any, tp: MeshAxis, args: tuple,
              kwargs: dict) -> Any:
         """Runs ``module`` (``original`` is its class's own ``__call__``)."""
         raise NotImplementedError
@@ -101,7 +101,7 @@ class _LinearStyle(ParallelStyle):
                                               "output_layouts", api)
         self.use_local_output = bool(use_local_output)
 
-    def check(self, module: nnx.Module, key: str, tp: TPMesh) -> None:
+    def check(self, module: nnx.Module, key: str, tp: MeshAxis) -> None:
         kind = _kind(module, type(self).__name__, key)
         size, what = self._split_size(module, kind)
         check_divisible(size, tp, f"{key}.{what}", type(self).__name__)
@@ -234,7 +234,7 @@ class SequenceParallel(ParallelStyle):
             raise TypeError("SequenceParallel: the module takes its input as the first "
                             "positional argument.")
         layout = Shard(self.sequence_dim)
-        if in_spmd(tp, "SequenceParallel"):
+        if tp.in_spmd("SequenceParallel"):
             if isinstance(module, nnx.Dropout):
                 kwargs = _per_rank_dropout_key(module, kwargs, tp.axis)
             copy = _with_summed_param_grads(module, tp.axis)

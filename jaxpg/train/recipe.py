@@ -139,7 +139,8 @@ def _build(cfg: TrainConfig) -> _Run:
                 cp_method=cfg.layout.cp_method)
     graphdef = nnx.graphdef(model)
     tx, schedule = make_optimizer(cfg)
-    fsdp = FullyShardedDataParallel(model, tx, group=dims["dp_shard_cp"], stage=cfg.layout.zero,
+    fsdp = FullyShardedDataParallel(model, tx, group=dims["dp_shard_cp"],
+                                    zero_stage=cfg.layout.zero,
                                     context_parallel=dims if degrees["cp"] > 1 else None)
     d = cfg.data
     dp, ranks = degrees["dp_shard"], _process_ranks(degrees["dp_shard"])

@@ -98,7 +98,7 @@ def test_bad_context_parallel_layouts_are_refused_first():
     mesh = jaxpg.init_device_mesh((4, 2), ("dp", "cp"))
     model = GPT(ContextParallelAttention(group=mesh["cp"]))
     opt = optax.sgd(0.1)
-    with pytest.raises(ValueError, match=r"not the cp axis 'cp'.*_flatten\('dp_cp'\)"):
+    with pytest.raises(ValueError, match=r"not the cp axis 'cp'.*\.flatten\('dp_cp'\)"):
         DistributedDataParallel(model, opt, group=mesh["dp"], context_parallel=mesh["cp"])
     with pytest.raises(ValueError, match=r"seq_dim=0 must be 1 or more"):
         DistributedDataParallel(model, opt, group=mesh["dp"],
@@ -107,7 +107,7 @@ def test_bad_context_parallel_layouts_are_refused_first():
         FullyShardedDataParallel(
             model, opt, group=mesh["dp"], context_parallel=SequenceSplit(mesh["cp"], 1, 1))
     with pytest.raises(ValueError, match=r"HSDP and hybrid groups do not compose with "
-                                         r"context parallelism.*_flatten\('dp_shard_cp'\)"):
+                                         r"context parallelism.*\.flatten\('dp_shard_cp'\)"):
         FullyShardedDataParallel(model, opt, group=mesh, context_parallel=mesh["cp"])
     ddp = DistributedDataParallel(model, opt, group=mesh["dp", "cp"]._flatten("dp_cp"),
                                         context_parallel=mesh["cp"])
@@ -129,16 +129,16 @@ def test_cp_errors_name_each_wrappers_flattened_dimension():
     model = GPT(ContextParallelAttention(group=mesh["cp"]))
     opt = optax.sgd(0.1)
     with pytest.raises(ValueError, match=r"FullyShardedDataParallel: .*not the cp axis 'cp'.*"
-                                         r"group=mesh\['dp', 'cp'\]\._flatten\('dp_shard_cp'\) "
+                                         r"group=mesh\['dp', 'cp'\]\.flatten\('dp_shard_cp'\) "
                                          r"\(ParallelDims: dims\['dp_shard_cp'\]\)") as err:
         FullyShardedDataParallel(model, opt, group=mesh["dp"], context_parallel=mesh["cp"])
     assert "dp_cp" not in str(err.value)
     with pytest.raises(ValueError, match=r"HSDP and hybrid groups .*group=mesh\['dp', 'cp'\]"
-                                         r"\._flatten\('dp_shard_cp'\)"):
+                                         r"\.flatten\('dp_shard_cp'\)"):
         FullyShardedDataParallel(model, opt, group=mesh, context_parallel=mesh["cp"])
     with pytest.raises(ValueError, match=r"DistributedDataParallel: group=DeviceMesh.* with "
-                                         r"context_parallel=.*group=mesh\['dp', 'cp'\]\."
-                                         r"_flatten\('dp_cp'\) \(ParallelDims: dims\['dp_cp'\]\)"):
+                                         r"context_parallel=.*group=mesh\['dp', 'cp'\]"
+                                         r"\.flatten\('dp_cp'\) \(ParallelDims: dims\['dp_cp'\]\)"):
         DistributedDataParallel(model, opt, group=mesh, context_parallel=mesh["cp"])
     flat = mesh["dp", "cp"]._flatten("dp_cp")
     for wrapper in (DistributedDataParallel, FullyShardedDataParallel):
@@ -160,7 +160,7 @@ def test_cp_errors_name_each_wrappers_flattened_dimension():
     sep = hcg.get_sep_parallel_group()
     model = GPT(ContextParallelAttention(group=sep))
     with pytest.raises(ValueError, match=r"has \{'sep': 2\}.*group=hcg\.device_mesh\['sharding', "
-                                         r"'sep'\]\._flatten\('sharding_sep'\), and "
+                                         r"'sep'\]\.flatten\('sharding_sep'\), and "
                                          r"context_parallel=hcg\.get_sep_parallel_group\(\)\.$"):
         FullyShardedDataParallel(model, opt, group=hcg, context_parallel=sep)
     fsdp = FullyShardedDataParallel(

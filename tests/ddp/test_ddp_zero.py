@@ -39,7 +39,7 @@ def test_sharded_optimizer_state_gives_the_references_parameters(world, hook):
     assert_trees_close(jax.tree.map(lambda a: np.asarray(a)[:6], mu),
                        ref.opt_state[1][0].trace["l1"]["kernel"])
     assert zero.params["l1"]["kernel"].sharding.is_fully_replicated
-    assert "shard_optimizer_state=True" in repr(zero)
+    assert "zero_stage=1" in repr(zero)
 
 
 def test_sharded_optimizer_state_under_join(world):
@@ -55,3 +55,30 @@ def test_sharded_optimizer_state_under_join(world):
     assert_trees_close(zero.params, ref.params)
     with pytest.raises(TypeError, match="shard_optimizer_state='yes' must be a bool"):
         DistributedDataParallel(MLP(0), opt, shard_optimizer_state="yes")
+
+
+def test_zero_stage_is_the_one_keyword_and_the_aliases_name_the_same_stage(world):
+    from jaxpg.fsdp import FullyShardedDataParallel
+
+    opt = optax.sgd(0.1)
+    one = DistributedDataParallel(MLP(0), opt, group=group(2), zero_stage=1)
+    alias = DistributedDataParallel(MLP(0), opt, group=group(2), shard_optimizer_state=True)
+    plain = DistributedDataParallel(MLP(0), opt, group=group(2), zero_stage=0)
+    assert one._zero is not None and alias._zero is not None and plain._zero is None
+    assert "zero_stage=1" in repr(one) and "zero_stage=0" in repr(plain)
+    with pytest.raises(ValueError, match=r"zero_stage=2 is not a ZeRO stage it runs.*"
+                                         r"FullyShardedDataParallel\(\.\.\., zero_stage=2"):
+        DistributedDataParallel(MLP(0), opt, zero_stage=2)
+    with pytest.raises(ValueError, match="pass zero_stage= only, not zero_stage= and "
+                                         "shard_optimizer_state="):
+        DistributedDataParallel(MLP(0), opt, zero_stage=1, shard_optimizer_state=True)
+    stages = [FullyShardedDataParallel(MLP(0), opt, group=group(2), **kw).stage
+              for kw in ({"zero_stage": 2}, {"stage": 2}, {"level": "os_g"}, {})]
+    assert stages == [2, 2, 2, 3]
+    from jaxpg.ddp import ZeroRedundancyOptimizer
+
+    params = {"w": np.zeros(4, np.float32)}
+    with pytest.raises(ValueError, match=r"zero_stage=3 .*ZeRO-3 is FullyShardedDataParallel"):
+        ZeroRedundancyOptimizer(opt, params, zero_stage=3)
+    with pytest.raises(ValueError, match="not zero_stage= and reduce_gradients="):
+        ZeroRedundancyOptimizer(opt, params, zero_stage=2, reduce_gradients=True)

@@ -33,7 +33,7 @@ def _wrappers():
         "fsdp3": lambda model: FullyShardedDataParallel(model, optax.sgd(0.1), group=group(4),
                                                         units=Block),
         "fsdp2": lambda model: FullyShardedDataParallel(model, optax.sgd(0.1), group=group(4),
-                                                        stage=2),
+                                                        zero_stage=2),
     }
 
 

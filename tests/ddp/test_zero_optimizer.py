@@ -38,7 +38,7 @@ def test_partition_is_torchs_greedy_rule(n):
 def test_one_rank_per_process_and_an_optax_optimizer(world):
     params = {"w": np.ones((4, 4), np.float32)}
     with pytest.raises(ValueError, match=r"this process holds 8 ranks of .*one rank per "
-                                         r"process.*shard_optimizer_state=True"):
+                                         r"process.*zero_stage=1"):
         ZeroRedundancyOptimizer(optax.adam(1e-3), params)
     with pytest.raises(TypeError, match=r"optax.GradientTransformation"):
         ZeroRedundancyOptimizer("adam", params, group=jaxpg.new_group([0]))

@@ -66,7 +66,7 @@ def test_expert_axes_errors():
         DistributedDataParallel(net, optax.sgd(0.1), expert_axes=("tp",))
     with pytest.raises(TypeError, match=r"expert_axes='ep' must be a tuple of axis names"):
         DistributedDataParallel(net, optax.sgd(0.1), expert_axes="ep")
-    with pytest.raises(ValueError, match=r"shard_optimizer_state=True \(ZeRO-1\) does not take "
+    with pytest.raises(ValueError, match=r"zero_stage=1 \(ZeRO-1\) does not take "
                                          r"expert parameters"):
         DistributedDataParallel(net, optax.sgd(0.1), expert_axes=("ep",),
-                                shard_optimizer_state=True)
+                                zero_stage=1)

@@ -21,7 +21,7 @@ def test_experts_are_averaged_over_dp_only_as_one_device_training(stage, opt):
                 "momentum": lambda: optax.sgd(0.3, momentum=0.9)}[opt]
     mesh = jaxpg.init_device_mesh((2, 4), ("dp", "ep"))  # 8 ranks: 2 experts on each
     fsdp = FullyShardedDataParallel(Net(mesh.get_group("ep"), nnx.Rngs(0)), make_opt(),
-                                    expert_axes=("ep",), stage=stage)
+                                    expert_axes=("ep",), zero_stage=stage)
     assert fsdp.group.describe() == "shard over dp (2), experts split over ep (4)"
     assert fsdp.world_size == 8
     if stage == 3:  # each rank holds half of its 2 experts' rows: (E=8, d=8, f=16) / 4 / 2

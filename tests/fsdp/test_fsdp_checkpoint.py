@@ -60,7 +60,7 @@ def test_save_with_4_ranks_load_with_2_and_train_on(saved, world, uninterrupted)
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_load_onto_another_stage(saved, world, uninterrupted, stage):
-    resumed = FullyShardedDataParallel(Net(5), OPT, group=group(8), stage=stage)
+    resumed = FullyShardedDataParallel(Net(5), OPT, group=group(8), zero_stage=stage)
     restore_checkpoint(saved[0] / "sharded", resumed)
     for batch in BATCHES[3:]:
         resumed.train_step(loss_fn, batch)

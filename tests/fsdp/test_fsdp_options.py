@@ -72,10 +72,15 @@ def test_units_must_own_parameters(world):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"stage": 4}, ValueError, "stage=4 must be 1"),
-    ({"stage": True}, ValueError, "stage=True must be 1"),
-    ({"stage": 2, "reshard_after_forward": False}, ValueError,
-     "reshard_after_forward=False contradicts stage=2"),
+    ({"zero_stage": 4}, ValueError, r"zero_stage=4 is not a ZeRO stage it runs; pass "
+     r"zero_stage= one of 1 \(the optimizer state\), 2"),
+    ({"zero_stage": 0}, ValueError, r"zero_stage=0 .*Stage 0 .* DistributedDataParallel's"),
+    ({"stage": True}, ValueError, "stage=True is not a ZeRO stage"),
+    ({"level": "p_g"}, ValueError, r"level='p_g' is not one of Paddle's levels"),
+    ({"zero_stage": 2, "stage": 2}, ValueError, "pass zero_stage= only, not zero_stage= and "
+     "stage="),
+    ({"zero_stage": 2, "reshard_after_forward": False}, ValueError,
+     "reshard_after_forward=False contradicts zero_stage=2"),
     ({"reshard_after_forward": 2}, TypeError, "reshard_after_forward=2 must be a bool"),
     ({"mp_policy": "bf16"}, TypeError, "mp_policy must be a MixedPrecisionPolicy"),
     ({"group": "world"}, TypeError, "group= takes a ProcessGroup, a 1-D DeviceMesh"),

@@ -94,7 +94,7 @@ def mesh(world):
 def test_fsdp_of_a_tensor_parallel_model_matches_one_device_training(mesh, sgd_reference,
                                                                      stage):
     fsdp = FullyShardedDataParallel(parallel_net(mesh), optax.sgd(0.5, momentum=0.9),
-                                    group=mesh.get_group("dp"), stage=stage, units=Mlp)
+                                    group=mesh.get_group("dp"), zero_stage=stage, units=Mlp)
     assert fsdp.group.shard_axes == ("dp",) and fsdp.group.model_axes == ("tp",)
     up = fsdp.params["blocks"][0]["up"]["kernel"]
     down = fsdp.params["blocks"][0]["down"]["kernel"]
@@ -134,7 +134,7 @@ def test_no_sync_of_a_tensor_parallel_model(mesh):
 
 def test_ddp_shard_optimizer_state_of_a_tensor_parallel_model(mesh, sgd_reference):
     ddp = DistributedDataParallel(parallel_net(mesh), optax.sgd(0.5, momentum=0.9),
-                                  group=mesh.get_group("dp"), shard_optimizer_state=True)
+                                  group=mesh.get_group("dp"), zero_stage=1)
     mu = ddp.opt_state[0].trace["blocks"][0]
     assert mu["up"]["kernel"].sharding.spec == P("dp", "tp")
     assert mu["down"]["kernel"].sharding.spec == P(("tp", "dp"))

@@ -33,7 +33,7 @@ def one_device_params():
 @pytest.mark.parametrize("stage, reshard", [(1, True), (2, True), (3, True), (3, False)])
 @pytest.mark.parametrize("policy", [None, BF16], ids=["fp32", "bf16"])
 def test_stages_give_one_device_parameters(world, one_device_params, stage, reshard, policy):
-    fsdp = FullyShardedDataParallel(Net(0), SGD, group=group(N), stage=stage,
+    fsdp = FullyShardedDataParallel(Net(0), SGD, group=group(N), zero_stage=stage,
                                     reshard_after_forward=reshard, units=Block,
                                     mp_policy=policy)
     assert fsdp.units == ("blocks.0", "blocks.1")
@@ -70,7 +70,7 @@ def test_hsdp_replicates_over_one_axis_and_shards_over_the_other(world, make_gro
         with jaxpg.as_rank(5):
             assert g.get_sharding_parallel_group().ranks == (4, 5, 6, 7)
             assert g.get_sharding_parallel_rank() == 1 and g.get_data_parallel_rank() == 1
-    fsdp = FullyShardedDataParallel(Net(0), SGD, group=g, units=Block, stage=stage)
+    fsdp = FullyShardedDataParallel(Net(0), SGD, group=g, units=Block, zero_stage=stage)
     assert fsdp.group.num_shards == 4 and fsdp.group.num_replicas == 2
     ref = Reference(Net(0), SGD)
     for batch in make_batches(STEPS, 16):
@@ -86,7 +86,7 @@ def test_hsdp_replicates_over_one_axis_and_shards_over_the_other(world, make_gro
 @pytest.mark.parametrize("stage", [1, 3])
 def test_no_sync_accumulates_local_gradients(world, stage):
     opt = optax.sgd(0.1, momentum=0.9)
-    fsdp = FullyShardedDataParallel(Net(0), opt, group=group(N), stage=stage, units=Block)
+    fsdp = FullyShardedDataParallel(Net(0), opt, group=group(N), zero_stage=stage, units=Block)
     ref = Reference(Net(0), opt)
     batches = make_batches(3, 4 * N)
     with fsdp.no_sync():
@@ -157,7 +157,7 @@ def test_module_and_state_dict_round_trip(world):
     # stage 1 over 2 ranks; both hold the same training state
     other = FullyShardedDataParallel(Net(1), opt, group=group(8), units=Block)
     other.load_state_dict(fsdp.state_dict())
-    whole = FullyShardedDataParallel(Net(1), opt, group=group(2), stage=1)
+    whole = FullyShardedDataParallel(Net(1), opt, group=group(2), zero_stage=1)
     whole.load_state_dict(fsdp.full_state_dict())
     want = fsdp.full_state_dict()
     for f in (other, whole):

@@ -34,7 +34,7 @@ def test_grad_norm_is_the_whole_gradients_norm(world, wrapper):
         wrapped = DistributedDataParallel(Net(0), optax.sgd(LR), group=group(N))
     else:
         wrapped = FullyShardedDataParallel(Net(0), optax.sgd(LR), group=group(N), units=Block,
-                                           stage=3 if wrapper == "fsdp3" else 1)
+                                           zero_stage=3 if wrapper == "fsdp3" else 1)
     metrics = [wrapped.train_step(loss_fn, b) for b in batches]
     assert {"loss", "grad_norm"} <= set(metrics[0])
     got = [float(m["grad_norm"]) for m in metrics]

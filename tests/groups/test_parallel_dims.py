@@ -154,8 +154,7 @@ def _ddp(**kwargs):
 def test_context_and_expert_parallel_apis_take_the_whole_topology(world, topology):
     """``group=dims`` (or the HybridCommunicateGroup) means its cp/sep and ep groups: the same
     groups, axes, sizes and meshes as passing those groups themselves."""
-    from jaxpg.context_parallel import resolve_cp_axis
-    from jaxpg.expert_parallel.ep_group import resolve_ep_group
+    from jaxpg.groups.mesh_axis import resolve_mesh_axis
 
     if topology == "dims":
         top = jaxpg.ParallelDims(dp_shard=4, cp=2, ep=4)
@@ -163,10 +162,12 @@ def test_context_and_expert_parallel_apis_take_the_whole_topology(world, topolog
     else:
         top = jaxpg.HybridCommunicateGroup(sharding_degree=4, sep_degree=2, ep_degree=4)
         cp, ep = top.get_sep_parallel_group(), top.get_expert_parallel_group()
-    whole, alone = resolve_cp_axis(top, "test"), resolve_cp_axis(cp, "test")
+    whole = resolve_mesh_axis(top, "cp", api="test")
+    alone = resolve_mesh_axis(cp, "cp", api="test")
     assert (whole.axis, whole.size, whole.mesh) == (alone.axis, alone.size, alone.mesh)
     assert list(whole.group.ranks) == list(cp.ranks) == [0, 1]
     assert ep.size() == 4
-    mine, given = resolve_ep_group(top, "test"), resolve_ep_group(ep, "test")
+    mine = resolve_mesh_axis(top, "ep", api="test")
+    given = resolve_mesh_axis(ep, "ep", api="test")
     assert mine.group is ep  # the very group: moe and MoELayer then run as with group=ep
     assert (mine.axis, mine.size, mine.mesh) == (given.axis, given.size, given.mesh)

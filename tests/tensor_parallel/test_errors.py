@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpg
 from jaxpg.ddp import DistributedDataParallel
-from jaxpg.internal import resolve_tp_mesh
+from jaxpg.internal import resolve_mesh_axis
 from jaxpg.pipeline import StagedParams, pipeline_value_and_grad
 from jaxpg.tensor_parallel import (
     ColumnParallelLinear,
@@ -82,7 +82,7 @@ def test_a_group_that_is_not_one_dimension_of_a_mesh(tp4):
     with pytest.raises(ValueError, match="family of uneven subgroups.*not one dimension"):
         ColumnParallelLinear(8, 8, mp_group=uneven, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="ColumnParallelLinear: mp_group= takes a ProcessGroup"):
-        resolve_tp_mesh("tp", "ColumnParallelLinear")
+        resolve_mesh_axis("tp", "tp", api="ColumnParallelLinear", arg="mp_group")
 
 
 def test_a_rank_outside_the_group(tp4):
@@ -96,7 +96,7 @@ def test_a_rank_outside_the_group(tp4):
         _ = layer.rank
     with pytest.raises(ValueError, match="src_data_rank=4 is not a rank of the "
                                          "tensor-parallel group of size 4"):
-        distribute_tensor(np.zeros((4, 4)), resolve_tp_mesh(tp4["tp"], "t"), P(), src_data_rank=4)
+        distribute_tensor(np.zeros((4, 4)), tp4["tp"], P(), src_data_rank=4)
 
 
 def test_no_hybrid_communicate_group_for_the_default_group():

@@ -65,7 +65,7 @@ def main(scratch):
         mp_ref.step(b)
     for stage, reshard, policy in ((1, True, None), (2, True, None), (3, True, None),
                                    (3, False, BF16)):
-        fsdp = FullyShardedDataParallel(Net(seed=rank), OPT, stage=stage, units=Block,
+        fsdp = FullyShardedDataParallel(Net(seed=rank), OPT, zero_stage=stage, units=Block,
                                         reshard_after_forward=reshard, mp_policy=policy)
         for b in batches:
             fsdp.train_step(loss_fn, local(b, rank))

@@ -234,7 +234,7 @@ def fsdp_step(me: int, n: int, mpi: bool) -> None:
     from jaxpg.fsdp import FullyShardedDataParallel
 
     x, y = _batch(n)
-    fsdp = FullyShardedDataParallel(Net(nnx.Rngs(0)), optax.sgd(0.1), stage=3)
+    fsdp = FullyShardedDataParallel(Net(nnx.Rngs(0)), optax.sgd(0.1), zero_stage=3)
     for _ in range(2):
         fsdp.train_step(loss_fn, {"x": x[4 * me: 4 * me + 4], "y": y[4 * me: 4 * me + 4]})
     check("fsdp_step", _same_as_whole_batch_sgd(fsdp.full_params(), x, y))

@@ -22,7 +22,7 @@ from jax import lax
 
 from jaxpg.reduce_op import RedOpType, ReduceOp
 
-__all__ = ["GroupLayout", "reduce_stack"]
+__all__ = ["GroupLowering", "reduce_stack"]
 
 # XLA's MPI collectives have no MPI datatype for these (MPI has no half or 8-bit floats):
 # their reductions and gathers fail with "Unsupported primitive type". jaxpg gathers their
@@ -68,7 +68,7 @@ def reduce_stack(stack: jax.Array, op: ReduceOp, count: Any) -> jax.Array:
     return acc
 
 
-class GroupLayout:
+class GroupLowering:
     """A group's positions on an SPMD mesh and its collectives there."""
 
     def __init__(self, ctx: Any, group: Any):
@@ -110,7 +110,7 @@ class GroupLayout:
             return x, None
         return x.astype(jnp.float32), x.dtype
 
-    # --------------------------------------------------------------------- layout facts
+    # ------------------------------------------------------------------- lowering facts
     def _find_native_axes(self) -> tuple[str, ...] | None:
         """The mesh axes whose partition is exactly this family, if any."""
         mesh_axes = self.ctx.axes

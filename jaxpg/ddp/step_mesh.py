@@ -42,20 +42,20 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.context_parallel.sequence_split import ResolvedSequenceSplit
 from jaxpg.data_parallel.batch_placement import place_batch
+from jaxpg.data_parallel.leaf_split import spec_axes
 from jaxpg.data_parallel.prng_keys import is_key
 from jaxpg.data_parallel.sequence_batch import (
     place_sequence_batch,
     sample_axes,
     sequence_batch_specs,
 )
-from jaxpg.data_parallel.shard_layout import spec_axes
 
-__all__ = ["StepLayout", "step_layout", "place_on_layout", "layout_batch", "layout_per_rank",
+__all__ = ["StepMesh", "step_mesh", "place_on_step_mesh", "place_step_batch", "place_per_rank",
            "dense_leaves", "with_experts_reduced"]
 
 
 @dataclasses.dataclass(frozen=True)
-class StepLayout:
+class StepMesh:
     """The mesh of DDP's step and how each part of the state is laid out on it.
 
     Attributes:
@@ -139,17 +139,17 @@ def _group_axes(mesh: Mesh, pg: Any) -> tuple[str, ...] | None:
 def cp_group_fix(flat: str, axes: tuple[str, ...] = ()) -> str:
     """The group to pass with context parallelism: the data-parallel and cp dimensions
     flattened into ``flat`` (``"dp_cp"``, DDP's; ``"dp_shard_cp"``, FSDP's), as
-    ``group=mesh[...]._flatten(flat)`` over ``axes`` (the mesh's dimensions to flatten), and
+    ``group=mesh[...].flatten(flat)`` over ``axes`` (the mesh's dimensions to flatten), and
     its ``ParallelDims`` name."""
     axes = axes or (("dp_shard", "cp") if flat == "dp_shard_cp" else ("dp", "cp"))
-    return (f"group=mesh[{', '.join(repr(a) for a in axes)}]._flatten({flat!r}) "
+    return (f"group=mesh[{', '.join(repr(a) for a in axes)}].flatten({flat!r}) "
             f"(ParallelDims: dims[{flat!r}])")
 
 
-def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataParallel",
+def step_mesh(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataParallel",
                 expert_axes: tuple[str, ...] = (),
                 sequence: ResolvedSequenceSplit | None = None,
-                cp_flat: str = "dp_cp") -> StepLayout:
+                cp_flat: str = "dp_cp") -> StepMesh:
     """The layout of DDP's (or FSDP's, ``api``) step for a model whose state is ``params``
     and ``rest``.
 
@@ -179,7 +179,7 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
     meshes = {_leaf_mesh(x) for x in leaves if elsewhere(x)}
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
     if not meshes and sequence is None:
-        return StepLayout(pg.mesh, (pg.axis_name,), replicated(params), replicated(rest), False)
+        return StepMesh(pg.mesh, (pg.axis_name,), replicated(params), replicated(rest), False)
     if sequence is not None:
         meshes.add(sequence.mesh)
     if len(meshes) > 1:
@@ -236,11 +236,11 @@ def step_layout(pg: Any, params: Any, rest: Any, *, api: str = "DistributedDataP
     param_specs = with_path(lambda p, x: spec(p, x, expert_axes), params)
     reduce_axes = jax.tree.map(lambda s: tuple(a for a in axes if a not in spec_axes(s)),
                                param_specs, is_leaf=lambda s: isinstance(s, P))
-    return StepLayout(mesh, axes, param_specs, with_path(spec, rest), True, reduce_axes,
+    return StepMesh(mesh, axes, param_specs, with_path(spec, rest), True, reduce_axes,
                       sequence)
 
 
-def _expert_flags(tree: Any, layout: StepLayout | None) -> tuple[list, Any, list] | None:
+def _expert_flags(tree: Any, layout: StepMesh | None) -> tuple[list, Any, list] | None:
     """``(leaves, treedef, reduce axes per leaf)`` of a parameter-shaped tree, or None when
     no leaf is an expert parameter."""
     if layout is None or layout.reduce_axes is None:
@@ -252,7 +252,7 @@ def _expert_flags(tree: Any, layout: StepLayout | None) -> tuple[list, Any, list
     return leaves, treedef, axes
 
 
-def dense_leaves(tree: Any, layout: StepLayout | None) -> Any:
+def dense_leaves(tree: Any, layout: StepMesh | None) -> Any:
     """``tree`` (parameter-shaped) with its expert leaves replaced by None: the part the
     bucketed reducer takes. ``tree`` itself when it has no expert leaf."""
     flags = _expert_flags(tree, layout)
@@ -263,7 +263,7 @@ def dense_leaves(tree: Any, layout: StepLayout | None) -> Any:
                               for x, a in zip(leaves, axes, strict=True)])
 
 
-def with_experts_reduced(grads: Any, reduced_dense: Any, layout: StepLayout | None,
+def with_experts_reduced(grads: Any, reduced_dense: Any, layout: StepMesh | None,
                          n: int) -> Any:
     """The reduced gradients: ``reduced_dense`` (from :func:`dense_leaves`'s part) with
     each expert leaf of ``grads`` summed over the data-parallel axes that replicate it and
@@ -288,7 +288,7 @@ def _all_local(mesh: Mesh) -> bool:
     return all(d.id in local for d in mesh.devices.flat)
 
 
-def place_on_layout(tree: Any, specs: Any, layout: StepLayout, *, broadcast: bool = True) -> Any:
+def place_on_step_mesh(tree: Any, specs: Any, layout: StepMesh, *, broadcast: bool = True) -> Any:
     """Fresh arrays of ``tree`` laid out by ``specs`` on ``layout.mesh``.
 
     In one process this is a copy. Across processes, with ``broadcast``, each leaf takes the
@@ -362,7 +362,7 @@ def _stacked_from_first(locals_: list, mesh: Mesh) -> list:
     return jax.jit(fn)(stacked)
 
 
-def layout_batch(batch: Any, layout: StepLayout) -> Any:
+def place_step_batch(batch: Any, layout: StepMesh) -> Any:
     """This process's part of the batch, split over the data-parallel axes of the mesh
     (with ``layout.sequence``, its sequences over cp).
 
@@ -385,7 +385,7 @@ def layout_batch(batch: Any, layout: StepLayout) -> Any:
                        "replica gets the same samples).")
 
 
-def layout_per_rank(tree: Any, layout: StepLayout) -> Any:
+def place_per_rank(tree: Any, layout: StepMesh) -> Any:
     """One copy of ``tree`` per device of the mesh, laid out ``layout.rank_spec``."""
     mesh = layout.mesh
     n_local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)

@@ -1,6 +1,6 @@
 """How one array is split on dim 0 over the ranks of a sharding group (ZeRO and FSDP).
 
-A :class:`ShardLayout` is data, made once from a leaf's shape: the leaf is stored as a
+A :class:`LeafSplit` is data, made once from a leaf's shape: the leaf is stored as a
 global ``jax.Array`` whose dim 0 is padded with zeros up to a multiple of the shard count
 ``n`` and split in ``n`` equal blocks, rank ``i`` holding rows
 ``[i * b, (i + 1) * b)`` with ``b = padded_dim0 / n``. This is FSDP2's per-parameter
@@ -19,7 +19,7 @@ already split over ``pp`` on dim 0, is split over ``dp`` on dim 1); "dim 0" belo
 that dimension.
 
 Example:
-    >>> layout = ShardLayout.of((10, 3), "float32", num_shards=4)
+    >>> layout = LeafSplit.of((10, 3), "float32", num_shards=4)
     >>> layout.padded_shape, layout.shard_shape
     ((12, 3), (3, 3))
 """
@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["ShardLayout", "make_layouts", "pad_leaf", "unpad_leaf", "layout_bytes", "spec_axes"]
+__all__ = ["LeafSplit", "make_leaf_splits", "pad_leaf", "unpad_leaf", "leaf_split_bytes",
+           "spec_axes"]
 
 
 def _spec_entries(spec: P, ndim: int) -> list[Any]:
@@ -58,7 +59,7 @@ def _as_tuple(entry: Any) -> tuple[Hashable, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardLayout:
+class LeafSplit:
     """The dim-0 sharding of one leaf over ``num_shards`` ranks.
 
     Attributes:
@@ -79,15 +80,15 @@ class ShardLayout:
 
     @classmethod
     def of(cls, shape: Any, dtype: Any, num_shards: int, *, dim0_blocks: int = 1,
-           base_spec: P | None = None, dim: int = 0) -> ShardLayout:
+           base_spec: P | None = None, dim: int = 0) -> LeafSplit:
         """The layout of a leaf of ``shape`` and ``dtype`` over ``num_shards`` ranks."""
         base_spec = P() if base_spec is None else base_spec
         if not isinstance(num_shards, int) or num_shards < 1:
-            raise ValueError(f"ShardLayout: {num_shards=} must be an int >= 1.")
+            raise ValueError(f"LeafSplit: {num_shards=} must be an int >= 1.")
         shape = tuple(int(d) for d in shape)
         if len(shape) > dim and shape[dim] % dim0_blocks:
             raise ValueError(
-                f"ShardLayout: dimension {dim} of shape {shape} does not split into "
+                f"LeafSplit: dimension {dim} of shape {shape} does not split into "
                 f"{dim0_blocks=} tensor-parallel blocks."
             )
         return cls(shape, np.dtype(dtype), num_shards, dim0_blocks, base_spec, dim)
@@ -146,9 +147,9 @@ class ShardLayout:
         return math.prod(self.padded_shape) * self.dtype.itemsize
 
 
-def make_layouts(tree: Any, num_shards: int, base_specs: Any = None,
+def make_leaf_splits(tree: Any, num_shards: int, base_specs: Any = None,
                  mesh_shape: dict[Hashable, int] | None = None) -> Any:
-    """A :class:`ShardLayout` for every leaf of ``tree`` (arrays or shape-dtype structs).
+    """A :class:`LeafSplit` for every leaf of ``tree`` (arrays or shape-dtype structs).
 
     Args:
         tree: a pytree whose leaves have ``shape`` and ``dtype``.
@@ -158,27 +159,27 @@ def make_layouts(tree: Any, num_shards: int, base_specs: Any = None,
         mesh_shape: axis sizes of the mesh, needed with ``base_specs``.
     """
     if base_specs is None:
-        return jax.tree.map(lambda x: ShardLayout.of(np.shape(x), x.dtype, num_shards), tree)
+        return jax.tree.map(lambda x: LeafSplit.of(np.shape(x), x.dtype, num_shards), tree)
     mesh_shape = mesh_shape or {}
 
     def one(x, spec):
         spec = spec if spec is not None else P()
         dim0 = _spec_entries(spec, np.ndim(x))[0] if np.ndim(x) else None
         blocks = math.prod(mesh_shape[a] for a in _as_tuple(dim0))
-        return ShardLayout.of(np.shape(x), x.dtype, num_shards, dim0_blocks=blocks,
+        return LeafSplit.of(np.shape(x), x.dtype, num_shards, dim0_blocks=blocks,
                               base_spec=spec)
 
     return jax.tree.map(one, tree, base_specs,
                         is_leaf=lambda s: s is None or isinstance(s, P))
 
 
-def _pad_width(layout: ShardLayout, ndim: int, amount: int) -> list[tuple[int, int]]:
+def _pad_width(layout: LeafSplit, ndim: int, amount: int) -> list[tuple[int, int]]:
     width = [(0, 0)] * ndim
     width[layout.dim] = (0, amount)
     return width
 
 
-def pad_leaf(x: jax.Array, layout: ShardLayout) -> jax.Array:
+def pad_leaf(x: jax.Array, layout: LeafSplit) -> jax.Array:
     """``x`` (true shape) with zero rows appended to each dim-0 block (any context)."""
     if not layout.sharded or not layout.padding:
         return x
@@ -191,7 +192,7 @@ def pad_leaf(x: jax.Array, layout: ShardLayout) -> jax.Array:
     return jnp.pad(blocks, width).reshape(layout.padded_shape)
 
 
-def unpad_leaf(x: jax.Array, layout: ShardLayout) -> jax.Array:
+def unpad_leaf(x: jax.Array, layout: LeafSplit) -> jax.Array:
     """The true-shape leaf from its padded form (drops each block's zero rows)."""
     if not layout.sharded or not layout.padding:
         return x
@@ -202,7 +203,7 @@ def unpad_leaf(x: jax.Array, layout: ShardLayout) -> jax.Array:
     return jax.lax.slice_in_dim(blocks, 0, b, axis=d + 1).reshape(layout.shape)
 
 
-def layout_bytes(layouts: Any, *, per_rank: bool,
+def leaf_split_bytes(layouts: Any, *, per_rank: bool,
                  mesh_shape: dict[Hashable, int] | None = None) -> int:
     """Bytes of every leaf's padded form: all of it, or one rank's share.
 
@@ -210,7 +211,7 @@ def layout_bytes(layouts: Any, *, per_rank: bool,
     axes (its ``base_spec``: tensor parallelism).
     """
     total = 0
-    for lay in jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, ShardLayout)):
+    for lay in jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafSplit)):
         split = 1
         if per_rank and mesh_shape:
             split = math.prod(mesh_shape[a] for e in lay.base_spec for a in _as_tuple(e))
