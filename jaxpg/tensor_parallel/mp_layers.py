@@ -145,7 +145,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return Replicate(), Replicate() if self.gather_output else Shard(-1)
 
     def __call__(self, x: Any) -> jax.Array:
-        input_layout, output_layout = self._lowerings()
+        input_layout, output_layout = self._layouts()
         return F.column_parallel_linear(
             x, self.weight[...], self._bias(), self.tp, shape=self._shape(),
             input_layout=input_layout,
@@ -191,7 +191,7 @@ class RowParallelLinear(_ParallelLinear):
         return Shard(-1) if self.input_is_parallel else Replicate(), Replicate()
 
     def __call__(self, x: Any) -> jax.Array:
-        input_layout, output_layout = self._lowerings()
+        input_layout, output_layout = self._layouts()
         return F.row_parallel_linear(
             x, self.weight[...], self._bias(), self.tp, shape=self._shape(),
             input_layout=input_layout,
