@@ -1,9 +1,9 @@
 """jaxpg-run --max-restarts: torchrun's variables, and DDP runs that lose a rank and resume
 from their checkpoints to exactly the parameters of an uninterrupted run (a seeded
 fault-injection suite: a Python error, a death while a checkpoint is committed, a SIGSTOPped
-rank, a death inside a step's collectives, a kill after a checkpoint and a kill at a random
-step, chained through the attempts of one launch; then an asynchronous checkpoint's commit
-killed)."""
+rank, a death inside a step's collectives, a kill after a checkpoint, an asynchronous
+checkpoint's commit killed, a kill at a random step and a cut newest checkpoint, chained
+through the attempts of one launch)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,9 @@ CHAIN = ("raise:1:2",       # a rank raises and exits while the other waits in a
          "stop:0:3",        # SIGSTOPped rank 0 (it holds no coordinator under jaxpg-run)
          "killduring:0:4",  # rank 0 dies inside a step's collectives
          "kill:1:5",        # rank 1 killed right after a step's checkpoint
-         "random:2026")     # a kill at a random rank and step, before that step's checkpoint
+         "ackpt:0:7",       # rank 0 dies in an asynchronous checkpoint's background commit
+         "random:2026",     # a kill at a random rank and step, before that step's checkpoint
+         "damage:1:7")      # a cut newest checkpoint (the seed above resumes at step 7)
 
 
 def _attempts(stderr: str, restarts: int) -> list[str]:
@@ -110,10 +112,17 @@ def _attempts(stderr: str, restarts: int) -> list[str]:
     return parts
 
 
-@pytest.mark.timeout(420)
+def _rank0_attempts(stdout: str) -> list[str]:
+    """Rank 0's output cut at its RESUMED lines: what each attempt printed."""
+    lines = [line for line in stdout.splitlines() if line.startswith("[rank 0] ")]
+    starts = [i for i, line in enumerate(lines) if "RESUMED step=" in line] + [len(lines)]
+    return ["\n".join(lines[a:b]) for a, b in zip(starts, starts[1:])]
+
+
+@pytest.mark.timeout(600)
 def test_chained_faults_each_resume_to_the_uninterrupted_parameters(tmp_path, reference):
     result, params = train(tmp_path, "chain", ",".join(CHAIN), restarts=len(CHAIN),
-                           timeout=360, FAULT_GROUP_TIMEOUT="6")
+                           timeout=540, FAULT_GROUP_TIMEOUT="6")
     everything = result.stdout + result.stderr
     assert not any(text in everything for text in CPP_ABORTS), everything[-3000:]
     ended = _attempts(result.stderr, len(CHAIN))
@@ -143,38 +152,27 @@ def test_chained_faults_each_resume_to_the_uninterrupted_parameters(tmp_path, re
     # kill:1:5: right after step 5's checkpoint
     assert "rank 1 exited with code -9 (killed by SIGKILL)" in ended[4]
     assert resumed[5] == 6
+    # ackpt:0:7: asynchronous checkpoints; the save of checkpoint 7 had returned (its loss
+    # line printed) before its background commit killed rank 0, and 7 was never committed
+    printed = _rank0_attempts(result.stdout)
+    assert "dying while committing checkpoint 7" in printed[5], printed[5][-3000:]
+    assert "[rank 0] step 6 loss" in printed[5]
+    assert "rank 0 exited with code -9 (killed by SIGKILL)" in ended[5]
+    assert resumed[6] == 6
     # random:2026: the killed step's checkpoint was never written
     drawn = re.search(r"FAULT killmid rank (\d) step (\d)", result.stdout)
     assert drawn, result.stdout[-3000:]
     rank, step = int(drawn.group(1)), int(drawn.group(2))
-    assert f"rank {rank} exited with code -9" in ended[5] and 6 <= step < STEPS
-    assert resumed[6] == step
-    assert_same(params, reference)
-
-
-@pytest.mark.timeout(300)
-def test_async_checkpoints_a_rank_killed_while_committing_resumes_from_the_previous(
-        tmp_path, reference):
-    result, params = train(tmp_path, "async", "ckpt:0:3", ELASTIC_ASYNC="1")
-    assert "dying while committing checkpoint 3" in result.stdout
-    assert "rank 0 exited with code -9 (killed by SIGKILL)" in result.stderr
-    # the save of step 3 had returned (its loss line printed) before the commit killed rank 0
-    assert "[rank 0] step 2 loss" in result.stdout
-    assert "[rank 0] RESUMED step=2 attempt=1" in result.stdout  # 3 was never committed
-    assert_same(params, reference)
-
-
-@pytest.mark.timeout(300)
-def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path, reference):
-    result, params = train(tmp_path, "damaged", "damage:1:4", restarts=1)
-    assert "[rank 1] damaged checkpoint 5, dying" in result.stdout
-    attempts = _attempts(result.stderr, 1)
-    assert "rank 1 exited with code -9 (killed by SIGKILL)" in attempts[0]
-    # the restart skips step 5's cut files, with one warning per rank naming it
-    assert attempts[1].count("skipping the damaged checkpoint") == 2, attempts[1][-3000:]
-    assert "(step=5: array file state/" in attempts[1]
-    assert "[rank 0] RESUMED step=4 attempt=1" in result.stdout
-    assert "Traceback" not in attempts[1] and "Event loop is closed" not in result.stderr
+    assert f"rank {rank} exited with code -9" in ended[6] and 6 <= step < STEPS
+    assert resumed[7] == step
+    # damage:1:7: the restart skips checkpoint 8's cut files, with one warning per rank
+    # naming it, and resumes from the one before
+    assert "[rank 1] damaged checkpoint 8, dying" in result.stdout
+    assert "rank 1 exited with code -9 (killed by SIGKILL)" in ended[7]
+    assert ended[8].count("skipping the damaged checkpoint") == 2, ended[8][-3000:]
+    assert "(step=8: array file state/" in ended[8]
+    assert resumed[8] == 7
+    assert "Traceback" not in ended[8] and "Event loop is closed" not in ended[7] + ended[8]
     assert_same(params, reference)
 
 

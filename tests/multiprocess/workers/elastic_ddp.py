@@ -21,6 +21,8 @@ resuming from what the previous one left. A fault is one of:
 * ``raise:R:S``: rank R raises before step S's barrier (a Python error, exit code 1);
 * ``ckpt:R:S``: rank R dies while writing step S's checkpoint (its files written, before
   orbax commits it by renaming the temporary directory);
+* ``ackpt:R:S``: ``ckpt`` with asynchronous checkpoints on this attempt (as
+  ``ELASTIC_ASYNC=1``): rank R dies in orbax's background commit, during the next step;
 * ``damage:R:S``: once every rank has written step S's checkpoint, rank R cuts its array
   files in half and dies (SIGKILL): the next attempt restores the checkpoint before it;
 * ``random:SEED``: ``killmid`` at a rank and at a step from the resumed one on, drawn from
@@ -99,7 +101,7 @@ if kind == "random":
 fault_rank, fault_step = (int(spec[0]), int(spec[1])) if spec else (-1, -1)
 armed = rank == fault_rank
 
-if armed and kind == "ckpt":
+if armed and kind in ("ckpt", "ackpt"):
     from orbax.checkpoint._src.path import async_path
 
     real_rename = async_path.rename
@@ -112,6 +114,7 @@ if armed and kind == "ckpt":
 
     async_path.rename = dying_rename
 
+asynchronous = os.environ.get("ELASTIC_ASYNC") == "1" or kind == "ackpt"
 for step in range(start, steps):
     if armed and kind == "stop" and step == fault_step:
         print(f"stopping myself at step {step}", flush=True)
@@ -130,7 +133,7 @@ for step in range(start, steps):
         print(f"dying after the update of step {step}", flush=True)
         die()
     jddp.save_checkpoint(ckpt_dir, ddp, data_state={"step": step + 1},
-                         async_save=os.environ.get("ELASTIC_ASYNC") == "1")
+                         async_save=asynchronous)
     print(f"step {step} loss {float(metrics['loss']):.6f}", flush=True)
     if armed and kind == "damage" and step == fault_step:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _damage
