@@ -102,7 +102,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from jaxpg.pipeline import get_schedule, to_rank_order
+    from jaxpg.pipeline import get_schedule
+    from jaxpg.pipeline.stage_order import to_rank_order
     from jaxpg.pipeline.step_timeline import record_timeline, summarize
 
     if args.one_process:

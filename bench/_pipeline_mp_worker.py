@@ -198,7 +198,8 @@ def main() -> None:
     import torch.distributed as dist
     from _timing import join_both_worlds, leave_both_worlds, time_rounds
 
-    from jaxpg.pipeline import get_schedule, to_model_order, to_rank_order
+    from jaxpg.pipeline import get_schedule
+    from jaxpg.pipeline.stage_order import to_model_order, to_rank_order
 
     rank, p = join_both_worlds(args.torch_port)
     mesh = Mesh(np.array(jax.devices()), ("pp",))

@@ -36,7 +36,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpg  # noqa: E402
-from jaxpg.pipeline import get_schedule, to_rank_order  # noqa: E402
+from jaxpg.pipeline import get_schedule  # noqa: E402
+from jaxpg.pipeline.stage_order import to_rank_order  # noqa: E402
 from jaxpg.pipeline.step_timeline import record_timeline, summarize  # noqa: E402
 
 

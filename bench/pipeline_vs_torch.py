@@ -142,7 +142,8 @@ def predictions(ps: list[int], ms: list[int], blocks: int, dim: int, rows: int) 
     import jax.numpy as jnp
     from _pipeline_mp_worker import make_params, per_block, stage_fn
 
-    from jaxpg.pipeline import ActionCosts, default_costs, get_schedule, measure_costs, timed
+    from jaxpg.pipeline import get_schedule
+    from jaxpg.pipeline.costs import ActionCosts, default_costs, measure_costs, timed
 
     out = {}
     for p in ps:

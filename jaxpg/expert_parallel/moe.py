@@ -121,7 +121,7 @@ def _global_view(x: Any, gate_w: Any, w1: Any) -> bool:
 
 def _group_axis(group: Any) -> str:
     """The mesh axis the SPMD code binds for ``group`` (one mesh dimension)."""
-    axes = current_context().layout(group).native_axes
+    axes = current_context().lowering(group).native_axes
     if axes is None or len(axes) != 1:
         raise ValueError(f"moe: replicated_tokens=True needs the expert-parallel group to be "
                          f"one axis of the mesh the code runs over; {group!r} is not.")

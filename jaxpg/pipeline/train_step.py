@@ -16,8 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -26,59 +24,14 @@ from jaxpg.groups.resolve import data_parallel_axis, resolve_mesh
 from jaxpg.pipeline.executor import (
     EXECUTORS,
     StagedParams,
-    check_param_specs,
     pipeline_value_and_grad,
 )
 from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
+from jaxpg.pipeline.param_placement import place_pipeline_params, put_copy
 from jaxpg.pipeline.stage_order import check_stage_order
 from jaxpg.supervision.step_recording import recorded_step
 
-__all__ = ["make_train_step", "place_pipeline_params", "init_train_state"]
-
-
-def place_pipeline_params(params: StagedParams | Any, mesh: Any, *, pp_axis: str = "pp",
-                          param_specs: Any = None) -> Any:
-    """Puts stage-stacked parameters on ``mesh``: stages ``P(pp_axis)``, the rest replicated.
-
-    With one chunk per rank each device then holds exactly its own stage; with more,
-    so does a stack in rank order (``to_rank_order``; pass ``stage_order="rank"`` to the
-    step), while a model-order one is resharded by every step. Optimizer
-    states made from the placed parameters (``optimizer.init``) inherit the placement.
-    The result is a copy, so a train step that donates it leaves ``params`` intact.
-    With ``param_specs`` (see ``pipeline_value_and_grad``) each array is also split as its
-    spec says: a stage array ``P(pp_axis, *spec)``, the others by their spec. ``mesh``
-    may also be a DeviceMesh or a HybridCommunicateGroup.
-    """
-    mesh = resolve_mesh(mesh, api="place_pipeline_params")
-    staged = params if isinstance(params, StagedParams) else StagedParams(params)
-    if param_specs is None:
-        stage_sharding = NamedSharding(mesh, P(pp_axis))
-        replicated = NamedSharding(mesh, P())
-        placed = StagedParams(
-            jax.tree.map(lambda a: _put(a, stage_sharding), staged.stages),
-            jax.tree.map(lambda a: _put(a, replicated), staged.first),
-            jax.tree.map(lambda a: _put(a, replicated), staged.last),
-        )
-    else:
-        leaves, treedef = check_param_specs(param_specs, staged, mesh, pp_axis, None)
-        specs = jax.tree.unflatten(treedef, leaves)
-        specs = specs._replace(stages=jax.tree.map(lambda s: P(pp_axis, *s), specs.stages))
-        placed = jax.tree.map(lambda a, s: _put(a, NamedSharding(mesh, s)), staged, specs)
-    return placed if isinstance(params, StagedParams) else placed.stages
-
-
-def _put(a: Any, sharding: NamedSharding) -> jax.Array:
-    """A copy of ``a`` placed with ``sharding`` (``a`` itself is never donated away).
-
-    On a mesh that spans processes every process passes the same values; they go through
-    the host (numpy), because in jax 0.10.2 ``device_put`` of a one-device ``jax.Array``
-    to a sharding replicated across processes makes an array whose shards cannot be read.
-    """
-    if sharding.is_fully_addressable:
-        return jax.device_put(jnp.array(a, copy=True), sharding)
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        return jax.jit(lambda x: x, out_shardings=sharding)(a)
-    return jax.device_put(np.array(a), sharding)
+__all__ = ["make_train_step", "init_train_state"]
 
 
 def init_train_state(
@@ -88,16 +41,25 @@ def init_train_state(
     *,
     pp_axis: str = "pp",
     param_specs: Any = None,
+    zero_stage: int = 0,
+    dp_axis: str = "dp",
 ) -> tuple[Any, Any]:
     """Places ``params`` on ``mesh`` and builds the optimizer state next to them.
 
     Optimizer-state leaves that are not already laid out on the mesh (step counters
     and other scalars) are replicated over it, so the train step compiles once: its
-    outputs then have the same placement as its inputs.
+    outputs then have the same placement as its inputs. With ``zero_stage`` 1 or 2 the
+    optimizer state is split over ``dp_axis`` instead (ZeRO-1 and 2 store the same state;
+    pass the same ``zero_stage`` to :func:`make_train_step`).
 
     Returns:
         ``(placed_params, opt_state)``.
     """
+    if _zero_stage(zero_stage, "init_train_state"):
+        from jaxpg.pipeline.zero import init_zero_train_state
+
+        return init_zero_train_state(params, optimizer, mesh, pp_axis=pp_axis,
+                                     dp_axis=dp_axis)
     placed = place_pipeline_params(params, mesh, pp_axis=pp_axis, param_specs=param_specs)
     mesh = resolve_mesh(mesh, api="init_train_state")
     replicated = NamedSharding(mesh, P())
@@ -106,7 +68,7 @@ def init_train_state(
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
             return leaf
-        return _put(leaf, replicated)
+        return put_copy(leaf, replicated)
 
     return placed, jax.tree.map(place, optimizer.init(placed))
 
@@ -128,6 +90,8 @@ def make_train_step(
     stage_order: str = "model",
     executor: str = "auto",
     param_specs: Any = None,
+    zero_stage: int = 0,
+    params: Any = None,
 ) -> Callable[[Any, Any, Any, Any], tuple[Any, Any, jax.Array]]:
     """Returns ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)``.
 
@@ -158,7 +122,31 @@ def make_train_step(
         executor: ``"auto"``, ``"spmd"`` or ``"mpmd"`` (see ``pipeline_value_and_grad``).
         param_specs: how parameters are split over other mesh axes (tensor parallelism);
             see ``pipeline_value_and_grad``. Place them with the same ``param_specs``.
+        zero_stage: 0 (replicated optimizer state), 1 (the optimizer state split over
+            ``dp_axis``) or 2 (and the gradients reduce-scattered over it instead of
+            all-reduced); the state from ``init_train_state(..., zero_stage=)``. Stage 3
+            (sharded parameters) is not offered inside a pipeline.
+        params: the parameters (placed, or their shapes), for ``zero_stage`` 1 and 2:
+            the optimizer state's split is made from them.
     """
+    if _zero_stage(zero_stage, "make_train_step"):
+        if params is None:
+            raise ValueError(f"make_train_step: zero_stage={zero_stage} splits the optimizer "
+                             "state by the parameters' shapes; pass params= (the placed "
+                             "parameters, or their shapes).")
+        if grad_reducer is not None:
+            raise ValueError(f"make_train_step: zero_stage={zero_stage} reduces the "
+                             "gradients itself; drop grad_reducer.")
+        if executor == "mpmd":
+            raise ValueError(f"make_train_step: zero_stage={zero_stage} runs on the lockstep "
+                             "executor (one jitted step); pass executor='auto' or 'spmd'.")
+        from jaxpg.pipeline.zero import make_zero_train_step
+
+        return make_zero_train_step(
+            stage_fn, loss_fn, optimizer, params, mesh=mesh, zero_stage=zero_stage,
+            pp_axis=pp_axis, dp_axis=dp_axis, donate=donate, schedule=schedule,
+            num_microbatches=num_microbatches, first_fn=first_fn, remat=remat,
+            stage_order=stage_order, param_specs=param_specs)
     check_stage_order(stage_order)
     if not isinstance(remat, bool):
         raise TypeError(f"remat={remat!r} must be True or False.")
@@ -204,6 +192,15 @@ def make_train_step(
     # each launch is a recorded collective call on the mesh's group (docs/debugging.md)
     return recorded_step(jax.jit(step, donate_argnums=donated), _jax_mesh(mesh),
                          name="pipeline.train_step")
+
+
+def _zero_stage(zero_stage: int, api: str) -> int:
+    """``zero_stage`` checked: 0, 1 or 2 inside a pipeline."""
+    from jaxpg.data_parallel.zero import resolve_zero_stage
+
+    return resolve_zero_stage(api, (0, 1, 2), 0, zero_stage,
+                              hint=" Stage 3 (sharded parameters) is not offered inside a "
+                                   "pipeline.")
 
 
 def _jax_mesh(mesh: Any) -> Any:

@@ -40,7 +40,7 @@ from jaxpg.fsdp.collectives import Comm, reduce_leaf
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
 from jaxpg.groups.resolve import resolve_mesh
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
-from jaxpg.pipeline.train_step import place_pipeline_params
+from jaxpg.pipeline.param_placement import place_pipeline_params
 
 __all__ = ["pipeline_layouts", "init_zero_train_state", "make_zero_train_step",
            "zero2_grad_reducer"]

@@ -16,7 +16,7 @@ from test_executor import block, embed, head_loss, make_batch, make_params  # no
 
 from jaxpg.pipeline.mesh import pipeline_mesh  # noqa: E402
 from jaxpg.pipeline.train_step import init_train_state, make_train_step  # noqa: E402
-from jaxpg.pipeline.zero import init_zero_train_state, make_zero_train_step  # noqa: E402
+from jaxpg.pipeline.zero import make_zero_train_step  # noqa: E402
 
 # SGD with momentum (sharded state, linear in the gradient) after a whole-tree clip that a
 # wrong gradient scale changes only where it clips
@@ -39,9 +39,10 @@ def plain():
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_zero_inside_stages_equals_the_plain_step(plain, zero_stage):
     mesh = pipeline_mesh(4, 2)
-    params, opt_state = init_zero_train_state(make_params(4), OPT, mesh)
-    step = make_zero_train_step(block, head_loss, OPT, params, mesh=mesh, zero_stage=zero_stage,
-                                schedule="1f1b", num_microbatches=4, first_fn=embed)
+    # the one keyword: make_train_step(zero_stage=) and init_train_state(zero_stage=)
+    params, opt_state = init_train_state(make_params(4), OPT, mesh, zero_stage=zero_stage)
+    step = make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=zero_stage,
+                           params=params, schedule="1f1b", num_microbatches=4, first_fn=embed)
     x, t = make_batch(16)
     for _ in range(3):
         params, opt_state, loss = step(params, opt_state, x, t)
@@ -60,6 +61,15 @@ def test_bad_zero_options():
     mesh = pipeline_mesh(4, 2)
     with pytest.raises(ValueError, match="zero_stage=3 must be 1 or 2"):
         make_zero_train_step(block, head_loss, OPT, make_params(4), mesh=mesh, zero_stage=3)
+    with pytest.raises(ValueError, match=r"make_train_step: zero_stage=3 is not a ZeRO stage "
+                                         r"it runs.*Stage 3 .*not offered inside a pipeline"):
+        make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=3, params=make_params(4))
+    with pytest.raises(ValueError, match="zero_stage=1 splits the optimizer state by the "
+                                         "parameters' shapes; pass params="):
+        make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=1)
+    with pytest.raises(ValueError, match="zero_stage=2 runs on the lockstep executor"):
+        make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=2, params=make_params(4),
+                        executor="mpmd")
     with pytest.raises(ValueError, match="needs a mesh with a pipeline axis 'pp' and a "
                                          "data-parallel axis 'data'"):
         make_zero_train_step(block, head_loss, OPT, make_params(4), mesh=mesh, dp_axis="data")

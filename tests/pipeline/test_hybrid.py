@@ -4,7 +4,8 @@ import pytest
 from test_executor import assert_close, block, embed, head_loss, make_batch, make_params, reference
 
 import jaxpg
-from jaxpg.pipeline import bucketed_grad_reducer, pipeline_value_and_grad
+from jaxpg.pipeline import pipeline_value_and_grad
+from jaxpg.pipeline.hybrid import bucketed_grad_reducer
 
 
 @pytest.mark.parametrize("cap_mb", [1e-4, 25])  # many small buckets, and one bucket

@@ -21,8 +21,8 @@ from jaxpg.pipeline import (
     ScheduleZBVZeroBubble,
     check_timetable,
     get_schedule,
-    segment_layers,
 )
+from jaxpg.pipeline.pipeline_layer import segment_layers
 from jaxpg.pipeline.schedule_classes import interleaved_zero_bubble
 
 

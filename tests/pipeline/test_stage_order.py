@@ -12,10 +12,9 @@ from jaxpg.pipeline import (
     make_train_step,
     pipeline_mesh,
     pipeline_value_and_grad,
-    place_pipeline_params,
-    to_model_order,
-    to_rank_order,
 )
+from jaxpg.pipeline.param_placement import place_pipeline_params
+from jaxpg.pipeline.stage_order import to_model_order, to_rank_order
 
 # meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
 pytestmark = pytest.mark.cpu_only

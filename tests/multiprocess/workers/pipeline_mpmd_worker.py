@@ -124,12 +124,8 @@ def train_case():
     """Two optimizer steps of 1F1B on dp = 2 x pp = 2 with DDP's bucketed reducer."""
     import optax
 
-    from jaxpg.pipeline import (
-        bucketed_grad_reducer,
-        init_train_state,
-        make_train_step,
-        pipeline_mesh,
-    )
+    from jaxpg.pipeline import init_train_state, make_train_step, pipeline_mesh
+    from jaxpg.pipeline.hybrid import bucketed_grad_reducer
 
     mesh = pipeline_mesh(2, 2)  # rows are replicas: processes (0, 1) and (2, 3)
     params = model(2, 1, seed=2)
