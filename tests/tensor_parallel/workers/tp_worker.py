@@ -1,9 +1,9 @@
 """Tensor parallelism with one rank per process (4 processes under jaxpg-run).
 
-Every process builds the unsharded reference itself and compares its own shards with the
-matching slices. With torch installed, it also trains the same MLP with torch's
-``parallelize_module`` (gloo, same processes, same weights and data) and compares the
-parameters after 6 SGD steps. Prints ``CHECK <name> ok``; a mismatch raises, and the
+Rank 0 computes the unsharded references and gives them to every process, which compares
+its own shards with the matching slices. With torch installed, it also trains the same MLP
+with torch's ``parallelize_module`` (gloo, same processes, same weights and data) and
+compares the parameters after 6 SGD steps. Prints ``CHECK <name> ok``; a mismatch raises, and the
 launcher exits non-zero.
 """
 
@@ -46,6 +46,13 @@ def check(name, cond=True):
     if not cond:
         raise AssertionError(f"{name} failed on process {jax.process_index()}")
     print(f"CHECK {name} ok", flush=True)
+
+
+def from_rank0(fn, *args):
+    """``fn(*args)`` run by rank 0, as numpy, given to every process: a reference compiled
+    once, not once a process."""
+    mine = [jax.tree.map(np.asarray, fn(*args))] if jaxpg.get_rank() == 0 else [None]
+    return jaxpg.broadcast_object_list(mine, src=0)[0]
 
 
 def same_shards(global_array, full, tol=TOL) -> bool:
@@ -99,7 +106,7 @@ def paddle_layers(mesh4):
 
     w = {"a": ref_a.kernel[...], "ab": ref_a.bias[...], "b": ref_b.kernel[...],
          "bb": ref_b.bias[...]}
-    want, wg = jax.jit(jax.value_and_grad(ref_loss))(w)
+    want, wg = from_rank0(jax.jit(jax.value_and_grad(ref_loss)), w)
     got, g_ = spmd_value_and_grad(loss, mesh4, state, x)
     check("paddle_mlp_spmd_tp4", abs(float(got) - float(want)) < TOL * float(want)
           and same_shards(g_["a"]["weight"][...], wg["a"])
@@ -108,9 +115,11 @@ def paddle_layers(mesh4):
     rank = jaxpg.get_rank()
     want_local = np.asarray(x @ w["a"] + w["ab"])[:, rank * 4:(rank + 1) * 4]
     whole = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)  # replicated output
+    want_whole = from_rank0(jax.jit(lambda w: jax.nn.gelu(x @ w["a"] + w["ab"]) @ w["b"]
+                                    + w["bb"]), w)
     check("paddle_host_local_output", local.shape == (4, 4)
           and allclose(np.asarray(local), want_local, atol=TOL)
-          and same_shards(whole, jax.nn.gelu(x @ w["a"] + w["ab"]) @ w["b"] + w["bb"]))
+          and same_shards(whole, want_whole))
 
 
 def vocab_loss(mesh22):
@@ -139,8 +148,8 @@ def vocab_loss(mesh22):
         ce_ = optax.softmax_cross_entropy_with_integer_labels(logits, np.where(keep, labels, 0))
         return jnp.sum(jnp.where(keep, ce_, 0.0)) / keep.sum()
 
-    want, wg = jax.jit(jax.value_and_grad(ref_loss))(
-        {"e": ref_e.embedding[...], "h": ref_h.kernel[...]})
+    want, wg = from_rank0(jax.jit(jax.value_and_grad(ref_loss)),
+                          {"e": ref_e.embedding[...], "h": ref_h.kernel[...]})
     got, g_ = spmd_value_and_grad(lambda s, i: nnx.merge(graphdef, s)(i), mesh22, state, ids)
     check("vocab_parallel_cross_entropy_tp2", abs(float(got) - float(want)) < TOL
           and same_shards(g_["emb"]["weight"][...], wg["e"])
@@ -179,16 +188,24 @@ def ddp_sequence_parallel_block(mesh22, name="ddp_dp2_sequence_parallel_block_tp
         return optax.apply_updates(params, updates), opt_state, want
 
     rng = np.random.default_rng(4)
+    batches = [{k: rng.normal(size=(4, 8, 16)).astype(np.float32) for k in ("x", "y")}
+               for _ in range(3)]
+
+    def reference(params, opt_state):
+        for batch in batches:
+            params, opt_state, want = ref_step(params, opt_state, batch)
+        return jax.tree.leaves(params), want
+
+    want_params, want = from_rank0(reference, params, opt_state)
     dp = dp_ranks_here(mesh22)
     assert dp == list(range(dp[0], dp[-1] + 1)), dp
-    for _ in range(3):
-        batch = {k: rng.normal(size=(4, 8, 16)).astype(np.float32) for k in ("x", "y")}
+    for batch in batches:
         mine = jax.tree.map(lambda a: a[dp[0] * 2:(dp[-1] + 1) * 2], batch)
         got = ddp.train_step(loss_fn, mine)["loss"]
-        params, opt_state, want = ref_step(params, opt_state, batch)
     full = nnx.state(ddp.module, nnx.Param)
     check(name, abs(float(got) - float(want)) < 1e-5 and all(
-        same_shards(a, b, 1e-5) for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(params))))
+        same_shards(a, b, 1e-5) for a, b in zip(jax.tree.leaves(full), want_params,
+                                                  strict=True)))
 
 
 class Mlp(nnx.Module):
