@@ -14,7 +14,9 @@ suite with the first line of its docstring and what it accepts:
   exactly as when started by hand.
 
 Every other argument goes to the suite (``python -m bench SUITE --help`` prints its own).
-The suites write ``bench/results/<suite>.json`` by default (bench/README.md).
+The suites write ``bench/results/<suite>.json`` by default, one file per suite; a run of
+another configuration goes inside it, under ``"configurations"`` (``--configuration NAME``,
+bench/_results.py; bench/README.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ next to them.
 
     flock /tmp/jaxpg-bench.lock python bench/async_checkpoint.py --depth 4 --rounds 3
 
-Writes ``bench/results/async_checkpoint.json`` and prints a markdown table.
+Writes ``bench/results/async_checkpoint.json`` (``--configuration NAME``: as that named
+configuration inside it) and prints a markdown table.
 """
 
 import os
@@ -20,7 +21,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -30,6 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _launch import RESULTS  # noqa: E402  (bench/ is sys.path[0])
+from _results import add_flag, save  # noqa: E402
 from _rounds import medians, run_rounds  # noqa: E402
 from _transformer import GPT, SEQ, Block, loss_fn, n_params  # noqa: E402
 
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--per-rank", type=int, default=1, help="sequences per rank")
     p.add_argument("--out", default=str(RESULTS / "async_checkpoint.json"))
+    add_flag(p)
     args = p.parse_args()
     jaxpg.init_process_group()
     group = jaxpg.new_group(list(range(args.ranks)))
@@ -105,7 +107,7 @@ def main() -> None:
            "params": count,
            "depth": args.depth, "d": args.d, "ranks": args.ranks, "per_rank": args.per_rank,
            "checkpoint_mib": state_mb, "rounds": times, "median_s": med}
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    save(args.out, out, args.configuration)
     print(f"\n{count / 1e6:.0f}M-parameter GPT (depth {args.depth}, d {args.d}), FSDP stage 3 "
           f"on {args.ranks} CPU devices, checkpoint ~{state_mb:.0f} MiB, load "
           f"{min(loads):.1f}-{max(loads):.1f}\n")

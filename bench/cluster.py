@@ -27,7 +27,8 @@ the cache it builds into) and torch. Run under the benchmark lock::
     flock /tmp/jaxpg-bench.lock python bench/cluster.py        # ~10 minutes here
     flock /tmp/jaxpg-bench.lock python bench/cluster.py --quick
 
-Writes ``bench/results/cluster.json`` and prints markdown tables.
+Writes ``bench/results/cluster.json`` (``--configuration NAME``: as that named
+configuration inside it) and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import tempfile
 from pathlib import Path
 
 from _launch import BENCH, RESULTS, LaunchError, child_env, free_port, launch
+from _results import add_flag, save
 from _rounds import load_average as _load
 from _rounds import medians
 
@@ -163,6 +165,7 @@ def main() -> None:
     p.add_argument("--no-dispatch", action="store_true")
     p.add_argument("--quick", action="store_true", help="1 launch each, 3 rounds")
     p.add_argument("--out", default=str(OUT))
+    add_flag(p)
     args = p.parse_args()
     if args.quick:
         args.launches, args.rounds, args.ddp_rounds, args.dispatch_repeats = 1, 3, 3, 1
@@ -192,7 +195,7 @@ def main() -> None:
         "settings": vars(args), "summary": summary, "dispatch": dispatch,
         "launches": launches,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    save(args.out, result, args.configuration)
     print(_table(summary))
     if dispatch:
         for mode in ("on", "off"):

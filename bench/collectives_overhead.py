@@ -25,12 +25,13 @@ the smallest size: the time until the call returns (``dispatch``).
     python bench/collectives_overhead.py              # about 5 minutes
     python bench/collectives_overhead.py --quick      # 1K and 1M, fewer rounds
     python bench/collectives_overhead.py --sizes 1K --layouts single,mp2 \
-        --out bench/results/collectives_overhead_signature_check.json  # the check's cost
+        --configuration signature_check  # the check's cost, an entry of the same file
     python bench/collectives_overhead.py --fr-probe   # the flight recorder's cost per call
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=1 \
         python bench/collectives_overhead.py --spin-probe 64K   # see spin_probe()
 
-Writes ``bench/results/collectives_overhead.json`` and prints a markdown table.
+Writes ``bench/results/collectives_overhead.json`` (``--configuration NAME``: as that named
+configuration inside it; the probes add to its default run) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import time
 from pathlib import Path
 
 from _launch import RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _results import add_flag, save
 from _rounds import block, diff_median, load_average, no_wait, run_rounds
 from _sizes import fmt_size, parse_size
 
@@ -295,6 +297,7 @@ def main() -> None:
                    help="only the flight recorder's cost per eager call; adds it to --out")
     p.add_argument("--spin-probe", default=None, metavar="SIZE",
                    help="only the one-device probe at SIZE (e.g. 64K); adds it to --out")
+    add_flag(p)
     args = p.parse_args()
     if args.worker and args.layout == "fr_probe":
         Path(args.out).write_text(json.dumps(fr_probe(args.rounds)))
@@ -338,7 +341,7 @@ def main() -> None:
     results["runner_hop"] = runner_hop()
     print(f"runner thread hop: {results['runner_hop']}")
     tmp.unlink(missing_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    save(args.out, results, args.configuration)
     print("\n| layout | op | size | hand-written µs | eager µs | overhead µs | check µs |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for layout, res in results["layouts"].items():

@@ -11,7 +11,8 @@ dropless against a capacity, and jaxpg against a torch layer built on ``all_to_a
     flock /tmp/jaxpg-bench.lock python bench/expert_parallel.py                 # ~5 min
     flock /tmp/jaxpg-bench.lock python bench/expert_parallel.py --parts torch --eps 2
 
-Writes ``bench/results/expert_parallel.json`` and prints markdown tables. The machine is
+Writes ``bench/results/expert_parallel.json`` (``--configuration NAME``: as that named
+configuration inside it) and prints markdown tables. The machine is
 shared: read the ratios (interleaved round by round), and the load average beside them.
 """
 
@@ -26,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from _launch import BENCH, RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _results import add_flag, save
 from _rounds import load_average
 
 SHAPE = ("--tokens", "--dim", "--ffn", "--top-k")
@@ -104,6 +106,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", default=str(RESULTS / "expert_parallel.json"))
+    add_flag(p)
     args = p.parse_args()
     load_before = load_average()
     single = run_single(args) if "single" in args.parts else None
@@ -116,7 +119,7 @@ def main() -> None:
               "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
                           "loadavg_after": load_average()},
               "single": single, "torch": torch_rows}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    save(args.out, result, args.configuration)
     print(tables(single, torch_rows))
     print(f"\nload average before {load_before}, after {load_average()}; wrote {args.out}")
 

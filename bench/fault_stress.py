@@ -17,13 +17,13 @@ The runs are interleaved (round after round over mode x load x case), and the re
 is rewritten after every run, so a stopped stress still leaves exact counts::
 
     python bench/fault_stress.py --runs 20
+    python bench/fault_stress.py --modes launcher --runs 20 --configuration launcher
     python bench/fault_stress.py --runs 3 --modes nolauncher --loads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 from _launch import RESULTS, ROOT, child_env, free_port, launch  # bench/ is sys.path[0]
+from _results import add_flag, save
+from _results import load as load_result
 
 WORKER = ROOT / "tests" / "multiprocess" / "workers" / "elastic_ddp.py"
 STEPS = 6
@@ -178,10 +180,11 @@ FAULT_NAMES = {
 }
 
 
-def table(path: Path) -> str:
-    """A markdown table of a results file: good runs, median seconds per run and (without
-    the launcher) the largest fault-to-exit latency, per fault and load."""
-    rows = json.loads(path.read_text())["rows"]
+def table(path: Path, configuration: str | None = None) -> str:
+    """A markdown table of a results file's run (the default one, or the named
+    configuration): good runs, median seconds per run and (without the launcher) the
+    largest fault-to-exit latency, per fault and load."""
+    rows = load_result(path, configuration)["rows"]
     plain = any(r["mode"] == "nolauncher" for r in rows)
     cell = {(r["fault"], r["load"]): r for r in rows}
     extra = " | max latency s" if plain else ""
@@ -211,16 +214,19 @@ def main() -> None:
     p.add_argument("--coordinator", default="launcher", choices=("launcher", "rank0"),
                    help="launcher mode only; rank0: the baseline, rank 0's worker hosts it")
     p.add_argument("--loads", default="0,1", help="0 without load, 1 with two busy loops")
-    p.add_argument("--tag", default="", help="suffix of the result file name")
-    p.add_argument("--out", default=None,
-                   help="the results file (default bench/results/fault_stress<tag>.json)")
+    p.add_argument("--tag", default="", help="the configuration's name with a leading '_' "
+                   "(--tag _launcher is --configuration launcher)")
+    p.add_argument("--out", default=str(RESULTS / "fault_stress.json"), help="the results file")
+    add_flag(p)
     p.add_argument("--machine", default="2 shared CPU cores",
                    help="what else ran on the machine, recorded in the results")
     p.add_argument("--table", metavar="RESULTS", help="print the markdown table of a results "
-                   "file (bench/results/fault_stress*.json) and exit")
+                   "file's run (bench/results/fault_stress.json; --configuration names "
+                   "one) and exit")
     args = p.parse_args()
+    configuration = args.configuration or args.tag.lstrip("_") or None
     if args.table:
-        print(table(Path(args.table)))
+        print(table(Path(args.table), configuration))
         return
     modes, cases = args.modes.split(","), args.cases.split(",")
     loads = [bool(int(x)) for x in args.loads.split(",")]
@@ -232,7 +238,7 @@ def main() -> None:
                          "seconds": [], "latency_s": [], "failures": [],
                          "lost_rank_cpp_aborts": 0}
             for m in modes for c in cases for ld in loads}
-    out = Path(args.out) if args.out else RESULTS / f"fault_stress{args.tag}.json"
+    out = Path(args.out)
     for i in range(args.runs):
         for mode in modes:
             for load in loads:
@@ -275,13 +281,13 @@ def main() -> None:
                             "tail": re.sub(r"\s+", " ", tail)})
                     print(f"round {i} {mode} load={load} {fault}: {checks} {latency}",
                           flush=True)
-                    out.write_text(json.dumps({
+                    save(out, {
                         "machine": args.machine,
                         "steps": STEPS, "group_timeout_s": GROUP_TIMEOUT_S,
                         "heartbeat_s": HEARTBEAT_S, "linger_s": LINGER_S,
                         "command": "python bench/fault_stress.py " + " ".join(sys.argv[1:]),
-                        "rows": list(rows.values())}, indent=1))
-    print(f"wrote {out}")
+                        "rows": list(rows.values())}, configuration)
+    print(f"wrote {out}" + (f" (configuration {configuration})" if configuration else ""))
 
 
 # python -m bench fault_stress --quick: a short run, written under /tmp unless --out is given

@@ -31,7 +31,11 @@ Parts, each in fresh processes:
   backward (5-9% on CPU, docs/pipeline.md).
 
     python bench/gpu.py            # on the GPU machine: writes bench/results/gpu.json
-    python bench/gpu.py --smoke    # small sizes on CPU to prove it runs: gpu_smoke.json
+    python bench/gpu.py --smoke    # small sizes on CPU to prove it runs: gpu.json's "smoke"
+    python bench/gpu.py --parts moe --configuration moe_h200   # one part, its own entry
+
+``--configuration NAME`` writes the run as that named configuration of ``gpu.json``
+(``configurations.NAME``; ``--smoke`` defaults it to ``smoke``), beside the default run.
 
 The smoke run's figures are CPU figures at toy sizes, not GPU measurements.
 """
@@ -47,6 +51,7 @@ import time
 from pathlib import Path
 
 from _launch import RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _results import add_flag, save
 from _rounds import block, load_average, no_wait, run_rounds
 
 FULL = {"sizes": [1 << 10, 1 << 20, 64 << 20], "layers": (1024, 4096, 4096, 1024, 10),
@@ -396,6 +401,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--parts", nargs="+", default=list(ALL_PARTS), choices=ALL_PARTS,
                    help="which parts to run (default: all)")
+    add_flag(p)
     args = p.parse_args()
     cfg = SMOKE if args.smoke else FULL
     if args.part == "watchdog":
@@ -408,7 +414,8 @@ def main() -> None:
             result = PARTS[args.part](cfg)
         Path(args.out).write_text(json.dumps(result))
         return
-    out = Path(args.out or RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json"))
+    out = Path(args.out or RESULTS / "gpu.json")
+    configuration = args.configuration or ("smoke" if args.smoke else None)
     tmp = out.with_suffix(".part.json")
     result = {"command": "python bench/gpu.py" + (" --smoke" if args.smoke else "")
               + ("" if args.parts == list(ALL_PARTS) else " --parts " + " ".join(args.parts)),
@@ -429,7 +436,7 @@ def main() -> None:
 
     result["jax"] = jax.__version__
     result["load_average_after"] = load_average()
-    out.write_text(json.dumps(result, indent=1))
+    save(out, result, configuration)
     print(json.dumps(result, indent=1))
 
 

@@ -12,7 +12,9 @@ gradients of one microbatch of ``--rows`` rows, jitted. Variants, timed in rotat
 * ``scan``: the stacked arrays through ``lax.scan`` over the layers;
 * ``torch``: the same stage in torch (one thread), when torch is installed.
 
-Ratios to ``list`` are taken round by round. Writes ``bench/results/stage_layer_layout.json``.
+Ratios to ``list`` are taken round by round. Writes ``bench/results/stage_layer_layout.json``
+(the Python and jax versions in its ``setup``; ``--configuration newest_jax``: the run under
+the newest jax, ``.venv313``, kept beside the default one).
 
     python bench/stage_layer_layout.py [--layers 2] [--dim 512] [--rows 32]
 """
@@ -27,11 +29,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _pipeline_mp_worker import block, make_batch, make_params, mse, per_block, stage_fn  # noqa: E402
+from _results import add_flag, save  # noqa: E402
 from _rounds import ratio_median, run_rounds  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "stage_layer_layout.json"
@@ -78,6 +80,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=11)
+    add_flag(parser)
     args = parser.parse_args()
 
     fns = variants(args.layers, args.dim, args.rows)
@@ -87,9 +90,7 @@ def main() -> None:
     result = {"setup": {"layers": args.layers, "dim": args.dim, "rows": args.rows,
                         "jax": jax.__version__, "python": sys.version.split()[0]},
               **rounds.record(1e3, "ms"), "ratios": ratios}
-    RESULTS.parent.mkdir(exist_ok=True)
-    path = RESULTS.with_name(f"{RESULTS.stem}_py{sys.version_info.minor}.json")
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = save(RESULTS, result, args.configuration)
     print("| variant | median ms |\n|---|---:|")
     for name, t in rounds.medians().items():
         print(f"| {name} | {t * 1e3:.2f} |")

@@ -11,7 +11,8 @@ against Megatron's count, and the parameter bytes per rank.
     flock /tmp/jaxpg-bench.lock python bench/tensor_parallel.py          # ~5-10 min
     flock /tmp/jaxpg-bench.lock python bench/tensor_parallel.py --tp 2 --rounds 4
 
-Writes ``bench/results/tensor_parallel.json`` and prints markdown tables. The machine is
+Writes ``bench/results/tensor_parallel.json`` (``--configuration NAME``: as that named
+configuration inside it) and prints markdown tables. The machine is
 shared: read the ratios (same processes, interleaved), not the absolute times.
 """
 
@@ -26,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from _launch import BENCH, RESULTS, free_port, launch  # bench/ is sys.path[0]
+from _results import add_flag, save
 from _rounds import load_average
 
 # Megatron-LM's collectives for one step (forward, then backward with the input gradient)
@@ -82,6 +84,7 @@ def main() -> None:
     p.add_argument("--compose", action="store_true",
                    help="also time the model through DistributedDataParallel on (dp=1, tp)")
     p.add_argument("--out", default=str(RESULTS / "tensor_parallel.json"))
+    add_flag(p)
     args = p.parse_args()
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +97,7 @@ def main() -> None:
         "megatron_collectives": MEGATRON,
         "results": results,
     }
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    save(args.out, out, args.configuration)
     print(table(results))
     print(f"\nload average before {load_before}, after {load_average()}; wrote {args.out}")
 

@@ -17,7 +17,8 @@ absolute figures.
     python bench/throughput.py                         # N = 2, 3 rounds, ~10 min
     python bench/throughput.py --nprocs 2,4 --rounds 2
 
-Writes ``bench/results/throughput.json`` and prints a markdown table.
+Writes ``bench/results/throughput.json`` (``--configuration NAME``: as that named
+configuration inside it, e.g. ``n8``) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 from _launch import BENCH, RESULTS, child_env, free_port, launch  # bench/ is sys.path[0]
+from _results import add_flag, save
 from _rounds import load_average, rotated
 
 PLACEMENTS = ("slice", "none", "nocombine", "hugetlb", "nohuge")
@@ -91,6 +93,7 @@ def main() -> None:
     p.add_argument("--skip-ddp", action="store_true")
     p.add_argument("--ddp-only", default="", help="subset of the DDP worker's variants")
     p.add_argument("--out", default=str(RESULTS / "throughput.json"))
+    add_flag(p)
     args = p.parse_args()
     placements = args.placements.split(",")
     ns = [int(x) for x in args.nprocs.split(",")]
@@ -151,8 +154,7 @@ def main() -> None:
         "rounds": args.rounds, "ddp_only": args.ddp_only, "summary": summary, "runs": runs,
         "wall_s": time.perf_counter() - t0,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    save(args.out, result, args.configuration)
     print("\n| N | workers | all_reduce 16 MB busbw, jaxpg / torch | XLA psum / torch "
           "| DDP samples/s over torch, per variant |")
     print("|---|---|---|---|---|")

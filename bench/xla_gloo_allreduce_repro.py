@@ -56,10 +56,12 @@ rotating order.
 
     python bench/xla_gloo_allreduce_repro.py      # N=2, 16 MB, ~5 min
     python bench/xla_gloo_allreduce_repro.py --nprocs 2 --size 16M --rounds 3 \
-        --out bench/results/throughput_breakdown.json
+        --out bench/results/xla_gloo_allreduce_repro.json
 
-The JSON (``--out``) holds every figure; a summary is printed, ending with the verdict
-line (XLA psum's bus bandwidth over torch's, and the memcpy-bound explanation).
+The JSON (``--out``) holds every figure (``--configuration NAME`` writes the run as that
+named entry of the file's ``"configurations"`` instead of its top level, keeping the rest);
+a summary is printed, ending with the verdict line (XLA psum's bus bandwidth over torch's,
+and the memcpy-bound explanation).
 """
 
 from __future__ import annotations
@@ -299,6 +301,25 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
 
 
+def write_result(path: str, result: dict, configuration: str = "") -> None:
+    """Writes ``result`` to ``path``: as the file's top level (its ``"configurations"``
+    kept), or as its configuration named ``configuration`` (the rest kept); the layout of
+    bench/results/ (bench/_results.py), inlined so that this file stands alone."""
+    old = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    kept = old.get("configurations", {})
+    if configuration:
+        data = {**{k: v for k, v in old.items() if k != "configurations"},
+                "configurations": {**kept, configuration: result}}
+    else:
+        data = {**result, "configurations": kept} if kept else result
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nprocs", type=int, default=2)
@@ -309,6 +330,9 @@ def main() -> None:
     p.add_argument("--variants", default="", help="comma-separated subset of env variants")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default="")
+    p.add_argument("--configuration", default="", metavar="NAME",
+                   help="write into --out's file as this named entry of its "
+                        "\"configurations\", keeping the rest of the file")
     p.add_argument("--only", default="", help="comma-separated subset of in-process variants")
     p.add_argument("--perf-dir", default="",
                    help="profile every child with `perf record -e cpu-clock -g` into this dir")
@@ -405,8 +429,7 @@ def main() -> None:
                                "counters in this VM); CPU ms per call = samples x 0.5 ms / "
                                "calls, all threads; start-up samples are in other symbols")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, result, args.configuration)
     print(f"\nN={n}, {args.size >> 20} MB, medians (busbw ratio against the reference "
           "variant in the same processes):")
     for name, s in summary.items():

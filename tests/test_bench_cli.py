@@ -4,6 +4,7 @@ results."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,53 @@ def test_list_runs_as_a_module():
                          capture_output=True, text=True, timeout=60, check=True).stdout
     names = [line.split()[0] for line in out.splitlines()]
     assert names == sorted(cli.suites())
+
+
+_rspec = importlib.util.spec_from_file_location("bench_results", ROOT / "bench" / "_results.py")
+results = importlib.util.module_from_spec(_rspec)
+_rspec.loader.exec_module(results)
+
+
+def test_every_results_file_is_named_after_a_suite():
+    """One ``<suite>.json`` per suite; a run with other arguments is a configuration inside
+    it, never a file of its own (``throughput_n8.json``)."""
+    found = cli.suites()
+    stored = sorted(p.stem for p in (ROOT / "bench" / "results").glob("*.json"))
+    assert stored, "bench/results/ holds no results"
+    strays = [f"{s}.json" for s in stored if s not in found]
+    assert not strays, (f"bench/results/ files not named after a suite (python -m bench "
+                        f"--list): {strays}; store the run as a configuration of its suite's "
+                        f"file (--configuration NAME, bench/_results.py)")
+    for stem in stored:
+        data = results.load(ROOT / "bench" / "results" / f"{stem}.json")
+        assert results.CONFIGURATIONS not in data
+        configurations = json.loads((ROOT / "bench" / "results" / f"{stem}.json")
+                                    .read_text()).get(results.CONFIGURATIONS, {})
+        if configurations:  # the suite can write what its file holds
+            assert "--configuration" in found[stem].path.read_text() or \
+                "add_flag(" in found[stem].path.read_text(), stem
+            assert all(isinstance(v, dict) and v for v in configurations.values()), stem
+
+
+def test_a_configuration_and_the_default_run_keep_each_other(tmp_path):
+    path = tmp_path / "suite.json"
+    results.save(path, {"ms": 1.0})
+    results.save(path, {"ms": 2.0}, "n8")
+    results.save(path, {"ms": 3.0}, "smoke")
+    results.save(path, {"ms": 4.0})  # a new default run keeps the configurations
+    results.save(path, {"ms": 5.0}, "n8")  # a configuration's new run replaces its old one
+    assert json.loads(path.read_text()) == {
+        "ms": 4.0, "configurations": {"n8": {"ms": 5.0}, "smoke": {"ms": 3.0}}}
+    assert results.load(path) == {"ms": 4.0}
+    assert results.load(path, "smoke") == {"ms": 3.0}
+    with pytest.raises(SystemExit, match="no configuration 'n4'; it has n8, smoke"):
+        results.load(path, "n4")
+    with pytest.raises(ValueError, match="configuration='_n8'"):
+        results.save(path, {"ms": 6.0}, "_n8")
+
+
+def test_fault_stress_quick_writes_elsewhere():
+    suite = cli.suites()["fault_stress"]
+    assert suite.default_out == "fault_stress.json"
+    assert cli.command(suite, ["--quick"])[-2:] == [
+        "--out", str(cli.QUICK_RESULTS / "fault_stress.json")]
