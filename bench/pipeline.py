@@ -66,10 +66,10 @@ from jaxpg.pipeline.buffer_plan import plan_buffers  # noqa: E402
 from jaxpg.pipeline.costs import ideal_step_time  # noqa: E402
 from jaxpg.pipeline.executor import pipeline_value_and_grad  # noqa: E402
 from jaxpg.pipeline.hlo_loop import count_in_loop  # noqa: E402
+from jaxpg.pipeline.param_placement import place_pipeline_params  # noqa: E402
 from jaxpg.pipeline.schedules import get_schedule, one_f_one_b  # noqa: E402
 from jaxpg.pipeline.stage_order import to_model_order, to_rank_order  # noqa: E402
 from jaxpg.pipeline.stage_split import split_stage  # noqa: E402
-from jaxpg.pipeline.param_placement import place_pipeline_params  # noqa: E402
 
 CHUNKS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zb_v": 2}
 # "1f1b_split": 1F1B with each backward run as B then W (one_f_one_b(split_backward=True)).

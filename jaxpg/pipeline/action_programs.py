@@ -1,6 +1,6 @@
 """One compiled program per kind of pipeline action, for the process executor.
 
-The process executor (``jaxpg.pipeline.mpmd``) runs every action of its rank as one
+The process executor (``jaxpg.pipeline.process_executor``) runs every action of its rank as one
 call of a jitted program on the rank's device, dispatched asynchronously: the host
 queues the next action while the device still runs the last, and a message leaves as
 soon as the action that made it is done. The programs are the tick steps of the SPMD
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpg.pipeline.stage_split import StagePieces, split_stage
+from jaxpg.pipeline.trace_tools import add_grads, tree_key
 
 __all__ = ["ActionPrograms", "action_programs"]
 
@@ -56,8 +57,7 @@ class ActionPrograms(NamedTuple):
 
 def _add(acc: Any, value: Any) -> Any:
     """``acc + value``, with a leading dimension of 1 on every leaf (``value`` has none)."""
-    value = jax.tree.map(lambda a: a[None], value)
-    return value if acc is None else jax.tree.map(jnp.add, acc, value)
+    return add_grads(acc, jax.tree.map(lambda a: a[None], value))
 
 
 def _build(stage_fn: Callable, loss_fn: Callable, first_fn: Callable | None, remat: bool,
@@ -157,11 +157,6 @@ def _build(stage_fn: Callable, loss_fn: Callable, first_fn: Callable | None, rem
     )
 
 
-def _key(tree: Any) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)
-
-
 @functools.lru_cache(maxsize=32)
 def _cached(stage_fn, loss_fn, first_fn, remat, split, stage_key, act_key, rows):
     pieces = None
@@ -196,5 +191,5 @@ def action_programs(
         act: one activation (shape structs).
         rows: the rows of a microbatch (the batch dimension of ``act``'s source).
     """
-    return _cached(stage_fn, loss_fn, first_fn, remat, split_backward, _key(one_stage),
-                   _key(act), rows)
+    return _cached(stage_fn, loss_fn, first_fn, remat, split_backward, tree_key(one_stage),
+                   tree_key(act), rows)

@@ -1,10 +1,10 @@
 """One rank's step in the process executors: its actions in timetable order, beside its
 lanes' transfers.
 
-Both process executors, ``jaxpg.pipeline.mpmd`` (stacked, identical stages) and
+Both process executors, ``jaxpg.pipeline.process_executor`` (stacked, identical stages) and
 ``jaxpg.pipeline.stage_runner`` (one ``PipelineStage`` each), run a step the same way: one
 lane job per neighbour moves the step's messages (``p2p_lanes``) while the host walks the
-rank's actions (``rank_program``), taking each action's input from the mail right before
+rank's actions (``rank_ops``), taking each action's input from the mail right before
 it is read and posting its output as soon as it is made. What differs is what an action
 computes, which each executor says through the small :class:`RankActions` protocol.
 """
@@ -26,7 +26,7 @@ class RankActions(Protocol):
     """What one rank's actions compute; each method returns the value the action sends
     (``op.sends``), or anything when it sends nothing.
 
-    ``op`` is a ``rank_program`` action: ``kind`` (``"F"``, ``"B"`` or ``"W"``), ``stage``,
+    ``op`` is a ``rank_ops`` action: ``kind`` (``"F"``, ``"B"`` or ``"W"``), ``stage``,
     ``microbatch``, ``chunk``, ``first``/``last`` (whether its stage is the model's first or
     last), ``needs`` (the message it reads) and ``sends``.
     """

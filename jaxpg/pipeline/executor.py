@@ -340,7 +340,7 @@ def _use_mpmd(executor: Any, mesh: Mesh, args: Any, pp_axis: str, dp_axis: str |
         raise ValueError(f"executor={executor!r} is not one of {EXECUTORS}.")
     if executor == "spmd":
         return False
-    from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
+    from jaxpg.pipeline.process_executor import mpmd_unsupported_reason
 
     traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args))
     reason = mpmd_unsupported_reason(mesh, pp_axis, dp_axis, param_specs)
@@ -414,7 +414,7 @@ def pipeline_value_and_grad(
         executor: ``"spmd"``: one program over the mesh, all ranks in lockstep (this
             module); ``"mpmd"``: the process executor, one pipeline rank per process, each
             running its own actions with point-to-point transfers
-            (``jaxpg.pipeline.mpmd``), from host code only; ``"auto"`` (default):
+            (``jaxpg.pipeline.process_executor``), from host code only; ``"auto"`` (default):
             ``"mpmd"`` when called outside ``jax.jit`` on a mesh whose devices are each in
             a process of their own, else ``"spmd"``. Both give the same loss and
             gradients.
@@ -461,7 +461,7 @@ def pipeline_value_and_grad(
     )
     run: PipelineExecutor = run_spmd
     if _use_mpmd(executor, mesh, (staged, inputs, targets), pp_axis, dp, param_specs):
-        from jaxpg.pipeline.mpmd import run_mpmd
+        from jaxpg.pipeline.process_executor import run_mpmd
 
         run = run_mpmd
     loss, grads = run(cfg, staged, inputs, targets)

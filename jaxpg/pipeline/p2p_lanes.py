@@ -5,7 +5,7 @@ that both processes must enter (gloo on CPU, NCCL on GPU). A :class:`PairLane` h
 one such two-device mesh, its compiled ``ppermute`` kernels (one per direction), and
 one thread of its own (a :class:`jaxpg.supervision.runner.Runner`), on which it runs the
 transfers of one pipeline step in the order both ranks agree on
-(``jaxpg.pipeline.rank_program.pair_transfers``). Both ends run the same list, so the
+(``jaxpg.pipeline.rank_ops.pair_transfers``). Both ends run the same list, so the
 collectives always pair up; a collective blocks only the lane's thread, so the rank's
 actions go on meanwhile (XLA runs a ``ppermute`` on the thread that calls it). A send
 starts as soon as the action that made the message is done; a receive is posted as
@@ -46,6 +46,7 @@ from jaxpg.collectives.p2p_meta import TensorMeta, decode_meta, encode_meta
 from jaxpg.errors import DistNetworkError, DistTimeoutError
 from jaxpg.groups import callbacks
 from jaxpg.pipeline.stage_meta import format_struct
+from jaxpg.pipeline.trace_tools import leaves_key
 from jaxpg.supervision import liveness
 from jaxpg.supervision.runner import Runner
 
@@ -234,7 +235,7 @@ class PairLane:
             if len(leaf.shape) == 0:
                 raise ValueError(f"{what}: activations must be arrays of rank >= 1 to travel "
                                  f"between processes; got {format_struct(sends)}.")
-        key = tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(expects))
+        key = leaves_key(jax.tree.leaves(expects))
         if key in self._templates:
             return self._templates[key]
         header = encode_meta([TensorMeta(tuple(a.shape), str(np.dtype(a.dtype)))
@@ -296,7 +297,7 @@ class PairLane:
 
     def _buffers(self, structs: Any) -> list:
         """Receive buffers (zeros on this end's device) for ``structs``, made once."""
-        key = tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in jax.tree.leaves(structs))
+        key = leaves_key(jax.tree.leaves(structs))
         if key not in self._receive_buffers:
             device = self.mesh.devices.flat[self.index]
             self._receive_buffers[key] = [jax.device_put(jnp.zeros(s, d), device)
@@ -308,7 +309,7 @@ class PairLane:
         """Moves one step's ``transfers`` in order (runs on the lane's thread).
 
         Args:
-            transfers: this pair's :class:`~jaxpg.pipeline.rank_program.Transfer` list.
+            transfers: this pair's :class:`~jaxpg.pipeline.rank_ops.Transfer` list.
             mail: the step's messages.
             act: the activation structure (shape structs) both ends send.
             what: the step, for error messages.

@@ -5,7 +5,7 @@ and hands it to one of two executors, each a :class:`PipelineExecutor`:
 
 * the lockstep executor (``jaxpg.pipeline.executor``, ``executor="spmd"``): one jitted
   program over the whole mesh;
-* the process executor (``jaxpg.pipeline.mpmd``, ``executor="mpmd"``): each process runs
+* the process executor (``jaxpg.pipeline.process_executor``, ``executor="mpmd"``): each process runs
   its own rank's actions from host code.
 
 Both return the same loss and gradients for the same config.

@@ -42,12 +42,17 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from jaxpg.collectives.reductions import all_reduce
-from jaxpg.pipeline._simulate import simulate
 from jaxpg.pipeline.pipeline_stage import PipelineStage
-from jaxpg.pipeline.schedules import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_v
+from jaxpg.pipeline.schedules import (
+    gpipe,
+    interleaved_1f1b,
+    interleaved_zero_bubble,
+    one_f_one_b,
+    zero_bubble_v,
+)
 from jaxpg.pipeline.stage_processes import refuse_local_ranks
 from jaxpg.pipeline.stage_runner import exchange_shapes, rank_setup, run_step
-from jaxpg.pipeline.timetable import Action, Timetable
+from jaxpg.pipeline.timetable import Timetable
 from jaxpg.reduce_op import ReduceOp
 from jaxpg.supervision.collective_call import recorded_region
 
@@ -55,16 +60,6 @@ __all__ = [
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
 ]  # fmt: skip
-
-
-def interleaved_zero_bubble(p: int, m: int, v: int) -> Timetable:
-    """Interleaved 1F1B with the backward split: each ``W`` right after its ``B``."""
-    base = interleaved_1f1b(p, m, v)
-    orders = [[b for _, a in base.actions_of(r) for b in (
-        [a, Action("W", a.microbatch, a.chunk)] if a.kind == "B" else [a])]
-        for r in range(p)]  # fmt: skip
-    return simulate("interleaved_zb", orders, num_microbatches=m, num_chunks=v,
-                    split_backward=True)
 
 
 @functools.partial(jax.jit, static_argnums=1)

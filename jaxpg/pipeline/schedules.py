@@ -46,6 +46,7 @@ __all__ = [
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
+    "interleaved_zero_bubble",
     "one_f_one_b",
     "theory_bubble_fraction",
     "theory_ticks",
@@ -175,6 +176,16 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Timetable:
         order += [backward(k) for k in range(total - warmup, total)]
         orders.append(order)
     return simulate("interleaved_1f1b", orders, num_microbatches=m, num_chunks=v)
+
+
+def interleaved_zero_bubble(p: int, m: int, v: int) -> Timetable:
+    """Interleaved 1F1B with the backward split: each ``W`` right after its ``B``."""
+    base = interleaved_1f1b(p, m, v)
+    orders = [[b for _, a in base.actions_of(r) for b in (
+        [a, Action("W", a.microbatch, a.chunk)] if a.kind == "B" else [a])]
+        for r in range(p)]  # fmt: skip
+    return simulate("interleaved_zb", orders, num_microbatches=m, num_chunks=v,
+                    split_backward=True)
 
 
 def zero_bubble_h1(p: int, m: int) -> Timetable:

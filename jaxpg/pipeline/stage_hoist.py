@@ -30,7 +30,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax.extend.core import Literal, Var
+from jax.extend.core import Literal
+
+from jaxpg.pipeline.trace_tools import eval_eqns, is_var, tree_key
 
 __all__ = ["HOISTABLE", "HoistedStage", "hoist_stage"]
 
@@ -59,25 +61,6 @@ class HoistedStage(NamedTuple):
     hoisted: tuple[str, ...]
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, Var) and not isinstance(v, Literal)
-
-
-def _eval(eqns, env: dict) -> None:
-    for eqn in eqns:
-        invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
-
-
-def _key(tree: Any) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)
-
-
 def hoist_stage(stage_fn: Callable, params: Any, act: Any) -> HoistedStage | None:
     """Cuts ``stage_fn``'s parameter-only layout work out; None if it has none.
 
@@ -86,7 +69,7 @@ def hoist_stage(stage_fn: Callable, params: Any, act: Any) -> HoistedStage | Non
         params: one stage's parameters (arrays or shape structs).
         act: one activation (arrays or shape structs).
     """
-    return _hoist(stage_fn, _key(params), _key(act))
+    return _hoist(stage_fn, tree_key(params), tree_key(act))
 
 
 @functools.lru_cache(maxsize=32)
@@ -100,7 +83,7 @@ def _hoist(stage_fn: Callable, p_key: tuple, x_key: tuple) -> HoistedStage | Non
     on_params = set(p_vars)
     hoisted = []
     for i, eqn in enumerate(jaxpr.eqns):
-        reads = [v for v in eqn.invars if _is_var(v)]
+        reads = [v for v in eqn.invars if is_var(v)]
         if eqn.primitive.name in HOISTABLE and reads and all(v in on_params for v in reads):
             hoisted.append(i)
             on_params.update(eqn.outvars)
@@ -108,8 +91,8 @@ def _hoist(stage_fn: Callable, p_key: tuple, x_key: tuple) -> HoistedStage | Non
         return None
     hoisted_set = set(hoisted)
     rest = [e for i, e in enumerate(jaxpr.eqns) if i not in hoisted_set]
-    used = {v for e in rest for v in e.invars if _is_var(v)} | {
-        v for v in jaxpr.outvars if _is_var(v)}
+    used = {v for e in rest for v in e.invars if is_var(v)} | {
+        v for v in jaxpr.outvars if is_var(v)}
     order = {v: n for n, v in enumerate(list(p_vars) + [
         v for i in hoisted for v in jaxpr.eqns[i].outvars])}
     q_vars = sorted((v for v in order if v in used), key=order.__getitem__)
@@ -118,7 +101,7 @@ def _hoist(stage_fn: Callable, p_key: tuple, x_key: tuple) -> HoistedStage | Non
     def prepare(p):
         env = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(p_vars, jax.tree.leaves(p), strict=True))
-        _eval(prep_eqns, env)
+        eval_eqns(prep_eqns, env)
         return tuple(env[v] for v in q_vars)
 
     out_tree = jax.tree.structure(jax.eval_shape(stage_fn, p_struct, x_struct))
@@ -127,7 +110,7 @@ def _hoist(stage_fn: Callable, p_key: tuple, x_key: tuple) -> HoistedStage | Non
         env = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(q_vars, q, strict=True))
         env.update(zip(x_vars, jax.tree.leaves(x), strict=True))
-        _eval(rest, env)
+        eval_eqns(rest, env)
         return jax.tree.unflatten(out_tree, [v.val if isinstance(v, Literal) else env[v]
                                              for v in jaxpr.outvars])
 

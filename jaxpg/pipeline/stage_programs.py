@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpg.data_parallel.loss_check import check_depends
+from jaxpg.pipeline.trace_tools import add_grads
 
-__all__ = ["StagePrograms", "plain_programs", "add_grads"]
+__all__ = ["StagePrograms", "plain_programs"]
 
 LOSS_CAUSE = (
     "A schedule's loss_fn(output, target) must compute the loss from the last stage's "
@@ -31,10 +32,6 @@ LOSS_CAUSE = (
 
 def _structs(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), tree)
-
-
-def add_grads(acc: Any, value: Any) -> Any:
-    return value if acc is None else jax.tree.map(jnp.add, acc, value)
 
 
 class StagePrograms(NamedTuple):

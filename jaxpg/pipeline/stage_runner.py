@@ -1,11 +1,11 @@
 """Runs one process's :class:`~jaxpg.pipeline.pipeline_stage.PipelineStage` s through a
 timetable: the process executor for stages that differ from each other.
 
-The process executor of ``pipeline_value_and_grad`` (``jaxpg.pipeline.mpmd``) runs
+The process executor of ``pipeline_value_and_grad`` (``jaxpg.pipeline.process_executor``) runs
 stacked, identical stages; this one runs each stage's own module, so a stage may hold the
 embedding, another the head, and their inputs and outputs may differ in shapes and dtypes.
 The rest is the same machinery: the rank's actions in its timetable order
-(``rank_program``), messages on one in-order lane per neighbour (``p2p_lanes``), sent as
+(``rank_ops``), messages on one in-order lane per neighbour (``p2p_lanes``), sent as
 soon as made and waited for right before they are read.
 
 * **Shapes.** On a schedule's first step, :func:`exchange_shapes` walks the model stages
@@ -36,7 +36,7 @@ import numpy as np
 from jaxpg.collectives.objects import all_gather_object
 from jaxpg.pipeline.action_walk import run_beside_lanes, walk_actions
 from jaxpg.pipeline.p2p_lanes import StepMail, lane_between
-from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
+from jaxpg.pipeline.rank_ops import pair_transfers, peers_of, rank_ops
 from jaxpg.pipeline.stage_meta import format_struct
 from jaxpg.pipeline.stage_programs import StagePrograms, plain_programs
 from jaxpg.pipeline.stage_tp_programs import tp_stage_programs
@@ -75,7 +75,7 @@ def rank_setup(tt: Any, group: Any) -> RankSetup:
         pairs[q] = (lane, [t._replace(src=global_of[t.src], dst=global_of[t.dst])
                            for t in pair_transfers(tt, r, q)])  # fmt: skip
     process_of = {global_of[q]: devices[q].process_index for q in range(tt.num_stages)}
-    return RankSetup(r, global_of[r], rank_program(tt, r), pairs, global_of, process_of)
+    return RankSetup(r, global_of[r], rank_ops(tt, r), pairs, global_of, process_of)
 
 
 def _structs(tree: Any) -> tuple:

@@ -37,7 +37,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax.extend.core import Literal, Var
+from jax.extend.core import Literal
+
+from jaxpg.pipeline.trace_tools import eval_eqns, is_var
 
 __all__ = ["StagePieces", "split_stage", "ELEMENTWISE"]
 
@@ -90,32 +92,16 @@ def _elementwise(eqn: Any) -> bool:
     return bool(bodies) and all(_elementwise(e) for body in bodies for e in body)
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, Var) and not isinstance(v, Literal)
-
-
-def _run(eqns: Sequence[Any], env: dict) -> None:
-    """Evaluates ``eqns`` in order in the current trace, reading and writing ``env``."""
-    for eqn in eqns:
-        invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        for var, out in zip(eqn.outvars, outs, strict=True):
-            env[var] = out
-
-
 def _slice(eqns, allowed: set[int], targets: Sequence[Any]) -> tuple[list[int], set]:
     """Indices of the ``allowed`` equations that ``targets`` need, and the vars they read
     but do not make themselves."""
-    want = {v for v in targets if _is_var(v)}
+    want = {v for v in targets if is_var(v)}
     made, picked = set(), []
     for i in range(len(eqns) - 1, -1, -1):
         if i in allowed and any(v in want for v in eqns[i].outvars):
             picked.append(i)
             made.update(eqns[i].outvars)
-            want.update(v for v in eqns[i].invars if _is_var(v))
+            want.update(v for v in eqns[i].invars if is_var(v))
     return picked[::-1], want - made
 
 
@@ -182,7 +168,7 @@ def split_stage(
     on_x, on_dy = set(x_vars), set(dy_vars)
     backward_eqns, forward_eqns, free_eqns = set(), set(), set()
     for i, eqn in enumerate(eqns):
-        reads = [v for v in eqn.invars if _is_var(v)]
+        reads = [v for v in eqn.invars if is_var(v)]
         if any(v in on_dy for v in reads):
             on_dy.update(eqn.outvars)
             backward_eqns.add(i)
@@ -208,7 +194,7 @@ def split_stage(
             runnable = eqn.primitive.name in B_CAN_RUN or _elementwise(eqn)
             if i in free_eqns or i in b_set or not runnable:
                 continue
-            if all(v in has for v in eqn.invars if _is_var(v)):
+            if all(v in has for v in eqn.invars if is_var(v)):
                 b_set.add(i)
                 has.update(eqn.outvars)
         b_idx = sorted(b_set)
@@ -242,14 +228,14 @@ def split_stage(
 
     def forward(p, x):
         env = env_of(p, x)
-        _run(f_eqns, env)
+        eval_eqns(f_eqns, env)
         y = jax.tree.unflatten(x_tree, [read(env, v) for v in y_out])
         return y, tuple(env[v] for v in res_vars)
 
     def backward(p, x, dy, res):
         env = env_of(p, x, dy)
         env.update(zip(res_vars, res, strict=True))
-        _run(b_eqns, env)
+        eval_eqns(b_eqns, env)
         dx = jax.tree.unflatten(x_tree, [read(env, v) for v in dx_out])
         if split_backward:
             return None, dx, tuple(env[v] for v in wres_vars)
@@ -259,7 +245,7 @@ def split_stage(
         env = env_of(p, x, dy)
         env.update(zip(res_vars, res, strict=True))
         env.update(zip(wres_vars, wres, strict=True))
-        _run(w_eqns, env)
+        eval_eqns(w_eqns, env)
         return jax.tree.unflatten(p_tree, [read(env, v) for v in dp_out])
 
     # Each weight gradient's own W equations and what they read, in the order W makes
@@ -282,7 +268,7 @@ def split_stage(
 
             def add(g, vals, j=j, step=step, reads=reads):
                 env = dict(zip(reads, vals, strict=True))
-                _run(step, env)
+                eval_eqns(step, env)
                 g = list(g)
                 g[j] = g[j] + read(env, dp_out[j])
                 return g

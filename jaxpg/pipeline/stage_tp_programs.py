@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.pipeline.stage_programs import StagePrograms, add_grads, plain_programs
+from jaxpg.pipeline.stage_programs import StagePrograms, plain_programs
 from jaxpg.pipeline.stage_tp import StageTP
+from jaxpg.pipeline.trace_tools import add_grads
 
 __all__ = ["tp_stage_programs", "tp_output_structs"]
 

@@ -1,7 +1,7 @@
 """Where a process-executor step's time goes: each action's compute, each transfer, the waits.
 
 ``with record_timeline() as tl:`` around steps of the process executor
-(``jaxpg.pipeline.mpmd``) records, in this process:
+(``jaxpg.pipeline.process_executor``) records, in this process:
 
 * ``"wait"``: the host thread waiting for a message an action reads (the action cannot
   be queued before it arrives);

@@ -26,8 +26,8 @@ from jaxpg.pipeline.executor import (
     StagedParams,
     pipeline_value_and_grad,
 )
-from jaxpg.pipeline.mpmd import mpmd_unsupported_reason
 from jaxpg.pipeline.param_placement import place_pipeline_params, put_copy
+from jaxpg.pipeline.process_executor import mpmd_unsupported_reason
 from jaxpg.pipeline.stage_order import check_stage_order
 from jaxpg.supervision.step_recording import recorded_step
 

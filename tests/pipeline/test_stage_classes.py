@@ -23,7 +23,7 @@ from jaxpg.pipeline import (
     get_schedule,
 )
 from jaxpg.pipeline.pipeline_layer import segment_layers
-from jaxpg.pipeline.schedule_classes import interleaved_zero_bubble
+from jaxpg.pipeline.schedules import interleaved_zero_bubble
 
 
 class Block(nnx.Module):

@@ -125,7 +125,7 @@ def train_case():
     import optax
 
     from jaxpg.pipeline import init_train_state, make_train_step, pipeline_mesh
-    from jaxpg.pipeline.hybrid import bucketed_grad_reducer
+    from jaxpg.pipeline.dp_grad_reducer import bucketed_grad_reducer
 
     mesh = pipeline_mesh(2, 2)  # rows are replicas: processes (0, 1) and (2, 3)
     params = model(2, 1, seed=2)

@@ -5,7 +5,7 @@ from test_executor import assert_close, block, embed, head_loss, make_batch, mak
 
 import jaxpg
 from jaxpg.pipeline import pipeline_value_and_grad
-from jaxpg.pipeline.hybrid import bucketed_grad_reducer
+from jaxpg.pipeline.dp_grad_reducer import bucketed_grad_reducer
 
 
 @pytest.mark.parametrize("cap_mb", [1e-4, 25])  # many small buckets, and one bucket

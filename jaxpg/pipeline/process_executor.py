@@ -5,7 +5,7 @@ ranks, in lockstep: every tick lasts as long as its slowest action, and a collec
 its end waits for every rank. Across processes (one pipeline rank each, torch's and
 Paddle's layout) this executor does what torch's does instead:
 
-* each rank runs its own actions in its timetable order (``rank_program``), each as
+* each rank runs its own actions in its timetable order (``rank_ops``), each as
   one asynchronously dispatched program on its device (``action_programs``), as soon as
   the message it reads has arrived;
 * activations and gradients travel by point-to-point transfers, one in-order lane per
@@ -46,7 +46,7 @@ from jaxpg.pipeline.action_programs import action_programs
 from jaxpg.pipeline.action_walk import run_beside_lanes, walk_actions
 from jaxpg.pipeline.p2p_lanes import PairLane, StepMail, lane_between
 from jaxpg.pipeline.pipeline_config import PipelineConfig
-from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
+from jaxpg.pipeline.rank_ops import pair_transfers, peers_of, rank_ops
 from jaxpg.pipeline.stage_hoist import HoistedStage, hoist_stage
 from jaxpg.pipeline.stage_meta import batch_stage_metadata
 from jaxpg.pipeline.stage_order import loop_view, stacked
@@ -144,7 +144,7 @@ def _plans(cfg: PipelineConfig) -> _Plan:
                                   for t in pair_transfers(tt, r, q)])  # in global ranks
     process_of = {global_of[q]: device_at(q).process_index for q in range(tt.num_stages)}
     replica = pos.get(cfg.dp_axis, 0) if cfg.dp_axis else 0
-    return _Plan(r, replica, device, me, rank_program(tt, r), pairs, global_of, process_of)
+    return _Plan(r, replica, device, me, rank_ops(tt, r), pairs, global_of, process_of)
 
 
 # --------------------------------------------------------------------------- local data

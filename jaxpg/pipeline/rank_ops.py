@@ -1,6 +1,6 @@
-"""A timetable as one program per pipeline rank: its actions in order, and its transfers.
+"""A timetable as each pipeline rank's ops: its actions in order, and its transfers.
 
-The process executor (``jaxpg.pipeline.mpmd``) runs each pipeline rank in its own
+The process executor (``jaxpg.pipeline.process_executor``) runs each pipeline rank in its own
 process, as torch's and Paddle's pipelines do: the rank runs its own actions in the
 timetable's order, each as soon as its inputs are there, and the activations and
 gradients travel by point-to-point transfers between two processes. This module turns a
@@ -27,7 +27,7 @@ sender made earlier.
 Example:
     >>> from jaxpg.pipeline.schedules import get_schedule
     >>> tt = get_schedule("1f1b", 2, 2)
-    >>> [op.label for op in rank_program(tt, 1)]
+    >>> [op.label for op in rank_ops(tt, 1)]
     ['F0', 'B0', 'F1', 'B1']
     >>> [(t.src, t.dst, t.key) for t in pair_transfers(tt, 0, 1)][:2]
     [(0, 1, ('act', 1, 0)), (0, 1, ('act', 1, 1))]
@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from jaxpg.pipeline.timetable import Timetable
 
-__all__ = ["MessageKey", "RankOp", "Transfer", "rank_program", "pair_transfers", "peers_of"]
+__all__ = ["MessageKey", "RankOp", "Transfer", "rank_ops", "pair_transfers", "peers_of"]
 
 #: A message: ``("act", stage, microbatch)``, the input activation of ``stage``, or
 #: ``("grad", stage, microbatch)``, the gradient of the output of ``stage``.
@@ -111,7 +111,7 @@ def _output(tt: Timetable, kind: str, stage: int, mb: int) -> tuple[MessageKey, 
     return None
 
 
-def rank_program(tt: Timetable, rank: int) -> list[RankOp]:
+def rank_ops(tt: Timetable, rank: int) -> list[RankOp]:
     """Rank ``rank``'s actions in its timetable order, with their messages.
 
     Args:

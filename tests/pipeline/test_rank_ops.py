@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from jaxpg.pipeline.costs import ActionCosts, timed
-from jaxpg.pipeline.rank_program import pair_transfers, peers_of, rank_program
+from jaxpg.pipeline.rank_ops import pair_transfers, peers_of, rank_ops
 from jaxpg.pipeline.schedules import get_schedule, one_f_one_b
 
 CASES = [
@@ -32,7 +32,7 @@ def _replay(tt, costs):
     previous transfer is done. Returns the makespan, or raises if nothing can move.
     """
     p = tt.num_stages
-    progs = {r: rank_program(tt, r) for r in range(p)}
+    progs = {r: rank_ops(tt, r) for r in range(p)}
     lanes = {(a, b): pair_transfers(tt, a, b) for a, b in itertools.combinations(range(p), 2)}
     made, arrived = {}, {}  # key -> time made / time it reached its reader
     free = [0.0] * p
@@ -72,7 +72,7 @@ def test_every_message_is_made_once_and_read_once_by_its_rank(name, p, m, v):
     tt = _tt(name, p, m, v)
     made, read = {}, {}
     for r in range(p):
-        ops = rank_program(tt, r)
+        ops = rank_ops(tt, r)
         assert [(op.kind, op.microbatch, op.chunk) for op in ops] == [
             tuple(a) for _, a in tt.actions_of(r)]
         for op in ops:
@@ -105,17 +105,17 @@ def test_in_order_lanes_never_deadlock_and_cost_nothing_over_the_replay(name, p,
 
 def test_split_one_f_one_b_and_accumulator_firsts():
     tt = one_f_one_b(2, 3, split_backward=True)
-    ops = rank_program(tt, 0)
+    ops = rank_ops(tt, 0)
     firsts = [op.label for op in ops if op.init]
     assert firsts == ["B0", "W0"]  # the embedding's gradient, then the chunk's weights
-    last = rank_program(tt, 1)
+    last = rank_ops(tt, 1)
     assert [op.label for op in last if op.init] == ["F0", "W0"]
     assert all(op.last for op in last) and not any(op.first for op in last)
 
 
 def test_v_layout_turn_stays_on_the_last_rank():
     tt = get_schedule("zb_v", 2, 4)
-    ops = rank_program(tt, 1)
+    ops = rank_ops(tt, 1)
     turns = [op for op in ops if op.sends is not None and op.sends[1] == 1]
     assert turns and all(op.stage in (1, 2) for op in turns)
     assert all(t.key[:2] != ("act", 2) for t in pair_transfers(tt, 0, 1))
@@ -124,6 +124,6 @@ def test_v_layout_turn_stays_on_the_last_rank():
 def test_bad_ranks_are_named():
     tt = get_schedule("1f1b", 2, 2)
     with pytest.raises(ValueError, match="rank=2 must be in 0..1"):
-        rank_program(tt, 2)
+        rank_ops(tt, 2)
     with pytest.raises(ValueError, match="two different ranks"):
         pair_transfers(tt, 1, 1)
