@@ -32,7 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +44,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpg.groups import callbacks, world
 from jaxpg.pipeline.action_programs import action_programs
 from jaxpg.pipeline.action_walk import run_beside_lanes, walk_actions
-from jaxpg.pipeline.p2p_lanes import PairLane, StepMail, lane_between
+from jaxpg.pipeline.p2p_lanes import StepMail
 from jaxpg.pipeline.pipeline_config import PipelineConfig
-from jaxpg.pipeline.rank_ops import pair_transfers, peers_of, rank_ops
+from jaxpg.pipeline.rank_plan import RankPlan, rank_plan
 from jaxpg.pipeline.stage_hoist import HoistedStage, hoist_stage
 from jaxpg.pipeline.stage_meta import batch_stage_metadata
 from jaxpg.pipeline.stage_order import loop_view, stacked
@@ -108,43 +108,22 @@ def _timeout_s() -> float:
     return _DEFAULT_TIMEOUT_S if state is None else state.timeout.total_seconds()
 
 
-class _Plan(NamedTuple):
-    """What one process runs of a timetable (made once per config)."""
-
-    rank: int  # pipeline rank r
-    replica: int  # data-parallel index
-    device: Any
-    me: int  # global rank
-    ops: list
-    pairs: dict[int, tuple[PairLane, list]]  # peer pipeline rank -> (lane, transfers)
-    global_of: dict[int, int]  # pipeline rank -> global rank (this replica)
-    process_of: dict[int, int]  # global rank -> process
-
-
 @functools.lru_cache(maxsize=64)
-def _plans(cfg: PipelineConfig) -> _Plan:
+def _plans(cfg: PipelineConfig) -> RankPlan:
     mesh, tt = cfg.mesh, cfg.timetable
     names = list(mesh.axis_names)
     here = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
     coords = np.unravel_index(here[0], mesh.devices.shape)
     pos = dict(zip(names, (int(c) for c in coords)))
-    r = pos[cfg.pp_axis]
-    device = mesh.devices.flat[here[0]]
 
     def device_at(rank: int) -> Any:
         return mesh.devices[tuple(rank if n == cfg.pp_axis else pos[n] for n in names)]
 
     ranks = _global_ranks()
-    global_of = {q: ranks[device_at(q).id] for q in range(tt.num_stages)}
-    me = global_of[r]
-    pairs = {}
-    for q in peers_of(tt, r):
-        lane = lane_between(device, device_at(q), me, global_of[q])
-        pairs[q] = (lane, [t._replace(src=global_of[t.src], dst=global_of[t.dst])
-                                  for t in pair_transfers(tt, r, q)])  # in global ranks
-    process_of = {global_of[q]: device_at(q).process_index for q in range(tt.num_stages)}
+    devices = [device_at(q) for q in range(tt.num_stages)]
+    global_of = {q: ranks[d.id] for q, d in enumerate(devices)}
     replica = pos.get(cfg.dp_axis, 0) if cfg.dp_axis else 0
-    return _Plan(r, replica, device, me, rank_ops(tt, r), pairs, global_of, process_of)
+    return rank_plan(tt, pos[cfg.pp_axis], devices, global_of, replica=replica)
 
 
 # --------------------------------------------------------------------------- local data
@@ -187,7 +166,7 @@ def _reshard(mesh: Mesh, tt: Any, order: str, pp_axis: str):
                    out_shardings=NamedSharding(mesh, P(None, pp_axis)))
 
 
-def _local_chunks(stages: Any, cfg: PipelineConfig, plan: _Plan,
+def _local_chunks(stages: Any, cfg: PipelineConfig, plan: RankPlan,
                   hoisted: HoistedStage | None) -> tuple:
     """This rank's chunks' parameters as the action programs take them: per chunk a pytree
     of ``[1, ...]`` arrays (the hoisted ``q`` of :mod:`jaxpg.pipeline.stage_hoist`, if any)."""
@@ -220,7 +199,7 @@ def _local_chunks(stages: Any, cfg: PipelineConfig, plan: _Plan,
     return _prepare(v, True, hoisted)(local)
 
 
-def _local_batch(tree: Any, cfg: PipelineConfig, plan: _Plan, dp: int) -> tuple[Any, int]:
+def _local_batch(tree: Any, cfg: PipelineConfig, plan: RankPlan, dp: int) -> tuple[Any, int]:
     """This replica's part of a batch on this device, and the row where it starts."""
     leaves, treedef = jax.tree.flatten(tree)
     size = leaves[0].shape[0]

@@ -27,7 +27,7 @@ soon as made and waited for right before they are read.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +35,13 @@ import numpy as np
 
 from jaxpg.collectives.objects import all_gather_object
 from jaxpg.pipeline.action_walk import run_beside_lanes, walk_actions
-from jaxpg.pipeline.p2p_lanes import StepMail, lane_between
-from jaxpg.pipeline.rank_ops import pair_transfers, peers_of, rank_ops
+from jaxpg.pipeline.p2p_lanes import StepMail
+from jaxpg.pipeline.rank_plan import RankPlan, rank_plan
 from jaxpg.pipeline.stage_meta import format_struct
 from jaxpg.pipeline.stage_programs import StagePrograms, plain_programs
 from jaxpg.pipeline.stage_tp_programs import tp_stage_programs
 
-__all__ = ["StagePrograms", "stage_programs", "RankSetup", "rank_setup", "exchange_shapes",
+__all__ = ["StagePrograms", "stage_programs", "rank_setup", "exchange_shapes",
            "run_step"]
 
 
@@ -53,36 +53,17 @@ def stage_programs(stage: Any, loss_fn: Callable | None) -> StagePrograms:
     return plain_programs(stage.graphdef, loss_fn, stage.is_first)
 
 
-class RankSetup(NamedTuple):
-    """What this process runs of a timetable: its rank, actions, lanes and transfers."""
-
-    rank: int  # pipeline rank
-    me: int  # global rank
-    ops: list
-    pairs: dict  # peer pipeline rank -> (lane, transfers in global ranks)
-    global_of: dict  # pipeline rank -> global rank
-    process_of: dict  # global rank -> process
-
-
-def rank_setup(tt: Any, group: Any) -> RankSetup:
+def rank_setup(tt: Any, group: Any) -> RankPlan:
     """This process's part of ``tt`` over the pipeline ``group`` (one rank per process)."""
-    r = group.rank()
     global_of = {q: group.global_rank(q) for q in range(tt.num_stages)}
-    devices = group.devices
-    pairs = {}
-    for q in peers_of(tt, r):
-        lane = lane_between(devices[r], devices[q], global_of[r], global_of[q])
-        pairs[q] = (lane, [t._replace(src=global_of[t.src], dst=global_of[t.dst])
-                           for t in pair_transfers(tt, r, q)])  # fmt: skip
-    process_of = {global_of[q]: devices[q].process_index for q in range(tt.num_stages)}
-    return RankSetup(r, global_of[r], rank_ops(tt, r), pairs, global_of, process_of)
+    return rank_plan(tt, group.rank(), group.devices, global_of)
 
 
 def _structs(tree: Any) -> tuple:
     return tuple(jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)) for a in tree)
 
 
-def exchange_shapes(tt: Any, setup: RankSetup, stages: dict, first_inputs: tuple | None,
+def exchange_shapes(tt: Any, setup: RankPlan, stages: dict, first_inputs: tuple | None,
                     what: str, group: Any, loss_fn: Callable | None = None,
                     target: Any = None) -> tuple[dict, dict]:
     """Each local stage's input and output shape structs (``send_meta``/``recv_meta``).
@@ -95,7 +76,7 @@ def exchange_shapes(tt: Any, setup: RankSetup, stages: dict, first_inputs: tuple
 
     Args:
         tt: the timetable.
-        setup: this rank's :class:`RankSetup`.
+        setup: this rank's :class:`~jaxpg.pipeline.rank_plan.RankPlan`.
         stages: model stage -> this process's PipelineStage.
         first_inputs: one microbatch of the model's inputs (on the first stage's process).
         what: the schedule, for errors.
@@ -211,7 +192,7 @@ def _agree_on_shapes(group: Any, failure: tuple | None, me: int) -> None:
     raise error
 
 
-def run_step(tt: Any, setup: RankSetup, stages: dict, shapes: tuple[dict, dict],
+def run_step(tt: Any, setup: RankPlan, stages: dict, shapes: tuple[dict, dict],
              loss_fn: Callable | None, args: Sequence[tuple] | None,
              targets: Sequence[Any] | None, timeout: float, what: str) -> tuple[dict, dict, dict]:
     """One step of this rank's actions.
