@@ -1,9 +1,9 @@
 """Pipeline parallelism: schedules as timetables, their executors, and torch's and Paddle's
 stage and schedule classes over Flax NNX modules.
 
-The package exports what a user calls; the schedule builders, costs, buffer plans, stage
-metadata and other parts of the executors are reached through their modules
-(``jaxpg.pipeline.schedules``, ``jaxpg.pipeline.costs``, ...).
+The package exports what a user calls; the schedule builders, ``Action``, costs, buffer
+plans, stage metadata and other parts of the executors are reached through their modules
+(``jaxpg.pipeline.schedules``, ``jaxpg.pipeline.timetable``, ``jaxpg.pipeline.costs``...).
 """
 
 from jaxpg.pipeline.checker import check_timetable
@@ -13,7 +13,7 @@ from jaxpg.pipeline.microbatch import merge_microbatches, split_microbatches
 from jaxpg.pipeline.nnx_stages import split_module, stack_modules
 from jaxpg.pipeline.pipeline_layer import LayerDesc, PipelineLayer
 from jaxpg.pipeline.pipeline_stage import PipelineStage
-from jaxpg.pipeline.render import render_text
+from jaxpg.pipeline.render import render_png, render_text
 from jaxpg.pipeline.schedule_classes import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -24,7 +24,7 @@ from jaxpg.pipeline.schedule_classes import (
     ScheduleZBVZeroBubble,
 )
 from jaxpg.pipeline.schedules import available_schedules, get_schedule
-from jaxpg.pipeline.timetable import Action, Timetable
+from jaxpg.pipeline.timetable import Timetable
 from jaxpg.pipeline.train_step import init_train_state, make_train_step
 
 __all__ = [
@@ -33,8 +33,8 @@ __all__ = [
     "pipeline_mesh", "split_microbatches", "merge_microbatches", "stack_modules",
     "split_module",
     # schedules as timetables
-    "Timetable", "Action", "get_schedule", "available_schedules", "check_timetable",
-    "render_text",
+    "Timetable", "get_schedule", "available_schedules", "check_timetable", "render_text",
+    "render_png",
     # torch's faces
     "PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
     "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
