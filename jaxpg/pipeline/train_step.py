@@ -58,6 +58,12 @@ def init_train_state(
     if _zero_stage(zero_stage, "init_train_state"):
         from jaxpg.pipeline.zero import init_zero_train_state
 
+        if param_specs is not None:
+            raise ValueError(
+                f"init_train_state: zero_stage={zero_stage} with param_specs (tensor-parallel "
+                "stages) is not supported inside a pipeline; drop one of them "
+                "(make_train_step refuses the pair too).")
+
         return init_zero_train_state(params, optimizer, mesh, pp_axis=pp_axis,
                                      dp_axis=dp_axis)
     placed = place_pipeline_params(params, mesh, pp_axis=pp_axis, param_specs=param_specs)

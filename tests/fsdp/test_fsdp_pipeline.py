@@ -67,6 +67,10 @@ def test_bad_zero_options():
     with pytest.raises(ValueError, match="zero_stage=1 splits the optimizer state by the "
                                          "parameters' shapes; pass params="):
         make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=1)
+    with pytest.raises(ValueError, match=r"init_train_state: zero_stage=1 with param_specs"):
+        init_train_state(make_params(4), OPT, mesh, zero_stage=1,
+                         param_specs=jax.tree.map(lambda _: jax.sharding.PartitionSpec(),
+                                                  make_params(4)))
     with pytest.raises(ValueError, match="zero_stage=2 runs on the lockstep executor"):
         make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=2, params=make_params(4),
                         executor="mpmd")
