@@ -28,8 +28,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import jaxpg  # noqa: E402
 from jaxpg.pipeline.executor import StagedParams  # noqa: E402
-from jaxpg.pipeline.mesh import pipeline_mesh  # noqa: E402
 from jaxpg.pipeline.nnx_stages import module_fn, split_module, stack_modules  # noqa: E402
 from jaxpg.pipeline.train_step import init_train_state, make_train_step  # noqa: E402
 
@@ -119,7 +119,7 @@ def main() -> None:
     data = np.array([index[c] for c in text], dtype=np.int32)
     vocab = len(chars)
 
-    mesh = pipeline_mesh(args.pp)
+    mesh = jaxpg.ParallelDims(dp_replicate=len(jax.devices()) // args.pp, pp=args.pp)
     num_stages = args.pp * args.chunks
     graphdef, stages = stack_modules(
         lambda rngs: Block(args.dim, args.heads, rngs), num_stages, seed=args.seed

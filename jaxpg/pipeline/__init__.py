@@ -8,7 +8,6 @@ plans, stage metadata and other parts of the executors are reached through their
 
 from jaxpg.pipeline.checker import check_timetable
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
-from jaxpg.pipeline.mesh import pipeline_mesh
 from jaxpg.pipeline.microbatch import merge_microbatches, split_microbatches
 from jaxpg.pipeline.nnx_stages import split_module, stack_modules
 from jaxpg.pipeline.pipeline_layer import LayerDesc, PipelineLayer
@@ -30,7 +29,7 @@ from jaxpg.pipeline.train_step import init_train_state, make_train_step
 __all__ = [
     # the functional API: one jitted step (or the process executor) over a mesh
     "pipeline_value_and_grad", "make_train_step", "init_train_state", "StagedParams",
-    "pipeline_mesh", "split_microbatches", "merge_microbatches", "stack_modules",
+    "split_microbatches", "merge_microbatches", "stack_modules",
     "split_module",
     # schedules as timetables
     "Timetable", "get_schedule", "available_schedules", "check_timetable", "render_text",

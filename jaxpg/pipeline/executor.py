@@ -437,7 +437,7 @@ def pipeline_value_and_grad(
     if pp_axis not in mesh.axis_names:
         raise ValueError(
             f"mesh has axes {mesh.axis_names} but no pipeline axis {pp_axis!r}; build it "
-            "with jaxpg.pipeline.pipeline_mesh or pass pp_axis=."
+            "as jaxpg.ParallelDims(pp=...) or pass pp_axis=."
         )
     staged = params if isinstance(params, StagedParams) else StagedParams(params)
     p = mesh.shape[pp_axis]

@@ -2,7 +2,7 @@
 
 Example (``block``, ``head_loss``, ``embed``, ``params`` as in ``pipeline_value_and_grad``)::
 
-    mesh = pipeline_mesh(4)  # dp=2 x pp=4 on 8 devices
+    mesh = jaxpg.ParallelDims(dp_replicate=2, pp=4)  # on 8 devices
     optimizer = optax.adam(1e-3)
     params, opt_state = init_train_state(params, optimizer, mesh)
     step = make_train_step(block, head_loss, optimizer, mesh=mesh, schedule="1f1b",
@@ -58,6 +58,8 @@ def init_train_state(
     if _zero_stage(zero_stage, "init_train_state"):
         from jaxpg.pipeline.zero import init_zero_train_state
 
+        dp_axis = data_parallel_axis(mesh, dp_axis)
+
         if param_specs is not None:
             raise ValueError(
                 f"init_train_state: zero_stage={zero_stage} with param_specs (tensor-parallel "
@@ -111,7 +113,8 @@ def make_train_step(
         stage_fn: the repeated block, ``stage_fn(stage_params, x) -> y``.
         loss_fn: head + mean loss, ``loss_fn(last_params, y, targets_mb) -> scalar``.
         optimizer: an optax gradient transformation.
-        mesh: the ``("dp", "pp")`` mesh (see ``pipeline_mesh``).
+        mesh: a mesh with a pipeline axis: a ``ParallelDims`` (``pp`` and a
+            data-parallel degree) or any other form ``pipeline_value_and_grad`` takes.
         schedule: schedule name or ``Timetable``.
         num_microbatches: ``m``.
         first_fn: optional embedding on stage 0.
@@ -135,6 +138,7 @@ def make_train_step(
         params: the parameters (placed, or their shapes), for ``zero_stage`` 1 and 2:
             the optimizer state's split is made from them.
     """
+    dp_axis = data_parallel_axis(mesh, dp_axis)
     if _zero_stage(zero_stage, "make_train_step"):
         if params is None:
             raise ValueError(f"make_train_step: zero_stage={zero_stage} splits the optimizer "
@@ -164,7 +168,6 @@ def make_train_step(
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is not one of {EXECUTORS}.")
     donated = (0, 1) if donate else ()
-    dp_axis = data_parallel_axis(mesh, dp_axis)
 
     def grads_of(params, inputs, targets, executor):
         return pipeline_value_and_grad(

@@ -11,7 +11,7 @@ microbatch.
 
 Example::
 
-    mesh = pipeline_mesh(4)                      # dp=2 x pp=4 on 8 devices
+    mesh = jaxpg.ParallelDims(dp_replicate=2, pp=4)  # on 8 devices
     params, opt_state = init_zero_train_state(params, optax.adam(1e-3), mesh)
     step = make_zero_train_step(block, head_loss, optax.adam(1e-3), params, mesh=mesh,
                                 zero_stage=2, schedule="1f1b", num_microbatches=8,
@@ -52,7 +52,7 @@ def _mesh(mesh: Any, pp_axis: str, dp_axis: str) -> Mesh:
             or dp_axis not in mesh.axis_names:
         raise ValueError(
             f"ZeRO inside a pipeline needs a mesh with a pipeline axis {pp_axis!r} and a "
-            f"data-parallel axis {dp_axis!r} (pipeline_mesh(p, dp), a HybridCommunicateGroup"
+            f"data-parallel axis {dp_axis!r} (a ParallelDims, a HybridCommunicateGroup"
             f" or a DeviceMesh); got {mesh!r}."
         )
     return mesh

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.cpu_only
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
 from test_executor import block, embed, head_loss, make_batch, make_params  # noqa: E402
 
-from jaxpg.pipeline.mesh import pipeline_mesh  # noqa: E402
+import jaxpg  # noqa: E402
 from jaxpg.pipeline.train_step import init_train_state, make_train_step  # noqa: E402
 from jaxpg.pipeline.zero import make_zero_train_step  # noqa: E402
 
@@ -26,7 +26,7 @@ OPT = optax.chain(optax.clip_by_global_norm(5.0), optax.sgd(0.1, momentum=0.9))
 @pytest.fixture(scope="module")
 def plain():
     """The plain pipeline step's parameters after 3 steps (dp=2, pp=4)."""
-    mesh = pipeline_mesh(4, 2)
+    mesh = jaxpg.ParallelDims(dp_replicate=2, pp=4)
     params, opt_state = init_train_state(make_params(4), OPT, mesh)
     step = make_train_step(block, head_loss, OPT, mesh=mesh, schedule="1f1b",
                            num_microbatches=4, first_fn=embed)
@@ -38,7 +38,7 @@ def plain():
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_zero_inside_stages_equals_the_plain_step(plain, zero_stage):
-    mesh = pipeline_mesh(4, 2)
+    mesh = jaxpg.ParallelDims(dp_replicate=2, pp=4)
     # the one keyword: make_train_step(zero_stage=) and init_train_state(zero_stage=)
     params, opt_state = init_train_state(make_params(4), OPT, mesh, zero_stage=zero_stage)
     step = make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=zero_stage,
@@ -52,13 +52,13 @@ def test_zero_inside_stages_equals_the_plain_step(plain, zero_stage):
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
     # the stage moments: [stages, 8] split over pp on dim 0 and dp on dim 1
     mu = opt_state[1][0].trace.stages["b"]
-    assert mu.sharding.spec == jax.sharding.PartitionSpec("pp", "dp")
+    assert mu.sharding.spec == jax.sharding.PartitionSpec("pp", "dp_replicate")
     assert mu.addressable_shards[0].data.shape == (1, 4)
     assert params.stages["b"].sharding.spec == jax.sharding.PartitionSpec("pp")
 
 
 def test_bad_zero_options():
-    mesh = pipeline_mesh(4, 2)
+    mesh = jaxpg.ParallelDims(dp_replicate=2, pp=4)
     with pytest.raises(ValueError, match="zero_stage=3 must be 1 or 2"):
         make_zero_train_step(block, head_loss, OPT, make_params(4), mesh=mesh, zero_stage=3)
     with pytest.raises(ValueError, match=r"make_train_step: zero_stage=3 is not a ZeRO stage "

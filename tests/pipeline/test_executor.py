@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import jaxpg
 from jaxpg.pipeline.buffer_plan import plan_buffers
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
-from jaxpg.pipeline.mesh import pipeline_mesh
 from jaxpg.pipeline.schedules import get_schedule, one_f_one_b
 
 # meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
@@ -63,6 +63,11 @@ def assert_close(got, want):
 
 def pp_mesh(p):
     return Mesh(np.array(jax.devices()[:p]), ("pp",))
+
+
+def dp_pp_mesh(p, dp):
+    """A ``("dp", "pp")`` jax Mesh over the first ``dp * p`` devices (rows are replicas)."""
+    return Mesh(np.array(jax.devices()[: dp * p]).reshape(dp, p), ("dp", "pp"))
 
 
 # Every schedule at p = 2 and 4, m = p, 2p and one m that is not a multiple of p, with
@@ -171,7 +176,7 @@ def test_pytree_activations(name, v, remat):
 def test_hybrid_dp_pp_matches_global_batch(p, v, name, remat):
     x, t = make_batch(4 * p)
     assert_matches_reference(
-        make_params(p * v), x, t, mesh=pipeline_mesh(p, 2), schedule=name,
+        make_params(p * v), x, t, mesh=dp_pp_mesh(p, 2), schedule=name,
         num_microbatches=p, remat=remat,
     )  # fmt: skip
 
@@ -187,7 +192,7 @@ def test_custom_grad_reducer_is_applied(remat):
     params = make_params(2)
     x, t = make_batch(8)
     loss, grads = pipeline_value_and_grad(
-        block, head_loss, params, x, t, mesh=pipeline_mesh(2, 2), schedule="1f1b",
+        block, head_loss, params, x, t, mesh=dp_pp_mesh(2, 2), schedule="1f1b",
         num_microbatches=2, first_fn=embed, grad_reducer=reducer, remat=remat,
     )  # fmt: skip
     assert calls, "the grad_reducer was never called"
@@ -243,8 +248,17 @@ def test_sizes_that_do_not_fit(blocks, rows, p, schedule, m, match):
 
 
 def test_stage_count_must_divide_devices():
-    with pytest.raises(ValueError, match="num_stages=3 does not divide the 8 devices"):
-        pipeline_mesh(3)
+    with pytest.raises(ValueError, match=r"pp=3 = 3 does not divide the world size 8"):
+        jaxpg.ParallelDims(pp=3)
+
+
+def test_parallel_dims_is_the_pipeline_mesh():
+    """A ParallelDims runs the pipeline over its pp axis and its one data-parallel axis,
+    with the batch split over the replicas as on a plain ("dp", "pp") mesh."""
+    params = make_params(2)
+    x, t = make_batch(16)
+    assert_matches_reference(params, x, t, mesh=jaxpg.ParallelDims(dp_replicate=4, pp=2),
+                             schedule="1f1b", num_microbatches=2)
 
 
 def test_stage_shapes_that_do_not_chain():

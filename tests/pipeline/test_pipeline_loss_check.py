@@ -4,14 +4,15 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxpg.data_parallel.loss_check import LossDoesNotTrainError
 from jaxpg.pipeline import PipelineStage
 from jaxpg.pipeline.executor import StagedParams
-from jaxpg.pipeline.mesh import pipeline_mesh
 from jaxpg.pipeline.train_step import init_train_state, make_train_step
 
 pytestmark = pytest.mark.cpu_only
@@ -26,7 +27,7 @@ def test_make_train_step_names_a_loss_that_ignores_its_arguments():
     head = {"v": jnp.ones((4, 3))}
     params = StagedParams(stages, (), head)
     x, t = jnp.ones((4, 4)), jnp.zeros((4, 3))
-    mesh = pipeline_mesh(2, 1)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("dp", "pp"))
     closed = jnp.ones((2, 3))  # a microbatch's output computed outside: the torch habit
 
     def ignores(lp, y, t):

@@ -6,11 +6,11 @@ import numpy as np
 import optax
 import pytest
 
+import jaxpg
 from jaxpg.pipeline import (
     StagedParams,
     get_schedule,
     make_train_step,
-    pipeline_mesh,
     pipeline_value_and_grad,
 )
 from jaxpg.pipeline.param_placement import place_pipeline_params
@@ -57,7 +57,7 @@ def test_rank_order_puts_each_ranks_stages_together(name, want):
 
 @pytest.mark.parametrize("name", ["interleaved_1f1b", "zb_v"])
 def test_rank_order_gives_the_model_orders_loss_and_gradients(name):
-    mesh = pipeline_mesh(2)
+    mesh = jaxpg.ParallelDims(dp_replicate=4, pp=2)
     tt = get_schedule(name, 2, 4, 2)
     params = make_params(4)
     x, t = batch()
@@ -72,7 +72,7 @@ def test_rank_order_gives_the_model_orders_loss_and_gradients(name):
 
 
 def _collectives_outside_the_loop(params, tt, stage_order):
-    mesh = pipeline_mesh(2)
+    mesh = jaxpg.ParallelDims(dp_replicate=4, pp=2)
     x, t = batch()
     fn = jax.jit(lambda p, x, t: pipeline_value_and_grad(
         block, loss, p, x, t, mesh=mesh, schedule=tt, stage_order=stage_order))
@@ -88,7 +88,7 @@ def test_rank_order_moves_no_parameter_between_devices():
 
 
 def test_train_step_in_rank_order_matches_model_order():
-    mesh = pipeline_mesh(2)
+    mesh = jaxpg.ParallelDims(dp_replicate=4, pp=2)
     tt = get_schedule("zb_v", 2, 4, 2)
     params = StagedParams(make_params(4))
     x, t = batch()
@@ -107,7 +107,7 @@ def test_train_step_in_rank_order_matches_model_order():
 
 
 def test_bad_stage_order_and_stack_size_are_named():
-    mesh = pipeline_mesh(2)
+    mesh = jaxpg.ParallelDims(dp_replicate=4, pp=2)
     x, t = batch()
     with pytest.raises(ValueError, match="stage_order='ranks'"):
         pipeline_value_and_grad(block, loss, make_params(2), x, t, mesh=mesh,

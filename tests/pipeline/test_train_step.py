@@ -1,4 +1,4 @@
-"""make_train_step, pipeline_mesh placement and Flax NNX stages."""
+"""make_train_step, parameter placement on the pipeline mesh and Flax NNX stages."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
+import jaxpg
 from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
-from jaxpg.pipeline.mesh import pipeline_mesh
 from jaxpg.pipeline.nnx_stages import module_fn, split_module, stack_modules
 from jaxpg.pipeline.train_step import init_train_state, make_train_step
 
@@ -53,7 +54,8 @@ def test_nnx_blocks_match_reference(name, p, v, remat):
     x = jax.random.randint(jax.random.key(0), (8, 5), 0, 11)
     t = jax.random.randint(jax.random.key(1), (8, 5), 0, 11)
     loss, grads = pipeline_value_and_grad(
-        block, loss_fn, params, x, t, mesh=pipeline_mesh(p, 2), schedule=name,
+        block, loss_fn, params, x, t,
+        mesh=Mesh(np.array(jax.devices()[: 2 * p]).reshape(2, p), ("dp", "pp")), schedule=name,
         num_microbatches=4, first_fn=embed, remat=remat,
     )  # fmt: skip
     want_loss, want_grads = jax.value_and_grad(
@@ -68,7 +70,7 @@ def test_nnx_blocks_match_reference(name, p, v, remat):
 @pytest.mark.parametrize("remat", [False, True])
 def test_train_step_equals_optax_on_reference_grads(remat):
     block, embed, loss_fn, params = nnx_model(2)
-    mesh = pipeline_mesh(2, 2)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "pp"))
     x = jax.random.randint(jax.random.key(0), (8, 5), 0, 11)
     t = jax.random.randint(jax.random.key(1), (8, 5), 0, 11)
     optimizer = optax.sgd(0.5, momentum=0.9)  # dp = 2: a wrong gradient average shows
@@ -97,10 +99,12 @@ def test_train_step_equals_optax_on_reference_grads(remat):
 def test_bad_optimizer_and_module():
     with pytest.raises(TypeError, match="remat=None must be True or False"):
         make_train_step(
-            lambda w, x: x, lambda h, y, t: 0.0, optax.sgd(1.0), mesh=pipeline_mesh(2), remat=None
+            lambda w, x: x, lambda h, y, t: 0.0, optax.sgd(1.0), mesh=jaxpg.ParallelDims(pp=2),
+            remat=None
         )
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
-        make_train_step(lambda w, x: x, lambda h, y, t: 0.0, "adam", mesh=pipeline_mesh(2))
+        make_train_step(lambda w, x: x, lambda h, y, t: 0.0, "adam",
+                        mesh=jaxpg.ParallelDims(pp=2))
     with pytest.raises(TypeError, match="nnx.Module"):
         split_module(object())
     with pytest.raises(ValueError, match="positive int"):

@@ -89,12 +89,12 @@ def test_ddp_and_the_pipeline_record_their_steps(world):
     from flax import nnx
 
     from jaxpg.ddp.train_step import StepMode
-    from jaxpg.pipeline import pipeline_mesh
     from jaxpg.pipeline.train_step import make_train_step
     from jaxpg.supervision.step_recording import RecordedStep
 
     step = make_train_step(lambda w, x: x @ w, lambda h, y, t: jnp.mean((y - t) ** 2),
-                           optax.sgd(0.1), mesh=pipeline_mesh(2), num_microbatches=2)
+                           optax.sgd(0.1), mesh=jaxpg.ParallelDims(dp_replicate=4, pp=2),
+                           num_microbatches=2)
     assert isinstance(step, RecordedStep) and step.name == "pipeline.train_step"
     ddp = jaxpg.ddp.DistributedDataParallel(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
     ddp_step = ddp._step_fn(lambda m, b: m(b).sum(), StepMode())

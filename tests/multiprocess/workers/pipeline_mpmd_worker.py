@@ -124,10 +124,11 @@ def train_case():
     """Two optimizer steps of 1F1B on dp = 2 x pp = 2 with DDP's bucketed reducer."""
     import optax
 
-    from jaxpg.pipeline import init_train_state, make_train_step, pipeline_mesh
+    import jaxpg
+    from jaxpg.pipeline import init_train_state, make_train_step
     from jaxpg.pipeline.dp_grad_reducer import bucketed_grad_reducer
 
-    mesh = pipeline_mesh(2, 2)  # rows are replicas: processes (0, 1) and (2, 3)
+    mesh = jaxpg.ParallelDims(dp_replicate=2, pp=2)  # replicas: processes (0, 1), (2, 3)
     params = model(2, 1, seed=2)
     optimizer = optax.sgd(0.1)
     placed, opt_state = init_train_state(params, optimizer, mesh)
