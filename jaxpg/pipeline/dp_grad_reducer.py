@@ -32,7 +32,8 @@ def bucketed_grad_reducer(
     Args:
         params: the model's parameters, a ``StagedParams`` or a bare stage stack.
         num_stage_ranks: ``p``, the size of the pipeline axis.
-        dp_axis: the data-parallel mesh axis.
+        dp_axis: the data-parallel mesh axis (``dims.axis("dp_replicate")`` on a
+            ``ParallelDims``).
         bucket_cap_mb: DDP's bucket cap.
         first_bucket_mb: DDP's first bucket.
         comm_hook: a stateless communication hook (allreduce, fp16/bf16 compress).

@@ -30,7 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 D, D_IN, D_OUT, M, ROWS = 8, 3, 2, 4, 2
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zb_v": 2}
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zb_v": 2,
+             "looped_bfs": 2, "dualpipe_v": 2}
+
+
+def schedules(world: int) -> dict[str, int]:
+    """The schedules (name: chunks per rank) a pipeline of ``world`` ranks runs at ``M``
+    microbatches: all but DualPipeV where it would need more (``2 world``)."""
+    return {name: v for name, v in SCHEDULES.items() if name != "dualpipe_v" or M >= 2 * world}
 
 
 def block(w, x):
@@ -91,7 +98,7 @@ def grads_case(rank, world, out_path):
     mesh = Mesh(np.array(jax.devices()), ("pp",))
     x, t = batch(M * ROWS)
     out = {}
-    for name, v in SCHEDULES.items():
+    for name, v in schedules(world).items():
         params = model(world, v)
         runs = [(False, "mpmd"), (True, "mpmd")] + [(False, "spmd")] * (world == 2)
         for remat, executor in runs:
@@ -134,7 +141,8 @@ def train_case():
     placed, opt_state = init_train_state(params, optimizer, mesh)
     step = make_train_step(block, head_loss, optimizer, mesh=mesh, schedule="1f1b",
                            num_microbatches=M, first_fn=embed,
-                           grad_reducer=bucketed_grad_reducer(params, 2))  # fmt: skip
+                           grad_reducer=bucketed_grad_reducer(
+                               params, 2, dp_axis=mesh.axis("dp_replicate")))  # fmt: skip
     out = {}
     for i in range(2):
         x, t = batch(2 * M * ROWS, seed=10 + i)
