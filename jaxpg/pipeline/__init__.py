@@ -4,6 +4,9 @@ stage and schedule classes over Flax NNX modules.
 The package exports what a user calls; the schedule builders, ``Action``, costs, buffer
 plans, stage metadata and other parts of the executors are reached through their modules
 (``jaxpg.pipeline.schedules``, ``jaxpg.pipeline.timetable``, ``jaxpg.pipeline.costs``...).
+``ScheduleDualPipeV`` and ``ScheduleLoopedBFS`` are attributes of the package, as torch's
+are of ``torch.distributed.pipelining``, outside ``__all__``, which keeps to at most 25
+names.
 """
 
 from jaxpg.pipeline.checker import check_timetable
@@ -22,6 +25,8 @@ from jaxpg.pipeline.schedule_classes import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from jaxpg.pipeline.schedule_classes import ScheduleDualPipeV as ScheduleDualPipeV
+from jaxpg.pipeline.schedule_classes import ScheduleLoopedBFS as ScheduleLoopedBFS
 from jaxpg.pipeline.schedules import available_schedules, get_schedule
 from jaxpg.pipeline.timetable import Timetable
 from jaxpg.pipeline.train_step import init_train_state, make_train_step

@@ -5,7 +5,8 @@ follows the timetable computes the same gradients as a sequential forward and
 backward: every action runs exactly once, every action's inputs were made in
 a strictly earlier tick, and no rank keeps more activations alive than the
 schedule promises. :func:`peak_in_flight` gives those activation counts, which
-the executor uses to size its buffers.
+the executor uses to size its buffers. :func:`check_bubble` compares a schedule's idle
+time, replayed with action costs, with its paper's bubble formula.
 
 An activation is *in flight* on a rank from the tick of its F until the tick
 of the action that releases it: the B when the backward is whole, the W when
@@ -26,10 +27,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxpg.pipeline._simulate import dependencies
+from jaxpg.pipeline.costs import ActionCosts, default_costs, timed
 from jaxpg.pipeline.schedules import interleaved_warmup
 from jaxpg.pipeline.timetable import Timetable
 
-__all__ = ["check_timetable", "default_in_flight_limits", "peak_in_flight"]
+__all__ = [
+    "check_bubble", "check_timetable", "default_in_flight_limits", "paper_bubble",
+    "peak_in_flight",
+]  # fmt: skip
 
 
 def _describe(tt: Timetable, kind: str, microbatch: int, stage: int) -> str:
@@ -83,6 +88,9 @@ def default_in_flight_limits(tt: Timetable) -> list[int] | None:
       until B it is ``p - s``, exactly 1F1B's.)
     * ``zb_v``: ``2 p`` chunk activations (half a stage each) on every rank, counted
       until W: again 1F1B's peak of ``p`` stage activations.
+    * ``dualpipe_v``: ``2 p + 1`` chunk activations on every rank, counted until W
+      (DeepSeek-V3's ``PP + 1`` for DualPipe, ``PP = 2 p`` model stages).
+    * ``looped_bfs``: ``v m`` chunk activations on every rank, as GPipe's ``m``.
     """
     p, m, v = tt.num_stages, tt.num_microbatches, tt.num_chunks
     if tt.name == "gpipe":
@@ -95,7 +103,76 @@ def default_in_flight_limits(tt: Timetable) -> list[int] | None:
         return [min(p, m)] * p
     if tt.name == "zb_v":
         return [min(2 * p, 2 * m)] * p
+    if tt.name == "dualpipe_v":
+        return [2 * p + 1] * p
+    if tt.name == "looped_bfs":
+        return [v * m] * p
     return None
+
+
+def paper_bubble(tt: Timetable, costs: ActionCosts | None = None) -> float | None:
+    """The idle time of each rank by the schedule's paper, in the units of ``costs``.
+
+    * ``1f1b`` (whole backward): ``(p - 1) (F + B)``, Narayanan et al. (2021).
+    * ``zb_h1``: ``(p - 1) (F + B - W)``, Qi et al. (2023).
+    * ``dualpipe_v``: ``(PP / 2 - 1) (F&B + B - 3 W)`` of DeepSeek-V3 (2024, Table 2) with
+      ``PP = 2 p`` model stages, ``F``, ``B`` and ``W`` one chunk's, and ``F&B`` a pair of one
+      chunk's forward and the other's whole backward: ``F + B + W`` when the pair runs its
+      parts one after another.
+
+    Args:
+      tt: The timetable.
+      costs: The action costs (default :func:`jaxpg.pipeline.costs.default_costs`).
+
+    Returns:
+      The bubble per rank, or ``None`` for a schedule without a formula here.
+    """
+    c = costs or default_costs(tt)
+    p = tt.num_stages
+    if tt.name == "1f1b" and not tt.split_backward:
+        return (p - 1) * (c.F + c.B)
+    if tt.name == "zb_h1":
+        return (p - 1) * (c.F + c.B - c.W)
+    if tt.name == "dualpipe_v":
+        pair = c.F + c.B + c.W
+        return (p - 1) * (pair + c.B - 3 * c.W)  # PP / 2 - 1 = p - 1
+    return None
+
+
+def check_bubble(tt: Timetable, costs: ActionCosts | None = None) -> list[float]:
+    """Raise ``ValueError`` if a rank idles longer than :func:`paper_bubble` says.
+
+    The timetable is replayed event-driven with ``costs`` (:func:`jaxpg.pipeline.costs.timed`,
+    each rank in its timetable order, each action as soon as its inputs are done); a rank's
+    idle time is the makespan less its work.
+
+    Args:
+      tt: The timetable; its name must have a formula (``1f1b``, ``zb_h1``, ``dualpipe_v``).
+      costs: The action costs (default :func:`jaxpg.pipeline.costs.default_costs`).
+
+    Returns:
+      Each rank's idle time.
+
+    Raises:
+      ValueError: For a schedule without a formula, or naming the first rank over it.
+    """
+    bound = paper_bubble(tt, costs)
+    if bound is None:
+        raise ValueError(
+            f"check_bubble has no bubble formula for schedule {tt.name!r}; it knows '1f1b' "
+            "(whole backward), 'zb_h1' and 'dualpipe_v'."
+        )
+    replay = timed(tt, costs)
+    idle = []
+    for rank in range(tt.num_stages):
+        work = sum(replay.costs.of(a.kind) for _, a in tt.actions_of(rank))
+        idle.append(replay.makespan - work)
+        if idle[-1] > bound + 1e-9 * max(1.0, replay.makespan):
+            raise ValueError(
+                f"Timetable {tt.name!r} idles {idle[-1]:g} on rank {rank} with {replay.costs}, "
+                f"over its paper's bubble of {bound:g}."
+            )
+    return idle
 
 
 def check_timetable(tt: Timetable, max_in_flight: int | Sequence[int] | None = None) -> None:

@@ -1,24 +1,25 @@
 """torch's schedule classes over :class:`~jaxpg.pipeline.pipeline_stage.PipelineStage` s.
 
 ``ScheduleGPipe``, ``Schedule1F1B`` (one stage per process) and
-``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``
-(several stages per process) take torch's ``(stage or stages, n_microbatches, loss_fn)``
-and run jaxpg's timetables (``jaxpg.pipeline.schedules``) on the process executor for
-stages that differ (``jaxpg.pipeline.stage_runner``). As in torch, every process calls
-``step`` at once: ``step(x)`` on the process of the first stage (``x`` is split into
-``n_microbatches`` along dimension 0), ``step(target=y, losses=losses)`` on the last one
-(``losses`` is filled with each microbatch's ``loss_fn(output, target)``), ``step()`` in
-between. The last stage's ``step`` returns its outputs, the microbatches' concatenated.
-After a step each stage's ``grads`` hold its parameters' gradients, accumulated as torch
-accumulates ``.grad`` (see ``jaxpg.pipeline.pipeline_stage``), and averaged over the
-stage's ``data_parallel_group`` when it has one. A tensor-parallel stage
-(``tensor_parallel_group=``) runs as SPMD programs over its tp group; each of its processes
-calls ``step`` as if it held the stage alone, with the same inputs or targets.
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleLoopedBFS``,
+``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` (several stages per process) take torch's
+``(stage or stages, n_microbatches, loss_fn)`` and run jaxpg's timetables
+(``jaxpg.pipeline.schedules``) on the process executor for stages that differ
+(``jaxpg.pipeline.stage_runner``). As in torch, every process calls ``step`` at once:
+``step(x)`` on the process of the first stage (``x`` is split into ``n_microbatches``
+along dimension 0), ``step(target=y, losses=losses)`` on the last one (``losses`` is
+filled with each microbatch's ``loss_fn(output, target)``), ``step()`` in between. The
+last stage's ``step`` returns its outputs, the microbatches' concatenated. After a step
+each stage's ``grads`` hold its parameters' gradients, accumulated as torch accumulates
+``.grad`` (see ``jaxpg.pipeline.pipeline_stage``), and averaged over the stage's
+``data_parallel_group`` when it has one. A tensor-parallel stage
+(``tensor_parallel_group=``) runs as SPMD programs over its tp group; each of its
+processes calls ``step`` as if it held the stage alone, with the same inputs or targets.
 
 Placement, as torch's: with one stage per process the stage's index is its pipeline rank;
-``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` put stage ``s`` on rank
-``s % p`` (a loop), ``ScheduleZBVZeroBubble`` puts stages ``r`` and ``2 p - 1 - r`` on rank
-``r`` (a V).
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` and ``ScheduleLoopedBFS`` put
+stage ``s`` on rank ``s % p`` (a loop), ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``
+put stages ``r`` and ``2 p - 1 - r`` on rank ``r`` (a V).
 
 Made, a schedule checks what it can before any step: its microbatch count by torch's rule
 for the class (``Schedule1F1B`` takes at least its stages), and one pipeline rank per
@@ -27,7 +28,9 @@ each stage takes the previous stage's output (``jaxpg.pipeline.stage_runner``).
 
 ``ScheduleInterleavedZeroBubble`` runs the interleaved 1F1B order with the backward split
 into ``B`` and ``W``, each ``W`` right after its ``B``: the same gradients as torch's, not
-its bubble-filling order.
+its bubble-filling order. ``ScheduleDualPipeV`` runs torch's order; each of its
+overlapped pairs (one stage's forward, the other stage's backward) runs as the forward then
+the backward, as torch's runtime runs the pair's parts.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ from jax.flatten_util import ravel_pytree
 from jaxpg.collectives.reductions import all_reduce
 from jaxpg.pipeline.pipeline_stage import PipelineStage
 from jaxpg.pipeline.schedules import (
+    dualpipe_v,
     gpipe,
     interleaved_1f1b,
     interleaved_zero_bubble,
+    looped_bfs,
     one_f_one_b,
     zero_bubble_v,
 )
@@ -59,6 +64,7 @@ from jaxpg.supervision.collective_call import recorded_region
 __all__ = [
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV", "ScheduleLoopedBFS",
 ]  # fmt: skip
 
 
@@ -285,3 +291,26 @@ class ScheduleZBVZeroBubble(PipelineScheduleMulti):
             raise ValueError(f"ScheduleZBVZeroBubble takes exactly 2 stages per process (a V), "
                              f"got {v}.")
         return zero_bubble_v(p, m)
+
+
+class ScheduleLoopedBFS(PipelineScheduleMulti):
+    """Looped breadth-first: every microbatch through one stage before the next stage
+    (``looped_bfs``, loop placement, any number of stages per process)."""
+
+    def _timetable(self, p: int, m: int, v: int) -> Timetable:
+        return looped_bfs(p, m, v)
+
+
+class ScheduleDualPipeV(PipelineScheduleMulti):
+    """DualPipeV: two stages per process in a V, forward-backward pairs in the steady state
+    (``dualpipe_v``). As torch's, it takes at least as many microbatches as stages."""
+
+    def _timetable(self, p: int, m: int, v: int) -> Timetable:
+        if v != 2:
+            raise ValueError(f"ScheduleDualPipeV takes exactly 2 stages per process (a V), "
+                             f"got {v}.")
+        if m < 2 * p:
+            raise ValueError(f"ScheduleDualPipeV needs n_microbatches >= the number of stages "
+                             f"({2 * p}), as torch's does; use n_microbatches >= {2 * p} (a "
+                             f"batch that splits into them).")
+        return dualpipe_v(p, m)

@@ -1,4 +1,5 @@
-"""The pipeline schedules: GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZB-V.
+"""The pipeline schedules: GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble ZB-H1 and
+ZB-V, and DualPipeV.
 
 Each builder writes down, for every rank, the order in which the rank runs
 its forward (F), backward (B) and weight-gradient (W) actions, and lets
@@ -15,6 +16,8 @@ schedule              ticks                bubble fraction
 ``interleaved_1f1b``  ``2 (v m + p - 1)``  ``(p - 1) / (v m + p - 1)``
 ``zb_h1``             ``3 m + p - 1``      ``(p - 1) / (3 m + p - 1)``
 ``zb_v``              ``6 m + p - 1``      ``(p - 1) / (6 m + p - 1)``
+``dualpipe_v``        ``6 m + p - 1``      ``(p - 1) / (6 m + p - 1)``
+``looped_bfs``        ``2 (v m + p - 1)``  ``(p - 1) / (v m + p - 1)``
 ====================  ===================  ===========================
 
 For the interleaved schedule a tick is one chunk's F or B (``1/v`` of a full
@@ -24,7 +27,11 @@ each rank idles ``p - 1`` ticks against 1F1B's ``3 (p - 1)`` (there the full
 backward is ``B + W``, two ticks), a third of 1F1B's bubble. ZB-V runs two
 chunks per rank in a V (a tick is one chunk's F, B or W, half a stage's), and
 idles ``p - 1`` such half-ticks per rank for ``m >= 2 p``; for a small ``m`` its
-bubble is larger (see ``bench/results/pipeline_bubbles.json``).
+bubble is larger (see ``bench/results/pipeline_bubbles.json``). DualPipeV runs the
+same V with torch's ``ScheduleDualPipeV`` order, and idles the same ``p - 1`` half-ticks
+(DeepSeek-V3's ``(PP / 2 - 1) (F&B + B - 3 W)`` at unit costs, ``PP = 2 p`` model stages:
+see :func:`jaxpg.pipeline.checker.check_bubble`). Looped BFS runs every microbatch through
+one chunk before the next, as GPipe runs them through its one stage.
 
 Example:
     >>> from jaxpg.pipeline.schedules import get_schedule
@@ -46,7 +53,9 @@ __all__ = [
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
+    "dualpipe_v",
     "interleaved_zero_bubble",
+    "looped_bfs",
     "one_f_one_b",
     "theory_bubble_fraction",
     "theory_ticks",
@@ -293,12 +302,135 @@ def zero_bubble_v(p: int, m: int) -> Timetable:
     )
 
 
+def looped_bfs(p: int, m: int, v: int) -> Timetable:
+    """Breadth-first looped pipeline (Lamy-Poirier, 2022), torch's ``ScheduleLoopedBFS``.
+
+    ``v`` chunks per rank in a loop (chunk ``c`` of rank ``r`` is model stage ``c p + r``,
+    as interleaved 1F1B). Each rank runs every microbatch's forward on chunk 0, then on
+    chunk 1, and so on; then the backwards from the last chunk down, the microbatches
+    in reverse order (the last microbatch's first), as torch's order has them.
+
+    Args:
+      p: Pipeline stages (ranks).
+      m: Microbatches, any ``m >= 1``.
+      v: Model chunks per rank, ``v >= 1`` (one chunk is GPipe with the backwards reversed).
+
+    Returns:
+      A :class:`Timetable` of ``2 (v m + p - 1)`` ticks of one chunk each; a rank holds
+      up to ``v m`` chunk activations at once, as GPipe holds ``m``.
+    """
+    p, m = _check_counts("looped_bfs", p, m)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ValueError(f"looped_bfs needs v >= 1 model chunks per rank, got v={v!r}.")
+    v = int(v)
+    order = [Action("F", i, c) for c in range(v) for i in range(m)]
+    order += [Action("B", i, c) for c in reversed(range(v)) for i in reversed(range(m))]
+    return simulate("looped_bfs", [order] * p, num_microbatches=m, num_chunks=v)
+
+
+def _dualpipe_v_order(p: int, m: int, rank: int) -> list[Action]:
+    """Rank ``rank``'s actions in torch's ``ScheduleDualPipeV`` order.
+
+    torch's full backward is ``B`` then ``W`` here; its overlapped pair (``OVERLAP_F_B``:
+    one chunk's forward and the other chunk's full backward) is the forward, then the
+    backward's ``B`` and ``W``, the order in which torch's runtime runs the pair's parts.
+    """
+    order: list[Action] = []
+    count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+    weights: list[Action] = []  # the W of split backwards, oldest first
+
+    def forward(chunk: int) -> None:
+        order.append(Action("F", count["F", chunk], chunk))
+        count["F", chunk] += 1
+
+    def backward(chunk: int, full: bool = True) -> None:
+        mb = count["B", chunk]
+        count["B", chunk] += 1
+        order.append(Action("B", mb, chunk))
+        (order if full else weights).append(Action("W", mb, chunk))
+
+    def weight() -> None:
+        if weights:
+            order.append(weights.pop(0))
+
+    def pair(forward_chunk: int) -> None:  # torch's OVERLAP_F_B
+        forward(forward_chunk)
+        backward(1 - forward_chunk)
+
+    for _ in range(2 * (p - rank - 1)):
+        forward(0)
+    for _ in range(rank + 1):
+        forward(0)
+        forward(1)
+    for _ in range(p - rank - 1):  # zero bubble: B, W, F on chunk 1
+        backward(1, full=False)
+        weight()
+        forward(1)
+    for i in range(m - 2 * p + rank + 1):  # the steady state: two overlapped pairs
+        if i == 0 and rank == p - 1:
+            forward(0)  # torch runs the turn of the V's first pair unpaired
+            backward(1)
+        else:
+            pair(0)
+        pair(1)
+    for _ in range(p - rank - 1):
+        backward(1)
+        pair(1)
+    split, steps = False, rank + 1
+    for i in range(steps):  # the second half of the backwards split, as zero bubble
+        split = split or (i == steps // 2 and rank % 2 == 1)
+        backward(1, full=not split)
+        split = split or (i == steps // 2 and rank % 2 == 0)
+        backward(0, full=not split)
+    for _ in range(p - rank - 1):
+        weight()
+        backward(0, full=not split)
+    while weights:
+        weight()
+    return order
+
+
+def dualpipe_v(p: int, m: int) -> Timetable:
+    """DualPipeV: DeepSeek's DualPipe in its V layout, in torch's ``ScheduleDualPipeV`` order.
+
+    Two chunks per rank in a V, as ZB-V (``layout="v"``: chunk 0 of rank ``r`` is model
+    stage ``r``, chunk 1 is stage ``2 p - 1 - r``). In its steady state every rank runs
+    pairs: one chunk's forward of one microbatch beside the other chunk's backward of
+    another, which DualPipe overlaps (one's communication under the other's compute).
+    The pair is written as its forward, then the backward's ``B`` and ``W`` in the next
+    ticks; the backwards before and after the steady state split into ``B`` and a later
+    ``W`` that fills the bubble, as zero bubble does. Each rank idles ``p - 1`` ticks
+    (half a stage each), DeepSeek-V3's ``(PP / 2 - 1) (F&B + B - 3 W)`` at unit costs.
+
+    Args:
+      p: Pipeline stages (ranks); the model has ``2 p`` stages.
+      m: Microbatches, ``m >= 2 p`` (torch's rule: at least as many as model stages).
+
+    Returns:
+      A :class:`Timetable` with ``num_chunks=2``, ``layout="v"`` and
+      ``split_backward=True``, of ``6 m + p - 1`` ticks; a rank holds at most ``2 p + 1``
+      chunk activations, counted until ``W``.
+    """
+    p, m = _check_counts("dualpipe_v", p, m)
+    if m < 2 * p:
+        raise ValueError(
+            f"dualpipe_v needs at least as many microbatches as model stages (2 p = {2 * p}), "
+            f"as torch's ScheduleDualPipeV does, got m={m} with p={p}; use m >= {2 * p}."
+        )
+    orders = [_dualpipe_v_order(p, m, r) for r in range(p)]
+    return simulate(
+        "dualpipe_v", orders, num_microbatches=m, num_chunks=2, split_backward=True, layout="v"
+    )
+
+
 _BUILDERS: dict[str, Callable[..., Timetable]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zero_bubble_h1,
     "zb_v": zero_bubble_v,
+    "dualpipe_v": dualpipe_v,
+    "looped_bfs": looped_bfs,
 }
 
 
@@ -312,23 +444,24 @@ def get_schedule(name: str, p: int, m: int, v: int = 1) -> Timetable:
 
     Args:
       name: One of ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``,
-        ``"zb_v"``.
+        ``"zb_v"``, ``"dualpipe_v"``, ``"looped_bfs"``.
       p: Pipeline stages (ranks).
       m: Microbatches.
-      v: Model chunks per rank; ``"interleaved_1f1b"`` takes ``v >= 2``, ``"zb_v"``
-        runs two chunks (``v`` 1 or 2 both mean its fixed two), the others one.
+      v: Model chunks per rank; ``"interleaved_1f1b"`` takes ``v >= 2``, ``"looped_bfs"``
+        ``v >= 1``, ``"zb_v"`` and ``"dualpipe_v"`` run two chunks (``v`` 1 or 2 both mean
+        their fixed two), the others one.
 
     Returns:
       The schedule's :class:`Timetable`.
     """
     if name not in _BUILDERS:
         raise ValueError(f"Unknown schedule name={name!r}; choose one of {available_schedules()}.")
-    if name == "interleaved_1f1b":
-        return interleaved_1f1b(p, m, v)
-    if name == "zb_v":
+    if name in ("interleaved_1f1b", "looped_bfs"):
+        return _BUILDERS[name](p, m, v)
+    if name in ("zb_v", "dualpipe_v"):
         if v not in (1, 2):
-            raise ValueError(f"Schedule 'zb_v' runs exactly two chunks per rank, got v={v!r}.")
-        return zero_bubble_v(p, m)
+            raise ValueError(f"Schedule {name!r} runs exactly two chunks per rank, got v={v!r}.")
+        return _BUILDERS[name](p, m)
     if v != 1:
         raise ValueError(
             f"Schedule {name!r} runs one model chunk per rank, got v={v!r}; "
@@ -341,11 +474,11 @@ def theory_ticks(name: str, p: int, m: int, v: int = 1) -> int:
     """The number of ticks the papers' formulas give for schedule ``name``."""
     if name in ("gpipe", "1f1b"):
         return 2 * (m + p - 1)
-    if name == "interleaved_1f1b":
+    if name in ("interleaved_1f1b", "looped_bfs"):
         return 2 * (v * m + p - 1)
     if name == "zb_h1":
         return 3 * m + p - 1
-    if name == "zb_v":
+    if name in ("zb_v", "dualpipe_v"):
         return 6 * m + p - 1
     raise ValueError(f"Unknown schedule name={name!r}; choose one of {available_schedules()}.")
 
@@ -354,10 +487,10 @@ def theory_bubble_fraction(name: str, p: int, m: int, v: int = 1) -> float:
     """Idle over total rank-time by the papers' formulas (see the module table)."""
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
-    if name == "interleaved_1f1b":
+    if name in ("interleaved_1f1b", "looped_bfs"):
         return (p - 1) / (v * m + p - 1)
     if name == "zb_h1":
         return (p - 1) / (3 * m + p - 1)
-    if name == "zb_v":
+    if name in ("zb_v", "dualpipe_v"):
         return (p - 1) / (6 * m + p - 1)
     raise ValueError(f"Unknown schedule name={name!r}; choose one of {available_schedules()}.")

@@ -79,7 +79,8 @@ def test_process_executor_matches_un_pipelined_and_spmd(world, tmp_path):
         assert rc == 0 and "DONE" in text, text[-4000:]
     got = dict(np.load(out))
     x, t = w.batch(w.M * w.ROWS)
-    for name, v in w.SCHEDULES.items():
+    assert "dualpipe_v" in w.schedules(2) and "looped_bfs" in w.schedules(4)
+    for name, v in w.schedules(world).items():
         params = w.model(world, v)
         ref_loss, ref = w.reference(params, x, t)
         spmd = f"{name} spmd remat=False"

@@ -85,6 +85,9 @@ CASES += [
     for name, v in (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zb_v", 2))
     for p, m in ((2, 4), (4, 8))
 ] + [("1f1b", 4, 5, 1, True), ("zb_h1", 2, 3, 1, True), ("zb_v", 4, 5, 2, True)]
+CASES += [("dualpipe_v", 2, 4, 2, False), ("dualpipe_v", 4, 9, 2, False),
+          ("dualpipe_v", 2, 5, 2, True), ("looped_bfs", 2, 3, 2, False),
+          ("looped_bfs", 4, 4, 1, True)]  # fmt: skip
 
 
 def assert_matches_reference(params, x, t, **kwargs):

@@ -8,12 +8,21 @@ import numpy as np
 import pytest
 from _require import import_or_skip
 
-from jaxpg.pipeline.checker import check_timetable, default_in_flight_limits, peak_in_flight
+from jaxpg.pipeline.checker import (
+    check_bubble,
+    check_timetable,
+    default_in_flight_limits,
+    paper_bubble,
+    peak_in_flight,
+)
+from jaxpg.pipeline.costs import ActionCosts
 from jaxpg.pipeline.schedules import (
     available_schedules,
+    dualpipe_v,
     get_schedule,
     gpipe,
     interleaved_1f1b,
+    looped_bfs,
     one_f_one_b,
     theory_bubble_fraction,
     theory_ticks,
@@ -30,6 +39,8 @@ CONFIGS = [
 ] + [("interleaved_1f1b", p, m, v) for p, m in [(2, 2), (2, 4), (4, 4), (4, 8)] for v in (2,)]
 CONFIGS += [("interleaved_1f1b", 4, 8, 3), ("gpipe", 4, 2, 1), ("1f1b", 4, 2, 1)]
 CONFIGS += [("zb_v", p, m, 2) for p, m in [(2, 3), (2, 4), (2, 5), (4, 7), (4, 8), (4, 12)]]
+CONFIGS += [("dualpipe_v", p, m, 2) for p, m in [(2, 4), (2, 5), (3, 6), (4, 8), (4, 11)]]
+CONFIGS += [("looped_bfs", p, m, v) for p, m, v in [(2, 2, 1), (2, 3, 2), (4, 4, 2), (4, 6, 3)]]
 
 
 def _ids(config):
@@ -51,7 +62,7 @@ def test_schedule_is_valid_and_matches_theory(config):
     tt = get_schedule(name, p, m, v)
     check_timetable(tt)
     assert (tt.name, tt.num_stages, tt.num_microbatches, tt.num_chunks) == (name, p, m, v)
-    assert tt.split_backward == name.startswith("zb")
+    assert tt.split_backward == (name.startswith("zb") or name == "dualpipe_v")
     assert tt.num_ticks == theory_ticks(name, p, m, v)
     assert tt.bubble_fraction == pytest.approx(theory_bubble_fraction(name, p, m, v))
     per_rank = (3 if tt.split_backward else 2) * m * v
@@ -127,6 +138,99 @@ def test_zero_bubble_v_order_is_torchs_schedule(p, m):
                 for a in torch_schedule.pipeline_order[rank] if a is not None]
         got = [(a.kind, a.microbatch, tt.stage_of(rank, a.chunk)) for _, a in tt.actions_of(rank)]
         assert got == want, rank
+
+
+def _torch_stand_ins(p: int, rank: int, stage_indices) -> list:
+    """Stand-in stages with the attributes torch's schedules read in their constructors
+    (they compute ``pipeline_order`` from the stages' sizes alone: no process group)."""
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(group_size=p, group_rank=rank, num_stages=len(stage_indices) * p,
+                            stage_index=s, submod=None, is_first=s == 0,
+                            is_last=s == len(stage_indices) * p - 1) for s in stage_indices]
+
+
+def _torch_order(actions, split: bool = True) -> list[tuple[str, int, int]]:
+    """torch's actions as ``(kind, microbatch, stage)``: its I is B, its full backward B then
+    W when the timetable splits its backwards (else B), its overlapped pair its forward then
+    its full backward (the order torch runs them)."""
+    out = []
+    for a in actions:
+        if a is None:
+            continue
+        if a.computation_type.name == "OVERLAP_F_B":
+            out += _torch_order(a.sub_actions)
+        elif a.computation_type.name == "FULL_BACKWARD":
+            out += [(k, a.microbatch_index, a.stage_index) for k in ("BW" if split else "B")]
+        else:
+            kind = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+            out.append((kind[a.computation_type.name], a.microbatch_index, a.stage_index))
+    return out
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 7), (3, 6), (4, 8), (4, 11)])
+def test_dualpipe_v_order_is_torchs_schedule(p, m):
+    """Every rank's DualPipeV order (its overlapped pairs unfolded) and the V layout, against
+    torch's own ``ScheduleDualPipeV.pipeline_order``."""
+    import_or_skip("torch", "torch's ScheduleDualPipeV is the reference for DualPipeV's order")
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV as TorchDualPipeV
+
+    tt = dualpipe_v(p, m)
+    for rank in range(p):
+        torch_schedule = TorchDualPipeV(_torch_stand_ins(p, rank, (rank, 2 * p - 1 - rank)), m)
+        assert torch_schedule.stage_index_to_group_rank == {
+            tt.stage_of(r, c): r for r in range(p) for c in (0, 1)}
+        pipeline_order = torch_schedule.pipeline_order[rank]
+        assert any(a is not None and a.computation_type.name == "OVERLAP_F_B"
+                   for a in pipeline_order)
+        got = [(a.kind, a.microbatch, tt.stage_of(rank, a.chunk)) for _, a in tt.actions_of(rank)]
+        assert got == _torch_order(pipeline_order), rank
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 3, 2), (4, 4, 2), (2, 2, 3), (3, 2, 1)])
+def test_looped_bfs_order_is_torchs_schedule(p, m, v):
+    """Every rank's looped-BFS order and loop layout, against torch's own
+    ``ScheduleLoopedBFS.pipeline_order``."""
+    import_or_skip("torch", "torch's ScheduleLoopedBFS is the reference for its order")
+    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS as TorchLoopedBFS
+
+    tt = looped_bfs(p, m, v)
+    for rank in range(p):
+        stages = _torch_stand_ins(p, rank, range(rank, p * v, p))
+        torch_schedule = TorchLoopedBFS(stages, m)
+        got = [(a.kind, a.microbatch, tt.stage_of(rank, a.chunk)) for _, a in tt.actions_of(rank)]
+        assert got == _torch_order(torch_schedule.pipeline_order[rank], split=False), rank
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 13), (8, 16)])
+def test_dualpipe_v_bubble_is_deepseeks_formula(p, m):
+    """At unit costs each rank idles DeepSeek-V3's (PP / 2 - 1)(F&B + B - 3W) with PP = 2p
+    model stages and F&B = F + B + W, p - 1: under 1F1B's (p - 1)(F + B) on the same p ranks
+    and a third of it, as ZB-H1's (p - 1)(F + B - W), with half-stage actions."""
+    tt = dualpipe_v(p, m)
+    unit = ActionCosts(1.0, 1.0, 1.0)
+    assert paper_bubble(tt, unit) == (p - 1) * (3 + 1 - 3)
+    assert check_bubble(tt, unit) == [p - 1] * p
+    assert [tt.idle_ticks(r) for r in range(p)] == [p - 1] * p
+    assert check_bubble(one_f_one_b(p, m)) == [(p - 1) * (1 + 2)] * p
+    assert check_bubble(zero_bubble_h1(p, m)) == [p - 1] * p
+    # heavier backwards: at most the formula's (p - 1)(F + B + W + B - 3W)
+    heavy = ActionCosts(1.0, 2.0, 1.0)
+    assert max(check_bubble(tt, heavy)) <= paper_bubble(tt, heavy) == (p - 1) * 3
+
+
+def test_check_bubble_names_a_rank_over_the_formula():
+    """GPipe's order on the V (every forward, then every backward) idles more than the
+    formula: the checker names the first rank over it."""
+    from jaxpg.pipeline._simulate import simulate
+
+    order = [Action("F", i, c) for c in (0, 1) for i in range(4)]
+    order += [Action(k, i, c) for c in (1, 0) for i in range(4) for k in "BW"]
+    tt = simulate("dualpipe_v", [order] * 2, num_microbatches=4, num_chunks=2,
+                  split_backward=True, layout="v")
+    check_timetable(tt, max_in_flight=8)
+    with pytest.raises(ValueError, match=r"'dualpipe_v' idles 4 on rank 0 .* bubble of 1\."):
+        check_bubble(tt, ActionCosts(1.0, 1.0, 1.0))
 
 
 def test_interleaving_shrinks_the_bubble():
@@ -268,6 +372,10 @@ def test_checker_rejects_too_many_activations_in_flight():
         (lambda: get_schedule("1f1b", 4, 8, v=2), "one model chunk per rank, got v=2"),
         (lambda: get_schedule("zb_v", 4, 8, v=3), "exactly two chunks per rank, got v=3"),
         (lambda: zero_bubble_v(4, 0), "got m=0"),
+        (lambda: dualpipe_v(4, 7), r"model stages \(2 p = 8\).* got m=7 with p=4; use m >= 8"),
+        (lambda: get_schedule("dualpipe_v", 2, 4, v=3), "exactly two chunks per rank, got v=3"),
+        (lambda: looped_bfs(2, 4, 0), "v >= 1 model chunks per rank, got v=0"),
+        (lambda: check_bubble(gpipe(2, 2)), "no bubble formula for schedule 'gpipe'"),
         (lambda: peak_in_flight(gpipe(2, 2), until="W"), "until='W' must be 'B'"),
     ],
 )
@@ -276,8 +384,10 @@ def test_bad_configs_raise(call, match):
         call()
 
 
-def test_registry_knows_the_five_schedules():
-    assert available_schedules() == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v")
+def test_registry_knows_the_seven_schedules():
+    assert available_schedules() == (
+        "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v", "looped_bfs")
+    assert get_schedule("looped_bfs", 2, 3, v=2) == looped_bfs(2, 3, 2)
     assert get_schedule("zb_h1", 2, 2) == zero_bubble_h1(2, 2)
 
 

@@ -240,6 +240,30 @@ def test_schedules_refuse_fewer_microbatches_than_torch_allows(world):
             make()
 
 
+def test_dualpipe_v_and_looped_bfs_classes_check_like_torchs(world):
+    """ScheduleDualPipeV (attributes of jaxpg.pipeline, as torch's of its pipelining
+    package) puts stages r and 2p - 1 - r on rank r and takes at least as many microbatches
+    as stages (torch: ``DualPipeV requires at least as many microbatches as stages``);
+    ScheduleLoopedBFS puts stage s on rank s % p and takes any count."""
+    import jaxpg.pipeline as pipeline
+
+    assert "ScheduleDualPipeV" not in pipeline.__all__ and len(pipeline.__all__) <= 25
+    v_stages = [PipelineStage(Block(), s, 16) for s in (0, 15)]
+    with pytest.raises(ValueError, match=r"ScheduleDualPipeV n_microbatches=15 over 16 stages: "
+                                         r".*n_microbatches >= the number of stages \(16\), "
+                                         r"as torch's does; use n_microbatches >= 16"):
+        pipeline.ScheduleDualPipeV(v_stages, 15, loss_fn=jnp.mean)
+    with pytest.raises(ValueError, match=r"takes exactly 2 stages per process \(a V\), got 1"):
+        pipeline.ScheduleDualPipeV([PipelineStage(Block(), 0, 8)], 8, loss_fn=jnp.mean)
+    with pytest.raises(ValueError, match=r"runs stages \[0, 8\] on pipeline rank 0"):
+        pipeline.ScheduleLoopedBFS(v_stages, 3, loss_fn=jnp.mean)
+    for make in (lambda: pipeline.ScheduleDualPipeV(v_stages, 16, loss_fn=jnp.mean),
+                 lambda: pipeline.ScheduleLoopedBFS(
+                     [PipelineStage(Block(), s, 16) for s in (0, 8)], 3, loss_fn=jnp.mean)):
+        with pytest.raises(ValueError, match="one process with several devices"):
+            make()
+
+
 def _layers():
     return [LayerDesc(Block, 0), LayerDesc(Block, 1), LayerDesc(Head, 2), LayerDesc(Head, 3)]
 
