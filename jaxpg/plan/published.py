@@ -4,7 +4,9 @@
 GPU Clusters Using Megatron-LM" (arXiv 2104.04473), Table 1: GPT models on A100 80GB
 (Selene: 8 per node, NVLink within, 8 x 200 Gb/s InfiniBand per node), sequence 2048,
 vocabulary 51,200, full recomputation, mixed precision. Each row: the preset, tensor- and
-pipeline-parallel degrees, GPUs, batch (sequences) and the achieved teraFLOP/s per GPU.
+pipeline-parallel degrees, GPUs, batch (sequences), the achieved teraFLOP/s per GPU, and the
+parameter count (billions) and aggregate petaFLOP/s as the table prints them (two columns
+that check the others: the preset's size, and teraFLOP/s per GPU times GPUs).
 
 The paper counts FLOPs with recomputation (its eq. 3): ``96 B s l h^2 (1 + s / (6 h) +
 V / (16 l h))`` per step, so the published figure converts to tokens/s per GPU as
@@ -29,6 +31,8 @@ class PublishedRun(NamedTuple):
     gpus: int
     batch: int
     tflops_per_gpu: float
+    params_billion: float
+    aggregate_pflops: float
 
     @property
     def dp(self) -> int:
@@ -36,16 +40,16 @@ class PublishedRun(NamedTuple):
 
 
 MEGATRON_TABLE1 = (
-    PublishedRun("gpt-1.7b", 1, 1, 32, 512, 137),
-    PublishedRun("gpt-3.6b", 2, 1, 64, 512, 138),
-    PublishedRun("gpt-7.5b", 4, 1, 128, 512, 142),
-    PublishedRun("gpt-18b", 8, 1, 256, 1024, 135),
-    PublishedRun("gpt-39b", 8, 2, 512, 1536, 138),
-    PublishedRun("gpt-76b", 8, 4, 1024, 1792, 140),
-    PublishedRun("gpt-146b", 8, 8, 1536, 2304, 148),
-    PublishedRun("gpt-310b", 8, 16, 1920, 2160, 155),
-    PublishedRun("gpt-530b", 8, 35, 2520, 2520, 163),
-    PublishedRun("gpt-1t", 8, 64, 3072, 3072, 163),
+    PublishedRun("gpt-1.7b", 1, 1, 32, 512, 137, 1.7, 4.4),
+    PublishedRun("gpt-3.6b", 2, 1, 64, 512, 138, 3.6, 8.8),
+    PublishedRun("gpt-7.5b", 4, 1, 128, 512, 142, 7.5, 18.2),
+    PublishedRun("gpt-18b", 8, 1, 256, 1024, 135, 18.4, 34.6),
+    PublishedRun("gpt-39b", 8, 2, 512, 1536, 138, 39.1, 70.8),
+    PublishedRun("gpt-76b", 8, 4, 1024, 1792, 140, 76.1, 143.8),
+    PublishedRun("gpt-146b", 8, 8, 1536, 2304, 148, 145.6, 227.1),
+    PublishedRun("gpt-310b", 8, 16, 1920, 2160, 155, 310.1, 297.4),
+    PublishedRun("gpt-530b", 8, 35, 2520, 2520, 163, 529.6, 410.2),
+    PublishedRun("gpt-1t", 8, 64, 3072, 3072, 163, 1008.0, 502.0),
 )
 
 

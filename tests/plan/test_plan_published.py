@@ -20,3 +20,14 @@ def test_megatron_table1_throughput_within_25_percent(run):
     assert est.fits, est.summary()
     published = megatron_tokens_per_s(run, spec)
     assert est.tokens_per_s_per_device == pytest.approx(published, rel=0.25)
+
+
+@pytest.mark.parametrize("run", MEGATRON_TABLE1, ids=[r.model for r in MEGATRON_TABLE1])
+def test_megatron_rows_agree_with_the_tables_own_columns(run):
+    """Each row's preset has the table's parameter count, and its per-GPU teraFLOP/s times
+    its GPUs is the table's aggregate petaFLOP/s (a mistyped figure fails one of them)."""
+    spec = get_model(run.model)
+    # the table prints billions to one decimal and counts the position embeddings too
+    assert spec.params / 1e9 == pytest.approx(run.params_billion, rel=0.002, abs=0.06)
+    assert run.tflops_per_gpu * run.gpus / 1e3 == pytest.approx(run.aggregate_pflops, rel=0.01)
+    assert run.gpus % (run.tp * run.pp) == 0 and run.batch % run.dp == 0
