@@ -11,7 +11,10 @@ pipeline stages of ``blocks / (p v)`` blocks each, so every schedule runs the sa
 * ``steps``: step time (``loss, grads``) on ``--stages`` simulated CPU devices, every
   variant run side by side: each round runs every variant once, in turn, and the
   ratios are taken within a round; the tables give medians over ``--rounds`` rounds.
-  ``grad_check`` records that the variants' gradients agree.
+  ``grad_check`` records that the variants' gradients agree, and each row's
+  ``loop_matmuls`` the matmuls of its compiled loop (``loop_matmuls``): the work check
+  beside the time, since a path that recomputes a forward holds more of them (1F1B
+  and ZB-H1 without remat hold the same number, 3 per forward matmul).
 * ``remat``: 1F1B with ``remat`` off against on, for stages of one and of two blocks,
   side by side, with the matmuls of one microbatch's F + B counted in the compiled loop
   (their ratio is the best the step-time ratio can be), and the same ratio for the stage
@@ -25,9 +28,12 @@ pipeline stages of ``blocks / (p v)`` blocks each, so every schedule runs the sa
   ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) on the same model, stage count
   and microbatches, one CPU process per rank over gloo, one thread each.
 
-Writes ``bench/results/pipeline.json`` and prints markdown tables.
+Writes ``bench/results/pipeline.json`` (``--configuration NAME``: as that named run
+inside it, ``bench/_results.py``) and prints markdown tables.
 
     python bench/pipeline.py [--efficiency] [--torch] [--dim 512] [--microbatch 16]
+    python bench/pipeline.py --skip-memory --variants "1f1b remat,1f1b,zb_h1 remat,zb_h1" \
+        --configuration remat_and_zb_h1     # keeping residuals and ZB-H1, side by side
 """
 
 import os
@@ -58,6 +64,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _launch import RESULTS, free_port, launch  # noqa: E402  (bench/ is sys.path[0])
 from _residual_mlp import make_params, mse, stage_fn, staged, torch_block, unstaged  # noqa: E402
+from _results import add_flag, save  # noqa: E402
 from _rounds import load_average, ratio_median, run_rounds  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -206,7 +213,7 @@ def minor_faults_per_call(fn, calls=3):
 
 def measure_steps(args, m=8):
     x, t = placed_batch(m, args.microbatch, args.dim, args.stages)
-    fns, grads, names = {}, {}, {}
+    fns, grads, names, matmuls = {}, {}, {}, {}
     chosen = args.variants.split(",") if args.variants else None
     for name, remat in STEP_VARIANTS:
         if chosen is not None and label(name, remat) not in chosen:
@@ -214,6 +221,7 @@ def measure_steps(args, m=8):
         fn, params = setup(args, name, remat, m)
         fns[label(name, remat)] = functools.partial(fn, params, x, t)
         names[label(name, remat)] = name
+        matmuls[label(name, remat)] = loop_matmuls(fn.lower(params, x, t).compile().as_text())
     cpu = {}
     samples = side_by_side(fns, args.rounds, cpu)
     faults = {key: minor_faults_per_call(fn) for key, fn in fns.items()}
@@ -233,13 +241,15 @@ def measure_steps(args, m=8):
     rows = [
         {"framework": "jax (jaxpg)", "schedule": key, "m": m,
          "step_ms": 1e3 * statistics.median(s), "cpu_ms": 1e3 * statistics.median(cpu[key]),
-         "minor_faults": faults[key], "samples_ms": [round(1e3 * v, 2) for v in s],
+         "minor_faults": faults[key], "loop_matmuls": matmuls[key],
+         "samples_ms": [round(1e3 * v, 2) for v in s],
          "cpu_samples_ms": [round(1e3 * v, 2) for v in cpu[key]]}
         for key, s in samples.items()
     ]  # fmt: skip
     for r in rows:
         print(f"step {r['schedule']} m={m}: {r['step_ms']:.1f} ms wall, "
-              f"{r['cpu_ms']:.1f} ms CPU, {r['minor_faults']} page faults", flush=True)  # fmt: skip
+              f"{r['cpu_ms']:.1f} ms CPU, {r['minor_faults']} page faults, "
+              f"{r['loop_matmuls']} matmuls in the loop", flush=True)  # fmt: skip
     pairs = {
         "zb_h1 / 1f1b": ("zb_h1", "1f1b"),
         "1f1b / 1f1b remat": ("1f1b", "1f1b remat"),
@@ -502,6 +512,7 @@ def main():
                              "'1f1b,zb_h1,1f1b remat' (default: all)")  # fmt: skip
     parser.add_argument("--efficiency-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS / "pipeline.json"))
+    add_flag(parser)
     args = parser.parse_args()
     if args.efficiency_worker:
         efficiency_worker(args)
@@ -511,7 +522,7 @@ def main():
         "config": {
             "stages": args.stages, "blocks": args.blocks, "dim": args.dim,
             "hidden": 4 * args.dim, "microbatch_rows": args.microbatch,
-            "rounds": args.rounds,
+            "rounds": args.rounds, "variants": args.variants or "all",
             "devices": f"{args.stages} simulated CPU devices, one process",
             "cpu_count": os.cpu_count(), "jax": jax.__version__,
             "python": platform.python_version(),
@@ -531,8 +542,7 @@ def main():
         result["steps"] += torch_step_times(args)
         result["config"]["torch"] = "torch.distributed.pipelining, gloo, one process per rank"
     result["config"]["load_average_after"] = load_average()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    save(args.out, result, args.configuration)
     if not args.skip_memory:
         print(table(result))
     print(f"written to {args.out}")

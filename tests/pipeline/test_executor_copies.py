@@ -11,6 +11,9 @@ Nor of a slot buffer: a tick's steps return only what they write (the rest of th
 state is a read-only cond operand), and what a tick receives is stored at the start of
 the next one, before any step reads the buffers. Stored at the end of the tick, after
 ``W`` read them, XLA copied both activation-slot buffers twice a tick in split schedules.
+
+Nor does it recompute a forward without remat: the loop holds each of the stage's matmuls
+once per action, as many for ZB-H1's split ``B`` + ``W`` as for 1F1B's whole backward.
 """
 
 import functools
@@ -96,3 +99,15 @@ def test_one_transfer_per_tick_and_way(name, v, p, want):
     gloo round trip across processes), two from p = 3 on."""
     hlo = loop_hlo(name, v, False, p=p, m=4)
     assert count_in_loop(hlo, " collective-permute(") == want
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_kept_residuals_recompute_no_matmul(name):
+    """Without remat the loop runs the block's 2 forward matmuls in ``F`` and its 4
+    backward ones (an input and a weight gradient for each) in ``B`` (and ``W``): 6,
+    the split schedule as many as 1F1B. With remat the backward recomputes the forward,
+    so its loop holds more: a count of 6 in both modes (both recompute) or above 6
+    without remat (the residuals not kept, or ``W`` redoing ``B``'s work) fails."""
+    keep, remat = (count_in_loop(loop_hlo(name, 1, r), " dot(") for r in (False, True))
+    assert keep == 2 + 4, keep
+    assert remat > keep, (remat, keep)
