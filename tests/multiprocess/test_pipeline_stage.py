@@ -5,7 +5,8 @@
   per-microbatch losses and every parameter gradient on the same weights and data (1e-5),
   including torch's accumulation without ``zero_grad`` (its ``scale_grads`` rule) and a
   step after an SGD update (3.11 leg, where torch is installed), and the un-pipelined
-  model's (both legs);
+  model's (both legs); over 2 processes, its 4 stages 2 a process under
+  ``ScheduleDualPipeV`` and ``ScheduleLoopedBFS`` give torch's (3.11 leg);
 * every schedule class gives the un-pipelined model's losses and gradients, with stages of
   different shapes (both legs, 2 processes); stages that do not fit are named on every rank
   before anything runs;
@@ -35,7 +36,9 @@ from _require import import_or_skip
 from jaxpg.internal import free_port
 
 WORKER = Path(__file__).parent / "workers" / "pipeline_stage_worker.py"
-MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+         "ScheduleLoopedBFS", "ScheduleDualPipeV")
+V_PLACED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # the last stage on rank 0
 M = 4  # microbatches (the worker's)
 
 
@@ -87,6 +90,14 @@ def test_tutorial_model_matches_torch_pipelining(request, world):
             _close(got[mine], got[key], f"rank {r}: {key}")
         grads = [k for k in torch_keys if "/grad" in k]
         assert len(grads) >= 8, grads  # every parameter of the stage, every step
+        if world == 2:  # two stages a process: every parameter of both, the losses
+            # stages 0 (embedding + block) and 3 (norm + head) on rank 0 in a V, 1 and 2
+            # (a block each) on rank 1; 0 and 2 on rank 0 in a loop, 1 and 3 on rank 1
+            for name, counts in (("dualpipev", (7 + 4, 6 + 6)), ("loopedbfs", (7 + 6, 6 + 4))):
+                held = [k for k in grads if k.startswith(f"torch/{name}/grad1/")]
+                assert len(held) == counts[r], (r, name, held)
+            assert ("torch/dualpipev/losses1" in got) == (r == 0), r
+            assert ("torch/loopedbfs/losses1" in got) == (r == 1), r
 
 
 @pytest.mark.slow
@@ -133,7 +144,7 @@ def test_tutorial_model_matches_the_un_pipelined_model(request, sched, world):
 def test_every_schedule_class_gives_the_un_pipelined_gradients(results, name):
     ref_losses = results[0]["hetero/ref/losses"]
     # the last stage is on rank 1 in a loop (stage 3 = 2 + 1), on rank 0 in a V
-    holder = results[0 if name == "ScheduleZBVZeroBubble" else 1]
+    holder = results[0 if name in V_PLACED else 1]
     _close(holder[f"hetero/{name}/losses"], ref_losses, f"{name} losses")
     seen = 0
     for got in results:

@@ -18,6 +18,10 @@ service; one CPU device per process). Writes ``OUT_DIR/rank{RANK}.npz`` with:
   (``{lib}/{sched}/grad{step}/{torch name}``) of this rank's stage.
   The un-pipelined model's microbatch losses and gradients: ``ref/losses1``,
   ``ref/grad1/{torch name}`` (``jax.grad`` here).
+* ``multi`` (2 processes, where torch is installed): the tutorial model's 4 stages, 2 per
+  process, under ``ScheduleDualPipeV`` (a V) and ``ScheduleLoopedBFS`` (a loop), in jaxpg
+  and in torch pipelining: the same keys as ``tutorial`` (``{lib}/dualpipev/...``,
+  ``{lib}/loopedbfs/...``) on every rank, the losses on the rank of the last stage.
 * ``hetero``: a 4-piece model whose stages differ in shapes (widths 16, 12, 20, vocab)
   under the schedule classes of 2 stages per process (``hetero/{class}/...``), and the
   un-pipelined model's microbatch losses and gradients (``hetero/ref/...``, ``jax.grad``).
@@ -82,6 +86,8 @@ def ce_loss(logits, target):
 # block + head), or 4 (embedding + block | block | block | norm + head)
 STAGE_LAYERS_BY_WORLD = {2: {0: [0, 1], 1: [2]}, 4: {0: [0], 1: [1], 2: [2], 3: []}}
 STAGE_LAYERS = STAGE_LAYERS_BY_WORLD[2]
+# two stages per process over 2 processes (the 4-stage split): each class's placement
+MULTI_PLACEMENT = {"dualpipev": lambda r: (r, 3 - r), "loopedbfs": lambda r: (r, r + 2)}
 
 
 def load_stage(stage: TutorialStage, weights: dict, r: int) -> None:
@@ -227,7 +233,35 @@ def run_torch(rank, world, port, weights, tokens, labels, out):
             else:
                 sched.step()
             grads_of(mod, f"torch/{sched_name}/grad{step}")
+    if world == 2:
+        run_torch_multi(rank, model, loss_fn, grads_of, x, y, out)
     dist.destroy_process_group()
+
+
+def run_torch_multi(rank, model, loss_fn, grads_of, x, y, out):
+    """torch's ScheduleDualPipeV and ScheduleLoopedBFS over the model's 4 stages."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleLoopedBFS
+
+    global STAGE_LAYERS
+    layers, STAGE_LAYERS = STAGE_LAYERS, STAGE_LAYERS_BY_WORLD[4]
+    try:
+        for name, cls in (("dualpipev", ScheduleDualPipeV), ("loopedbfs", ScheduleLoopedBFS)):
+            held = MULTI_PLACEMENT[name](rank)
+            mods = [torch_stage(model, s) for s in held]
+            stages = [PipelineStage(mod, s, 4, torch.device("cpu"))
+                      for mod, s in zip(mods, held, strict=True)]
+            sched = cls(stages, M, loss_fn=loss_fn)
+            losses = []
+            args = (x,) if 0 in held else ()
+            kwargs = {"target": y, "losses": losses} if 3 in held else {}
+            sched.step(*args, **kwargs)
+            if 3 in held:
+                out[f"torch/{name}/losses1"] = np.array([float(t.detach()) for t in losses])
+            for mod in mods:
+                grads_of(mod, f"torch/{name}/grad1")
+    finally:
+        STAGE_LAYERS = layers
 
 
 def _torch_name(name: str) -> str:
@@ -263,6 +297,35 @@ def run_jaxpg_tutorial(rank, world, weights, tokens, labels, out):
             for k, v in stage_grads_by_torch_name(stage.grads, rank).items():
                 out[f"jax/{sched_name}/grad{step}/{k}"] = v
         out[f"jax/{sched_name}/recorded"] = np.array(recorded_steps(stage.group))
+
+
+def run_jaxpg_multi(rank, weights, tokens, labels, out):
+    """jaxpg's ScheduleDualPipeV and ScheduleLoopedBFS as ``run_torch_multi``."""
+    import jaxpg.pipeline as pipeline
+
+    global STAGE_LAYERS
+    layers, STAGE_LAYERS = STAGE_LAYERS, STAGE_LAYERS_BY_WORLD[4]
+    try:
+        for name, cls in (("dualpipev", pipeline.ScheduleDualPipeV),
+                          ("loopedbfs", pipeline.ScheduleLoopedBFS)):
+            held = MULTI_PLACEMENT[name](rank)
+            stages = []
+            for s in held:
+                mod = TutorialStage(STAGE_LAYERS[s], s == 0, s == 3, nnx.Rngs(s))
+                load_stage(mod, weights, s)
+                stages.append(pipeline.PipelineStage(mod, s, 4))
+            sched = cls(stages, M, loss_fn=ce_loss)
+            losses = []
+            args = (tokens,) if 0 in held else ()
+            kwargs = {"target": labels, "losses": losses} if 3 in held else {}
+            sched.step(*args, **kwargs)
+            if 3 in held:
+                out[f"jax/{name}/losses1"] = np.array([float(t) for t in losses])
+            for st, s in zip(stages, held, strict=True):
+                for k, v in stage_grads_by_torch_name(st.grads, s).items():
+                    out[f"jax/{name}/grad1/{k}"] = v
+    finally:
+        STAGE_LAYERS = layers
 
 
 def recorded_steps(group):
@@ -344,8 +407,10 @@ def piece(i: int):
 def run_hetero(rank, world, tokens, labels, out):
     from jaxpg.pipeline import (
         PipelineStage,
+        ScheduleDualPipeV,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleLoopedBFS,
         ScheduleZBVZeroBubble,
     )
 
@@ -373,6 +438,10 @@ def run_hetero(rank, world, tokens, labels, out):
              ("ScheduleInterleavedZeroBubble", ScheduleInterleavedZeroBubble,
               {0: [(0, [0]), (2, [2])], 1: [(1, [1]), (3, [3])]}),
              ("ScheduleZBVZeroBubble", ScheduleZBVZeroBubble,
+              {0: [(0, [0]), (3, [3])], 1: [(1, [1]), (2, [2])]}),
+             ("ScheduleLoopedBFS", ScheduleLoopedBFS,
+              {0: [(0, [0]), (2, [2])], 1: [(1, [1]), (3, [3])]}),
+             ("ScheduleDualPipeV", ScheduleDualPipeV,
               {0: [(0, [0]), (3, [3])], 1: [(1, [1]), (2, [2])]})]
     assert n_proc == 2
     for name, cls, placement in cases:
@@ -529,6 +598,11 @@ def main() -> None:
     else:
         run_torch(rank, world, torch_port, weights, tokens, labels, out)
         print(f"torch {time.perf_counter() - start:.1f} s", flush=True)
+        if world == 2:  # torch's keys are its reference (the test compares every one)
+            start = time.perf_counter()
+            run_jaxpg_multi(rank, weights, tokens, labels, out)
+            print(f"jaxpg dualpipev and loopedbfs {time.perf_counter() - start:.1f} s",
+                  flush=True)
     start = time.perf_counter()
     run_jaxpg_tutorial(rank, world, weights, tokens, labels, out)
     if rank == 0:  # the test reads the reference from rank 0
