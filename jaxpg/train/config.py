@@ -33,7 +33,12 @@ class LayoutSection:
     """``[layout]``: the degrees of :class:`jaxpg.ParallelDims` (``dp_shard``, ``cp``,
     ``tp``), or ``auto = true`` (the planner picks a layout of the devices that fits);
     ``zero`` the FSDP stage, ``sequence_parallel``, ``cp_method`` (``ring`` or
-    ``all_to_all``)."""
+    ``all_to_all``).
+
+    ``pp > 1`` pipelines the model instead: ``pp`` stages times ``dp_replicate``
+    data-parallel replicas (0: the devices left over), ``microbatches`` per replica and
+    step (0: ``pp``), a ``schedule`` of :func:`jaxpg.pipeline.get_schedule` and its
+    ``chunks`` per rank (0: the schedule's own, 2 for the interleaved and V schedules)."""
 
     auto: bool = False
     dp_shard: int = 1
@@ -42,6 +47,11 @@ class LayoutSection:
     zero: int = 3
     sequence_parallel: bool = False
     cp_method: str = "ring"
+    pp: int = 1
+    dp_replicate: int = 0
+    microbatches: int = 0
+    schedule: str = "1f1b"
+    chunks: int = 0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -136,6 +146,7 @@ class TrainConfig:
             (self.layout.zero in (1, 2, 3), f"layout.zero={self.layout.zero} must be 1, 2 or 3"),
             (self.layout.cp_method in ("ring", "all_to_all"),
              f"layout.cp_method={self.layout.cp_method!r} must be 'ring' or 'all_to_all'"),
+            *_pipeline_checks(self.layout),
             (self.data.seq_len >= 2, f"data.seq_len={self.data.seq_len} must be >= 2"),
             (self.data.global_batch >= 1,
              f"data.global_batch={self.data.global_batch} must be >= 1"),
@@ -155,6 +166,34 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"jaxpg.train config: {message}.")
+
+
+def _pipeline_checks(lay: LayoutSection) -> list[tuple[bool, str]]:
+    """The ``[layout]`` checks of the pipeline keys: what ``pp > 1`` does not combine with."""
+    checks = [(lay.pp >= 1, f"layout.pp={lay.pp} must be >= 1"),
+              (lay.dp_replicate >= 0, f"layout.dp_replicate={lay.dp_replicate} must be >= 0 "
+                                      "(0: the devices the other degrees leave)"),
+              (lay.microbatches >= 0, f"layout.microbatches={lay.microbatches} must be >= 0 "
+                                      "(0: pp)"),
+              (lay.chunks >= 0, f"layout.chunks={lay.chunks} must be >= 0 (0: the "
+                                "schedule's own)")]
+    if lay.pp == 1:
+        checks.append((lay.dp_replicate in (0, 1),
+                       f"layout.dp_replicate={lay.dp_replicate} is the pipeline's data-"
+                       "parallel degree and needs pp > 1; without a pipeline use dp_shard"))
+        return checks
+    for key, value, fix in (("cp", lay.cp, "cp = 1"), ("tp", lay.tp, "tp = 1"),
+                            ("dp_shard", lay.dp_shard, "dp_replicate for the data-parallel "
+                                                       "degree")):
+        checks.append((value == 1, f"layout.{key}={value} with pp={lay.pp}: the recipe runs "
+                                   f"pipeline stages without tensor, context or sharded "
+                                   f"data parallelism inside them; set {fix}, or pp = 1"))
+    checks += [(not lay.auto, f"layout.auto = true with pp={lay.pp}: the planner's layouts "
+                              "here have no pipeline; give the pipeline degrees or drop pp"),
+               (not lay.sequence_parallel, f"layout.sequence_parallel = true with pp={lay.pp} "
+                                           "needs tp > 1, which pipeline stages do not take "
+                                           "here; set it false")]
+    return checks
 
 
 _SECTIONS = {"model": ModelSection, "layout": LayoutSection, "data": DataSection,

@@ -9,6 +9,11 @@ sequence. Each step records the loss and ``grad_norm`` (from the step itself), t
 learning rate, the step time, tokens/s, MFU and memory; every ``eval.every`` steps the
 mean loss of held-out batches (the gathered model's host call); every ``checkpoint.every``
 steps an (asynchronous) sharded checkpoint, from which a run resumes.
+
+With ``[layout] pp > 1`` the model is pipelined instead (:mod:`jaxpg.train.pipelined`):
+its decoder layers stacked by stage on ``ParallelDims(dp_replicate=..., pp=...)``, one
+jitted step of the pipeline executor, the same metrics, eval loop and checkpoints (of the
+stacked state, :mod:`jaxpg.train.pytree_checkpoint`).
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from jaxpg.fsdp import checkpoint as fsdp_checkpoint
 from jaxpg.groups.parallel_dims import ParallelDims
 from jaxpg.models import CausalLM, config_for, parallelize
 from jaxpg.models.config import PRESETS, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from jaxpg.train import pytree_checkpoint
 from jaxpg.train.config import TrainConfig
 from jaxpg.train.data import EVAL_SEED_OFFSET, StepBatches, synthetic_sequences
 from jaxpg.train.metrics_log import MetricsLog
+from jaxpg.train.pipelined import PipelinedLM, chunks_of
 from jaxpg.train.throughput import memory_in_use, model_spec, resolve_hardware
 
 __all__ = ["model_config", "choose_degrees", "make_optimizer", "loss_fn", "train"]
@@ -120,8 +127,7 @@ def _process_ranks(dp: int) -> list[int]:
 
 @dataclasses.dataclass
 class _Run:
-    fsdp: FullyShardedDataParallel
-    graphdef: Any
+    trainer: Any
     train_data: StepBatches
     eval_data: StepBatches | None
     schedule: Any
@@ -129,21 +135,102 @@ class _Run:
     peak_flops: float
 
 
+class _FsdpTrainer:
+    """The FSDP x TP x CP path: :class:`FullyShardedDataParallel`'s step and checkpoints."""
+
+    def __init__(self, model: Any, tx: optax.GradientTransformation, dims: ParallelDims,
+                 cfg: TrainConfig, cp: int):
+        self.graphdef = nnx.graphdef(model)
+        self.fsdp = FullyShardedDataParallel(model, tx, group=dims["dp_shard_cp"],
+                                             zero_stage=cfg.layout.zero,
+                                             context_parallel=dims if cp > 1 else None)
+
+    def train_step(self, batch: dict[str, Any]) -> tuple[float, float]:
+        out = self.fsdp.train_step(loss_fn, batch)
+        return float(out["loss"]), float(out["grad_norm"])
+
+    def eval_loss(self, batch: dict[str, Any]) -> float:
+        model = nnx.merge(self.graphdef, self.fsdp.full_params(), self.fsdp.rest)
+        logits = jnp.asarray(model(batch["tokens"]), jnp.float32)
+        return float(optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["targets"]).mean())
+
+    def restore(self, directory: str) -> int:
+        fsdp_checkpoint.restore_checkpoint(directory, self.fsdp)
+        return self.fsdp.step
+
+    def save(self, directory: str, step: int, async_save: bool) -> None:
+        fsdp_checkpoint.save_checkpoint(directory, self.fsdp, data_state={"step": step},
+                                        async_save=async_save)
+
+
+class _PipelineTrainer:
+    """The pipelined path: :class:`~jaxpg.train.pipelined.PipelinedLM`, its state saved as
+    a pytree checkpoint."""
+
+    def __init__(self, model: Any, tx: optax.GradientTransformation, dims: ParallelDims,
+                 cfg: TrainConfig):
+        lay = cfg.layout
+        self.lm = PipelinedLM(model, tx, dims, schedule=lay.schedule,
+                              microbatches=lay.microbatches or lay.pp,
+                              chunks=chunks_of(lay.schedule, lay.chunks))
+        self.step = 0
+
+    def train_step(self, batch: dict[str, Any]) -> tuple[float, float]:
+        self.step += 1
+        return self.lm.train_step(batch)
+
+    def eval_loss(self, batch: dict[str, Any]) -> float:
+        return self.lm.eval_loss(batch)
+
+    def restore(self, directory: str) -> int:
+        self.step, state = pytree_checkpoint.restore_tree(directory, self.lm.state())
+        self.lm.load_state(state)
+        return self.step
+
+    def save(self, directory: str, step: int, async_save: bool) -> None:
+        pytree_checkpoint.save_tree(directory, step, self.lm.state(),
+                                    data_state={"step": step}, async_save=async_save)
+
+
+def _pipeline_degrees(cfg: TrainConfig, devices: int) -> dict[str, int]:
+    lay = cfg.layout
+    if jax.process_count() > 1:
+        raise ValueError(f"jaxpg.train: layout.pp={lay.pp} runs in one process (its devices "
+                         f"all local); this run has {jax.process_count()} processes. Start "
+                         "one process with all the devices, or set pp = 1.")
+    dp = lay.dp_replicate or devices // lay.pp
+    if dp * lay.pp != devices:
+        raise ValueError(f"jaxpg.train config: layout pp x dp_replicate = {lay.pp} x "
+                         f"{lay.dp_replicate or devices / lay.pp:g} must equal the {devices} "
+                         "devices; change the degrees (dp_replicate = 0 takes the rest).")
+    m = lay.microbatches or lay.pp
+    if cfg.data.global_batch % (dp * m):
+        raise ValueError(f"jaxpg.train config: data.global_batch={cfg.data.global_batch} "
+                         f"must be a multiple of dp_replicate x microbatches = {dp} x {m}; "
+                         "change one of them.")
+    return {"dp_replicate": dp, "pp": lay.pp}
+
+
 def _build(cfg: TrainConfig) -> _Run:
     config = model_config(cfg)
     devices = jax.device_count()
-    degrees = choose_degrees(cfg, config, devices)
+    pipelined = cfg.layout.pp > 1
+    degrees = (_pipeline_degrees(cfg, devices) if pipelined
+               else choose_degrees(cfg, config, devices))
     dims = ParallelDims(**degrees)
     model = CausalLM(config, rngs=nnx.Rngs(cfg.model.seed))
-    parallelize(model, dims, fsdp=False, sequence_parallel=cfg.layout.sequence_parallel,
-                cp_method=cfg.layout.cp_method)
-    graphdef = nnx.graphdef(model)
     tx, schedule = make_optimizer(cfg)
-    fsdp = FullyShardedDataParallel(model, tx, group=dims["dp_shard_cp"],
-                                    zero_stage=cfg.layout.zero,
-                                    context_parallel=dims if degrees["cp"] > 1 else None)
+    if pipelined:
+        trainer: Any = _PipelineTrainer(model, tx, dims, cfg)
+        dp = degrees["dp_replicate"]
+    else:
+        parallelize(model, dims, fsdp=False, sequence_parallel=cfg.layout.sequence_parallel,
+                    cp_method=cfg.layout.cp_method)
+        trainer = _FsdpTrainer(model, tx, dims, cfg, degrees["cp"])
+        dp = degrees["dp_shard"]
     d = cfg.data
-    dp, ranks = degrees["dp_shard"], _process_ranks(degrees["dp_shard"])
+    ranks = _process_ranks(dp)
     train_data = StepBatches(synthetic_sequences(d.num_sequences, d.seq_len + 1,
                                                  config.vocab_size, d.seed),
                              global_batch=d.global_batch, dp=dp, ranks=ranks, seed=d.seed)
@@ -156,22 +243,17 @@ def _build(cfg: TrainConfig) -> _Run:
     hardware = resolve_hardware(cfg.metrics.hardware)
     if jax.process_index() == 0:
         chosen = " x ".join(f"{k} {v}" for k, v in degrees.items())
-        print(f"jaxpg.train: {type(config).__name__} on {devices} devices, {chosen}"
+        how = (f", {cfg.layout.schedule} with {cfg.layout.microbatches or cfg.layout.pp} "
+               "microbatches" if pipelined else "")
+        print(f"jaxpg.train: {type(config).__name__} on {devices} devices, {chosen}{how}"
               f"{' (the planner)' if cfg.layout.auto else ''}", file=sys.stderr)
-    return _Run(fsdp, graphdef, train_data, eval_data, schedule,
+    return _Run(trainer, train_data, eval_data, schedule,
                 model_spec(config).train_flops_per_token(d.seq_len),
                 hardware.peak_flops(cfg.metrics.dtype) * devices)
 
 
 def _eval_loss(run: _Run, batches: int) -> float:
-    model = nnx.merge(run.graphdef, run.fsdp.full_params(), run.fsdp.rest)
-    total = 0.0
-    for i in range(batches):
-        b = run.eval_data.batch(i)
-        logits = jnp.asarray(model(b["tokens"]), jnp.float32)
-        total += float(optax.softmax_cross_entropy_with_integer_labels(
-            logits, b["targets"]).mean())
-    return total / batches
+    return sum(run.trainer.eval_loss(run.eval_data.batch(i)) for i in range(batches)) / batches
 
 
 def train(cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -181,9 +263,9 @@ def train(cfg: TrainConfig) -> list[dict[str, Any]]:
     """
     run = _build(cfg)
     ck = cfg.checkpoint
+    start = 0
     if ck.dir and ck.resume and fsdp_checkpoint.latest_step(ck.dir) is not None:
-        fsdp_checkpoint.restore_checkpoint(ck.dir, run.fsdp)
-    start = run.fsdp.step
+        start = run.trainer.restore(ck.dir)
     log = MetricsLog(cfg.metrics.dir, tensorboard=cfg.metrics.tensorboard,
                      progress=cfg.metrics.progress, total=cfg.steps, initial=start,
                      enabled=jax.process_index() == 0)
@@ -193,8 +275,7 @@ def train(cfg: TrainConfig) -> list[dict[str, Any]]:
         for step in range(start, cfg.steps):
             lr = float(run.schedule(step))
             t0 = time.perf_counter()
-            out = run.fsdp.train_step(loss_fn, run.train_data.batch(step))
-            loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
+            loss, grad_norm = run.trainer.train_step(run.train_data.batch(step))
             seconds = time.perf_counter() - t0
             mem, source = memory_in_use()
             rate = tokens / seconds
@@ -209,8 +290,7 @@ def train(cfg: TrainConfig) -> list[dict[str, Any]]:
                 log.log(done, ev, kind="eval")
                 records.append({"step": done, "kind": "eval", **ev})
             if ck.dir and ((ck.every and done % ck.every == 0) or done == cfg.steps):
-                fsdp_checkpoint.save_checkpoint(ck.dir, run.fsdp, data_state={"step": done},
-                                                async_save=ck.async_save)
+                run.trainer.save(ck.dir, done, ck.async_save)
         if ck.dir:
             fsdp_checkpoint.wait_for_checkpoints()
     finally:

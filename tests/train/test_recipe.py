@@ -17,7 +17,7 @@ from jaxpg import models
 from jaxpg.train import load_config, train
 from jaxpg.train.config import config_from_dict
 from jaxpg.train.data import EVAL_SEED_OFFSET, StepBatches, synthetic_sequences
-from jaxpg.train.recipe import choose_degrees, make_optimizer
+from jaxpg.train.recipe import choose_degrees, make_optimizer, model_config
 
 STEPS, SEQ, BATCH = 4, 16, 8
 
@@ -63,16 +63,19 @@ hardware = "h100-80gb"
 """
 
 
-def one_device(cfg):
-    """SGD on one device over the same global batches: losses, gradient norms, and the
-    held-out loss after each step."""
-    config = models.config_for("llama3-tiny")
-    graphdef, params = nnx.split(models.CausalLM(config, rngs=nnx.Rngs(3)))
+def one_device(cfg, dp=2):
+    """SGD on one device over the same global batches (``dp`` data-parallel ranks'
+    sequences): losses, gradient norms, and the held-out loss after each step."""
+    config = model_config(cfg)
+    graphdef, params = nnx.split(models.CausalLM(config, rngs=nnx.Rngs(cfg.model.seed)))
     tx, _ = make_optimizer(cfg)
     state = tx.init(params)
-    data = StepBatches(synthetic_sequences(32, SEQ + 1, config.vocab_size, 5),
-                       global_batch=BATCH, dp=2, ranks=[0, 1], seed=5)
-    held = synthetic_sequences(8, SEQ + 1, config.vocab_size, 5 + EVAL_SEED_OFFSET)
+    d = cfg.data
+    data = StepBatches(synthetic_sequences(d.num_sequences, d.seq_len + 1, config.vocab_size,
+                                           d.seed),
+                       global_batch=d.global_batch, dp=dp, ranks=list(range(dp)), seed=d.seed)
+    held = synthetic_sequences(d.eval_sequences, d.seq_len + 1, config.vocab_size,
+                               d.seed + EVAL_SEED_OFFSET)[:d.global_batch]
 
     def loss(p, b):
         logits = nnx.merge(graphdef, p)(b["tokens"])
@@ -80,7 +83,7 @@ def one_device(cfg):
 
     grad = jax.jit(jax.value_and_grad(loss))
     out = []
-    for step in range(STEPS):
+    for step in range(cfg.steps):
         value, g = grad(params, data.batch(step))
         updates, state = tx.update(g, state, params)
         params = optax.apply_updates(params, updates)
