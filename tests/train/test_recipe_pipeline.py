@@ -1,8 +1,8 @@
 """The pipelined recipe from a TOML config: a tiny Llama of 4 layers over pp = 2 stages x
 dp_replicate = 4 on 8 simulated devices (SGD) gives one-device training's losses,
-gradient norms and eval losses on the whole batch; its metrics reach the JSONL and a
-TensorBoard event file read back here; a resumed run continues to the uninterrupted
-run's losses. Bad pipeline configs are refused by name."""
+gradient norms and eval losses on the whole batch; its metrics reach the terminal's bar,
+the JSONL and a TensorBoard event file read back here; a resumed run continues to the
+uninterrupted run's losses. Bad pipeline configs are refused by name."""
 
 import json
 import shutil
@@ -53,7 +53,7 @@ every = 2
 [metrics]
 dir = "METRICS"
 tensorboard = true
-progress = false
+progress = true
 """
 
 
@@ -65,7 +65,7 @@ def write_config(tmp_path, schedule="1f1b"):
     return load_config(path)
 
 
-def test_pipelined_recipe_trains_as_one_device_logs_and_resumes(tmp_path):
+def test_pipelined_recipe_trains_as_one_device_logs_and_resumes(tmp_path, capsys):
     pytest.importorskip("tensorboardX", reason="the TensorBoard output needs tensorboardX")
     cfg = write_config(tmp_path)
     records = train(cfg)
@@ -82,6 +82,11 @@ def test_pipelined_recipe_trains_as_one_device_logs_and_resumes(tmp_path):
     for r in steps:
         assert r["lr"] >= 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
         assert r["memory_bytes"] > 0
+    err = capsys.readouterr().err  # the terminal: the bar with the metrics, the eval lines
+    for key in ("loss=", "grad_norm=", "lr=", "tokens_per_s=", "mfu="):
+        assert key in err
+    assert "step 2 eval: loss=" in err and "4/4" in err
+    assert "LlamaConfig on 8 devices, dp_replicate 4 x pp 2, 1f1b with 2 microbatches" in err
     lines = (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == records
     (event_file,) = (tmp_path / "metrics" / "tensorboard").glob("events.out.tfevents.*")
