@@ -85,13 +85,17 @@ def tables(single: dict | None, torch_rows: list[dict]) -> str:
         out.append("")
     if torch_rows:
         out += ["| ep (processes) | E | torch step | jaxpg step | jaxpg time / torch (medians; "
-                "per round) | max grad difference (rank 0) |",
-                "|---:|---:|---:|---:|---:|---:|"]
+                "per round) | worst-case buffers step | its time / torch | max grad "
+                "difference (rank 0) |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in torch_rows:
+            worst = r["step_ms"].get("jaxpg_worst_case_buffers")
             out.append(f"| {r['ep']} | {r['experts']} | {r['step_ms']['torch']:.1f} ms | "
                        f"{r['step_ms']['jaxpg']:.1f} ms | {r['jaxpg_over_torch_time']:.2f}x; "
                        f"{r['jaxpg_over_torch_time_per_round_median']:.2f}x | "
-                       f"{max(r['rank0_max_abs_grad_difference'].values()):.1e} |")
+                       + (f"{worst:.1f} ms | {r['worst_case_buffers_over_torch_time']:.2f}x | "
+                          if worst is not None else "| | ")
+                       + f"{max(r['rank0_max_abs_grad_difference'].values()):.1e} |")
     return "\n".join(out)
 
 

@@ -62,3 +62,20 @@ def check_moe_args(x: Any, gate_w: Any, w1: Any, w2: Any, ep: int, top_k: Any,
         raise ValueError(f"{api}: replicated_tokens=True splits the {tokens} tokens over the "
                          f"ep={ep} ranks; pass a number of tokens divisible by {ep}.")
     return tokens, d, num_experts, local
+
+
+def check_buffer_factor(buffer_factor: Any, api: str = "moe") -> float | None:
+    """``buffer_factor`` itself: None or a number of at least 1.
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if buffer_factor is None:
+        return None
+    if (isinstance(buffer_factor, bool)
+            or not isinstance(buffer_factor, (int, float, np.floating, np.integer))
+            or not float(buffer_factor) >= 1):
+        raise ValueError(f"{api}: buffer_factor={buffer_factor!r} must be a number >= 1 (a "
+                         "multiple of the balanced load) or None (always the worst-case "
+                         "buffers).")
+    return float(buffer_factor)

@@ -10,12 +10,16 @@ Shapes inside ``jit`` are static, so the exchanged buffers have a static worst-c
 ``S`` rows per pair of ranks, ``S = tokens · min(top_k, E_local)`` when dropless (every
 token of a rank may pick experts of one other rank) and at most ``E_local · capacity`` with
 a capacity. The counts are exact; the rows past them are zeros that the grouped matmul
-(:mod:`jaxpg.expert_parallel.grouped_matmul`) never multiplies. See docs/expert_parallel.md
+(:mod:`jaxpg.expert_parallel.grouped_matmul`) never multiplies. A step first tries smaller
+buffers, a factor times the balanced load (:func:`first_try_rows`); the gathered counts
+tell every rank alike whether the routing fits them (:func:`kept_pair_max`), and when it
+does not the whole exchange runs at the worst-case size instead. See docs/expert_parallel.md
 for why.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +30,8 @@ from jaxpg.collectives.all_to_all import all_to_all_single
 from jaxpg.collectives.gathers import all_gather_into_tensor
 from jaxpg.expert_parallel.grouped_matmul import grouped_matmul
 
-__all__ = ["slot_counts", "keep_mask", "dispatch_rows", "exchange", "expert_ffn"]
+__all__ = ["slot_counts", "keep_mask", "kept_pair_max", "first_try_rows", "dispatch_rows",
+           "exchange", "expert_ffn"]
 
 
 def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
@@ -58,6 +63,34 @@ def keep_mask(experts: jax.Array, counts: jax.Array, rank: Any,
     ranks_before = jnp.take(_exclusive_cumsum(counts, axis=0), rank, axis=0)  # (k, E)
     position = jnp.sum(onehot * (within + slots_before + ranks_before), axis=-1)
     return position < capacity
+
+
+def kept_pair_max(counts: jax.Array, capacity: int | None) -> jax.Array:
+    """The most kept choices any rank sends to any rank (int32 scalar, the same on every
+    rank: it is computed from the gathered ``(ep, top_k, E)`` counts).
+
+    With a capacity, the choices an expert keeps follow :func:`keep_mask`'s order: slot,
+    then rank, then token.
+    """
+    ep, _, num_experts = counts.shape
+    kept = counts
+    if capacity is not None:
+        slots_before = _exclusive_cumsum(jnp.sum(counts, axis=0), axis=0)  # (k, E)
+        start = slots_before[None] + _exclusive_cumsum(counts, axis=0)  # (ep, k, E)
+        kept = jnp.clip(capacity - start, 0, counts)
+    per_pair = jnp.sum(kept, axis=1).reshape(ep, ep, num_experts // ep).sum(axis=-1)
+    return jnp.max(per_pair)
+
+
+def first_try_rows(tokens: int, top_k: int, ep: int, worst: int,
+                   buffer_factor: float | None) -> int | None:
+    """The first-try buffer's rows per pair of ranks, ``ceil(buffer_factor · tokens ·
+    top_k / ep)`` (the balanced load times the factor); None where it would not be smaller
+    than the worst case ``worst`` (or ``buffer_factor`` is None, or there is one rank)."""
+    if buffer_factor is None or ep == 1:
+        return None
+    rows = math.ceil(buffer_factor * tokens * top_k / ep)
+    return rows if rows < worst else None
 
 
 def dispatch_rows(experts: jax.Array, keep: jax.Array, num_experts: int, ep: int,

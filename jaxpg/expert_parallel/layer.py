@@ -23,6 +23,7 @@ from flax import nnx
 from flax.nnx.nn.linear import default_kernel_init
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.expert_parallel.checks import check_buffer_factor
 from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
 from jaxpg.expert_parallel.moe import MoEAux, moe
 from jaxpg.groups.mesh_axis import resolve_mesh_axis
@@ -41,8 +42,8 @@ class MoELayer(nnx.Module):
         d_model: the model width ``d``.
         d_hidden: each expert's hidden width ``f``.
         num_experts: ``E``; the group's size must divide it.
-        top_k, capacity_factor, normalize_topk, activation, grouped_matmul: as
-            :func:`~jaxpg.expert_parallel.moe`.
+        top_k, capacity_factor, normalize_topk, activation, grouped_matmul, buffer_factor:
+            as :func:`~jaxpg.expert_parallel.moe`.
         replicated_tokens: as :func:`~jaxpg.expert_parallel.moe`: the layer sits in a
             tensor-parallel region, e.g. a stage of a tensor-parallel pipeline whose model
             axis is the group.
@@ -58,8 +59,10 @@ class MoELayer(nnx.Module):
                  activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
                  group: Any = None, rngs: nnx.Rngs | None = None, gate_init: Any = None,
                  w1_init: Any = None, w2_init: Any = None, param_dtype: Any = jnp.float32,
-                 grouped_matmul: str = "auto", replicated_tokens: bool = False):
+                 grouped_matmul: str = "auto", replicated_tokens: bool = False,
+                 buffer_factor: float | None = 1.25):
         api = "MoELayer"
+        self.buffer_factor = check_buffer_factor(buffer_factor, api)
         self.grouped_matmul = check_grouped_matmul(grouped_matmul, api)
         if not isinstance(replicated_tokens, bool):
             raise TypeError(f"{api}: replicated_tokens must be a bool; got "
@@ -100,6 +103,7 @@ class MoELayer(nnx.Module):
                      self.w2[...], group=self.ep, top_k=self.top_k,
                      capacity_factor=self.capacity_factor, activation=self.activation,
                      normalize_topk=self.normalize_topk, grouped_matmul=self.grouped_matmul,
-                     replicated_tokens=self.replicated_tokens)
+                     replicated_tokens=self.replicated_tokens,
+                     buffer_factor=self.buffer_factor)
         y = y.reshape(*lead, y.shape[-1])
         return (y, aux) if return_aux else y

@@ -22,8 +22,15 @@ from jax import lax
 from jaxpg.collectives.eager import run_eager
 from jaxpg.collectives.gathers import exchange_sizes
 from jaxpg.collectives.reductions import all_reduce
-from jaxpg.expert_parallel.checks import check_moe_args
-from jaxpg.expert_parallel.dispatch import dispatch_rows, exchange, keep_mask, slot_counts
+from jaxpg.expert_parallel.checks import check_buffer_factor, check_moe_args
+from jaxpg.expert_parallel.dispatch import (
+    dispatch_rows,
+    exchange,
+    first_try_rows,
+    keep_mask,
+    kept_pair_max,
+    slot_counts,
+)
 from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
 from jaxpg.expert_parallel.router import route
 from jaxpg.groups import world as _world
@@ -69,7 +76,8 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
                   group: Any, ep: int, top_k: int, capacity_factor: float | None,
                   activation: Callable[[jax.Array], jax.Array],
                   normalize_topk: bool, grouped_matmul: str,
-                  replicated_tokens: bool = False) -> tuple[jax.Array, MoEAux]:
+                  replicated_tokens: bool = False,
+                  buffer_factor: float | None = None) -> tuple[jax.Array, MoEAux]:
     tokens, _, num_experts, local = check_moe_args(x, gate_w, w1, w2, ep, top_k,
                                                    capacity_factor,
                                                    replicated_tokens=replicated_tokens)
@@ -90,10 +98,27 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
     rows_per_rank = tokens * min(top_k, local)
     if capacity is not None:
         rows_per_rank = min(rows_per_rank, local * capacity)
-    row, sent = dispatch_rows(routing.experts, keep, num_experts, ep, rows_per_rank)
     x_rows = jnp.repeat(x, top_k, axis=0)  # choice t·k + j carries token t
-    out = exchange(x_rows, row, sent, w1, w2, activation, group, ep, rows_per_rank,
-                   grouped_matmul)
+
+    def run(rows: int, x_rows: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
+        row, sent = dispatch_rows(routing.experts, keep, num_experts, ep, rows)
+        return exchange(x_rows, row, sent, w1, w2, activation, group, ep, rows,
+                        grouped_matmul)
+
+    first = None if group is None else first_try_rows(tokens, top_k, ep, rows_per_rank,
+                                                      buffer_factor)
+    if first is None:
+        out = run(rows_per_rank, x_rows, w1, w2)
+    else:
+        # Every rank takes the same branch: the predicate is from the gathered counts. Each
+        # branch is rematerialized, so that the backward keeps only the operands: a cond's
+        # residuals are both branches' (the untaken one's as zeros), the worst case's
+        # buffers among them.
+        def branch(rows: int) -> Callable[..., jax.Array]:
+            return jax.checkpoint(lambda *operands: run(rows, *operands))
+
+        out = lax.cond(kept_pair_max(counts, capacity) <= first, branch(first),
+                       branch(rows_per_rank), x_rows, w1, w2)
     weights = routing.weights * keep.astype(routing.weights.dtype)
     y = jnp.einsum("tk,tkd->td", weights, out.reshape(tokens, top_k, -1)).astype(x.dtype)
     expert_counts = jnp.sum(counts, axis=(0, 1))
@@ -157,7 +182,8 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
         capacity_factor: float | None = None,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
         normalize_topk: bool = True, grouped_matmul: str = "auto",
-        replicated_tokens: bool = False) -> tuple[jax.Array, MoEAux]:
+        replicated_tokens: bool = False,
+        buffer_factor: float | None = 1.25) -> tuple[jax.Array, MoEAux]:
     """A mixture-of-experts layer with its experts split over ``group`` (expert parallelism).
 
     Each token picks its ``top_k`` experts by ``logits = x @ gate_w``; ``y = Σ weight ·
@@ -192,6 +218,11 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
             must divide), and ``y`` is gathered back whole on every rank. Gradients follow
             tensor parallelism's rule: ``x``'s and ``gate_w``'s are whole on every rank, each
             expert's is its own.
+        buffer_factor: the exchange first tries buffers of ``buffer_factor`` times the
+            balanced load per pair of ranks (``tokens_local · top_k / ep`` rows) instead of
+            the worst case; when a step's routing sends more to some rank (every rank knows
+            it from the exchanged counts), that step's exchange runs at the worst-case size.
+            The result is the same either way; None always uses the worst case.
 
     Returns:
         ``(y, aux)``: ``y`` ``(tokens_local, d)``, and an :class:`MoEAux`.
@@ -209,9 +240,11 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
     check_grouped_matmul(grouped_matmul, api)
     ep_group = resolve_mesh_axis(group, "ep", api=api)
     pg, ep = ep_group.group, ep_group.size
+    check_buffer_factor(buffer_factor, api)
     options = dict(group=pg, ep=ep, top_k=top_k, capacity_factor=capacity_factor,
                    activation=activation, normalize_topk=normalize_topk,
-                   grouped_matmul=grouped_matmul, replicated_tokens=replicated_tokens)
+                   grouped_matmul=grouped_matmul, replicated_tokens=replicated_tokens,
+                   buffer_factor=buffer_factor)
     if current_context() is not None:
         return _moe_per_rank(x, gate_w, w1, w2, **options)
     if _binds_axis(ep_group, api):  # a plain jax.shard_map over the group's mesh
@@ -234,5 +267,5 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
         return _moe_per_rank(x, gate_w, w1, w2, **options)
 
     static = (top_k, capacity_factor, activation, normalize_topk, grouped_matmul,
-              replicated_tokens)
+              replicated_tokens, buffer_factor)
     return run_eager(pg, api, static, body, {"x": x, "gate_w": gate_w, "w1": w1, "w2": w2})

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _moe_reference import reference_loss_and_grads, reference_moe
+from _moe_reference import reference_keep, reference_loss_and_grads, reference_moe
 
 import jaxpg
 from jaxpg.expert_parallel import moe
@@ -140,3 +140,79 @@ def test_traced_global_arrays_outside_spmd_code_run_the_whole_layer():
     np.testing.assert_allclose(np.asarray(y), y_ref, rtol=TOL, atol=TOL)
     np.testing.assert_allclose(float(aux.loss), loss_ref, rtol=TOL)
     np.testing.assert_array_equal(np.asarray(aux.counts), counts_ref)
+
+
+def _pair_max_numpy(x, gate_w, ep, top_k, capacity_factor):
+    """The most kept choices one rank sends another, from the one-device reference's keep."""
+    keep, _, _ = reference_keep(x, gate_w, top_k=top_k, capacity_factor=capacity_factor)
+    experts = np.argsort(-(x @ gate_w), axis=1, kind="stable")[:, :top_k]
+    keep = np.asarray(keep)
+    pairs = np.zeros((ep, ep), int)
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            if keep[t, j]:
+                pairs[t // T, experts[t, j] // (E // ep)] += 1
+    return pairs.max()
+
+
+@pytest.mark.parametrize("ep,top_k,capacity_factor", [(2, 2, None), (4, 2, None),
+                                                      (4, 2, 1.0), (2, 1, 1.25)])
+def test_kept_pair_max_counts_what_each_rank_sends_each_rank(ep, top_k, capacity_factor):
+    from jaxpg.expert_parallel.dispatch import kept_pair_max
+    from jaxpg.expert_parallel.moe import expert_capacity
+
+    x, gate_w, *_ = _inputs(ep, seed=3)
+    experts = np.argsort(-(x @ gate_w), axis=1, kind="stable")[:, :top_k]
+    onehot = np.eye(E, dtype=np.int32)[experts]  # (ep * T, k, E)
+    counts = onehot.reshape(ep, T, top_k, E).sum(axis=1)
+    capacity = expert_capacity(capacity_factor, ep * T, top_k, E)
+    assert int(kept_pair_max(jnp.asarray(counts), capacity)) == _pair_max_numpy(
+        x, gate_w, ep, top_k, capacity_factor)
+
+
+def _routed_inputs(ep, routing):
+    """Inputs whose routing is known: ``spread`` sends local token t's two choices to rank
+    t mod ep (at most 4 choices per pair of ranks), ``skewed`` every choice to rank 0."""
+    x, gate_w, w1, w2, cot = _inputs(ep, seed=5)
+    x, gate_w = 0.1 * x, 0.1 * gate_w + 10.0 * np.eye(D, E, dtype=np.float32)
+    for t in range(ep * T):
+        first = 2 * (t % T) % E if routing == "spread" else 0
+        x[t, first], x[t, first + 1] = 3.0, 2.9
+    return x, gate_w, w1, w2, cot
+
+
+@pytest.mark.parametrize("routing,buffer_factor,fits", [
+    ("spread", 2.0, True), ("spread", 1.0, False), ("skewed", 2.0, False), ("spread", None, None),
+])
+def test_first_try_buffers_and_their_fallback_equal_the_reference(routing, buffer_factor,
+                                                                   fits):
+    """The first-try buffers (where the routing fits them) and the worst-case fallback
+    (where it does not) give the one-device values."""
+    ep, top_k = 4, 2
+    x, gate_w, w1, w2, cot = _routed_inputs(ep, routing)
+    options = dict(top_k=top_k, capacity_factor=None, normalize_topk=True)
+    want, want_grads = reference_loss_and_grads(x, gate_w, w1, w2, cot, **options)
+    if buffer_factor is not None:  # the case runs the branch it names
+        first = int(np.ceil(buffer_factor * T * top_k / ep))
+        assert (_pair_max_numpy(x, gate_w, ep, top_k, None) <= first) == fits
+    group = jaxpg.new_group(list(range(ep)))
+    stacked = (x.reshape(ep, T, D), np.broadcast_to(gate_w, (ep, D, E)),
+               w1.reshape(ep, E // ep, D, F), w2.reshape(ep, E // ep, F, D),
+               cot.reshape(ep, T, D))
+    (got, _), grads = jax.jit(jax.value_and_grad(
+        _ep_loss(ep, group, buffer_factor=buffer_factor, **options), argnums=(0, 1, 2, 3),
+        has_aux=True))(*stacked)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+    gx, ggate, gw1, gw2 = grads
+    np.testing.assert_allclose(np.asarray(gx).reshape(ep * T, D), want_grads[0],
+                               rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(ggate).sum(0), want_grads[1], rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(gw1).reshape(E, D, F), want_grads[2],
+                               rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(gw2).reshape(E, F, D), want_grads[3],
+                               rtol=TOL, atol=TOL)
+
+
+def test_buffer_factor_below_one_is_refused():
+    with pytest.raises(ValueError, match=r"buffer_factor=0.5 must be a number >= 1"):
+        moe(*_inputs(1)[:4], top_k=2, buffer_factor=0.5)
