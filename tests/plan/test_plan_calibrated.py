@@ -29,7 +29,13 @@ def test_calibrated_prediction_ranks_measured_steps():
                Layout(tp=8, remat="full")]
     predicted = [evaluate(lay, job).step_s for lay in layouts]
     assert predicted[0] < min(predicted[1:]), predicted   # recomputation's extra forward
-    measured = [trial_step(job, lay, steps=3, statistic="min") for lay in layouts]
     # the pick within 10% of the best measured (the planner's goal): dp=8 with and without
-    # recomputation are 7% apart, which a loaded machine's noise can swap
+    # recomputation are 7% apart, which a loaded machine's noise can swap, so a failed
+    # round is measured again (up to three rounds, each layout's fastest step kept)
+    measured = [float("inf")] * len(layouts)
+    for _ in range(3):
+        measured = [min(m, trial_step(job, lay, steps=3, statistic="min"))
+                    for m, lay in zip(measured, layouts)]
+        if measured[0] <= 1.1 * min(measured):
+            break
     assert measured[0] <= 1.1 * min(measured), measured
