@@ -25,6 +25,26 @@ def _inputs(ep, seed=0):
     return x, gate_w, w1, w2, cot
 
 
+def _stacked(ep, x, gate_w, w1, w2, cot):
+    """The ranks' arguments stacked on a leading rank dimension (the router on each)."""
+    return (x.reshape(ep, T, D), np.broadcast_to(gate_w, (ep, D, E)),
+            w1.reshape(ep, E // ep, D, F), w2.reshape(ep, E // ep, F, D),
+            cot.reshape(ep, T, D))
+
+
+def _assert_grads(grads, want_grads, ep):
+    """The stacked ranks' gradients of (x, gate_w, w1, w2) against the one-device ones."""
+    gx, ggate, gw1, gw2 = grads
+    np.testing.assert_allclose(np.asarray(gx).reshape(ep * T, D), want_grads[0],
+                               rtol=TOL, atol=TOL)
+    # gate_w is one replicated parameter: its gradient is the sum of the ranks' parts.
+    np.testing.assert_allclose(np.asarray(ggate).sum(0), want_grads[1], rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(gw1).reshape(E, D, F), want_grads[2],
+                               rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(gw2).reshape(E, F, D), want_grads[3],
+                               rtol=TOL, atol=TOL)
+
+
 def _ep_loss(ep, group, **options):
     """The loss of the stacked per-rank layout: sum(y · cot) + aux loss (rank 0's copy)."""
     run = jaxpg.spmd(lambda x, g, a, b: moe(x, g, a, b, group=group, **options), group=group)
@@ -51,9 +71,7 @@ def test_moe_equals_one_device_reference(ep, top_k, capacity_factor, normalize,
     want, want_grads = reference_loss_and_grads(x, gate_w, w1, w2, cot, **reference_options)
     y_ref, aux_ref, counts_ref, dropped_ref = reference_moe(x, gate_w, w1, w2,
                                                             **reference_options)
-    stacked = (x.reshape(ep, T, D), np.broadcast_to(gate_w, (ep, D, E)),
-               w1.reshape(ep, E // ep, D, F), w2.reshape(ep, E // ep, F, D),
-               cot.reshape(ep, T, D))
+    stacked = _stacked(ep, x, gate_w, w1, w2, cot)
     (got, (y, aux)), grads = jax.jit(jax.value_and_grad(
         _ep_loss(ep, group, **options), argnums=(0, 1, 2, 3), has_aux=True))(*stacked)
     np.testing.assert_allclose(np.asarray(y).reshape(ep * T, D), y_ref, rtol=TOL, atol=TOL)
@@ -63,15 +81,7 @@ def test_moe_equals_one_device_reference(ep, top_k, capacity_factor, normalize,
     np.testing.assert_array_equal(np.asarray(aux.dropped), np.full(ep, dropped_ref))
     if capacity_factor is not None and top_k == 1:
         assert dropped_ref > 0  # the capacity case really drops
-    gx, ggate, gw1, gw2 = grads
-    np.testing.assert_allclose(np.asarray(gx).reshape(ep * T, D), want_grads[0],
-                               rtol=TOL, atol=TOL)
-    # gate_w is one replicated parameter: its gradient is the sum of the ranks' parts.
-    np.testing.assert_allclose(np.asarray(ggate).sum(0), want_grads[1], rtol=TOL, atol=TOL)
-    np.testing.assert_allclose(np.asarray(gw1).reshape(E, D, F), want_grads[2],
-                               rtol=TOL, atol=TOL)
-    np.testing.assert_allclose(np.asarray(gw2).reshape(E, F, D), want_grads[3],
-                               rtol=TOL, atol=TOL)
+    _assert_grads(grads, want_grads, ep)
 
 
 @pytest.mark.parametrize("top_k,capacity_factor", [(2, None), (1, 1.0)],
@@ -196,21 +206,12 @@ def test_first_try_buffers_and_their_fallback_equal_the_reference(routing, buffe
         first = int(np.ceil(buffer_factor * T * top_k / ep))
         assert (_pair_max_numpy(x, gate_w, ep, top_k, None) <= first) == fits
     group = jaxpg.new_group(list(range(ep)))
-    stacked = (x.reshape(ep, T, D), np.broadcast_to(gate_w, (ep, D, E)),
-               w1.reshape(ep, E // ep, D, F), w2.reshape(ep, E // ep, F, D),
-               cot.reshape(ep, T, D))
+    stacked = _stacked(ep, x, gate_w, w1, w2, cot)
     (got, _), grads = jax.jit(jax.value_and_grad(
         _ep_loss(ep, group, buffer_factor=buffer_factor, **options), argnums=(0, 1, 2, 3),
         has_aux=True))(*stacked)
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
-    gx, ggate, gw1, gw2 = grads
-    np.testing.assert_allclose(np.asarray(gx).reshape(ep * T, D), want_grads[0],
-                               rtol=TOL, atol=TOL)
-    np.testing.assert_allclose(np.asarray(ggate).sum(0), want_grads[1], rtol=TOL, atol=TOL)
-    np.testing.assert_allclose(np.asarray(gw1).reshape(E, D, F), want_grads[2],
-                               rtol=TOL, atol=TOL)
-    np.testing.assert_allclose(np.asarray(gw2).reshape(E, F, D), want_grads[3],
-                               rtol=TOL, atol=TOL)
+    _assert_grads(grads, want_grads, ep)
 
 
 def test_buffer_factor_below_one_is_refused():

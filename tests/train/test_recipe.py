@@ -92,6 +92,18 @@ def one_device(cfg, dp=2):
     return out
 
 
+def assert_trains_as(steps, evals, want, loss_tol=None, norm_tol=None):
+    """The run's losses, gradient norms and eval losses (steps 2 and 4) against
+    :func:`one_device`'s ``want``; tolerances as ``assert_allclose`` keywords."""
+    loss_tol = loss_tol or {"rtol": 0, "atol": 2e-5}
+    norm_tol = norm_tol or {"rtol": 1e-4, "atol": 1e-6}
+    np.testing.assert_allclose([r["loss"] for r in steps], [w[0] for w in want], **loss_tol)
+    np.testing.assert_allclose([r["grad_norm"] for r in steps], [w[1] for w in want],
+                               **norm_tol)
+    np.testing.assert_allclose([r["loss"] for r in evals], [want[1][2], want[3][2]],
+                               **loss_tol)
+
+
 def read_scalars(path):
     """``{tag: [(step, value)]}`` from a TensorBoard event file (TFRecord framing: length,
     its CRC, the serialized ``Event``, its CRC)."""
@@ -119,12 +131,7 @@ def test_recipe_trains_as_one_device_logs_everywhere_and_resumes(tmp_path, capsy
     evals = [r for r in records if r["kind"] == "eval"]
     want = one_device(cfg)
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["step"] for r in evals] == [2, 4]
-    np.testing.assert_allclose([r["loss"] for r in steps], [w[0] for w in want],
-                               rtol=0, atol=2e-5)
-    np.testing.assert_allclose([r["grad_norm"] for r in steps], [w[1] for w in want],
-                               rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose([r["loss"] for r in evals], [want[1][2], want[3][2]],
-                               rtol=0, atol=2e-5)
+    assert_trains_as(steps, evals, want)
     assert want[3][0] < want[0][0] - 1e-2  # the steps trained
     # the schedule: warmup from 0 over one step, then cosine from 0.5 to 0.05 at step 4
     np.testing.assert_allclose([r["lr"] for r in steps],
