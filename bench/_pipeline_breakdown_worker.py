@@ -10,7 +10,7 @@ For each schedule, after two warm-up steps:
   later splits the transfer into the bytes' time (the shortest rank's: the last to
   arrive barely waits) and each rank's wait;
 * the process executor (``executor="mpmd"``, across processes only): ``--steps`` steps
-  under ``jaxpg.pipeline.step_timeline.record_timeline``: per rank the compute, the idle
+  under ``jaxpg.pipeline.process.step_timeline.record_timeline``: per rank the compute, the idle
   time, the host's waits for messages and the lanes' transfer time;
 * the step time of each, untraced (median of ``--steps``).
 
@@ -103,8 +103,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from jaxpg.pipeline import get_schedule
-    from jaxpg.pipeline.stage_order import to_rank_order
-    from jaxpg.pipeline.step_timeline import record_timeline, summarize
+    from jaxpg.pipeline.process.step_timeline import record_timeline, summarize
+    from jaxpg.pipeline.stage.order import to_rank_order
 
     if args.one_process:
         rank, p = 0, args.one_process

@@ -199,7 +199,7 @@ def main() -> None:
     from _timing import join_both_worlds, leave_both_worlds, time_rounds
 
     from jaxpg.pipeline import get_schedule
-    from jaxpg.pipeline.stage_order import to_model_order, to_rank_order
+    from jaxpg.pipeline.stage.order import to_model_order, to_rank_order
 
     rank, p = join_both_worlds(args.torch_port)
     mesh = Mesh(np.array(jax.devices()), ("pp",))

@@ -1,6 +1,6 @@
 """A pipeline stage's pieces, each its own jitted program on one device, for
 ``bench/gpu.py`` and ``bench/zb_split_cost.py``: the forward ``F``, the whole
-backward, and a split backward's ``B`` and ``W`` (``jaxpg.pipeline.stage_split``) of one
+backward, and a split backward's ``B`` and ``W`` (``jaxpg.pipeline.stage.split``) of one
 residual block ``x + W2 tanh(W1 x + b1) + b2``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpg.pipeline import stage_split
+from jaxpg.pipeline.stage import split as stage_split
 
 
 def block(p, x):

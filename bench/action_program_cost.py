@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _pipeline_mp_worker import make_batch, make_params, mse, stage_fn, staged  # noqa: E402
 
-from jaxpg.pipeline.action_programs import action_programs  # noqa: E402
+from jaxpg.pipeline.process.action_programs import action_programs  # noqa: E402
 
 
 def median_ms(fn, n: int = 40) -> float:

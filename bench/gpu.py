@@ -25,7 +25,7 @@ Parts, each in fresh processes:
   ``mosaic`` on Hopper for bfloat16), the grouped matmuls alone, and capacity factor 1.25,
   against the floor: the same rows (tokens x top_k) through one dense FFN of the same
   width, which is what a grouped matmul that skips nothing would cost.
-* ``zb``: the pipeline stage's pieces (``jaxpg.pipeline.stage_split``) of a residual tanh
+* ``zb``: the pipeline stage's pieces (``jaxpg.pipeline.stage.split``) of a residual tanh
   block, each its own jitted program on the one device: ``F``, the whole backward, and
   ZB's split ``B`` and ``W``; the question is whether ``B + W`` costs more than the whole
   backward (5-9% on CPU, docs/pipeline.md).

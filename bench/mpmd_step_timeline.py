@@ -4,7 +4,7 @@ its own core, the model of ``bench/pipeline_vs_torch.py`` (4 residual MLP blocks
 512, one dict of arrays per block; m = 8 microbatches of 32 rows).
 
 Each rank prints its median step (10 steps, between barriers), then, over 5 steps recorded
-with ``jaxpg.pipeline.step_timeline``: its per-step totals (``summarize``) and the median
+with ``jaxpg.pipeline.process.step_timeline``: its per-step totals (``summarize``) and the median
 span of each kind of event (``compute`` split into forward ``F`` and backward ``B``
 actions, the lanes' ``send`` and ``recv``, the host's ``wait``); and the host's own Python
 time per step over 10 steps under ``cProfile`` (the time not spent waiting on a lock), and
@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpg  # noqa: E402
 from jaxpg.pipeline import get_schedule  # noqa: E402
-from jaxpg.pipeline.stage_order import to_rank_order  # noqa: E402
-from jaxpg.pipeline.step_timeline import record_timeline, summarize  # noqa: E402
+from jaxpg.pipeline.process.step_timeline import record_timeline, summarize  # noqa: E402
+from jaxpg.pipeline.stage.order import to_rank_order  # noqa: E402
 
 
 def lane_cpu_s() -> float:

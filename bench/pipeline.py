@@ -22,7 +22,7 @@ pipeline stages of ``blocks / (p v)`` blocks each, so every schedule runs the sa
 * ``--efficiency``: in a subprocess with 2 simulated devices and single-threaded XLA
   CPU kernels (one device per core on a 2-core machine), step time of every schedule
   at ``p = 2`` against the bound ``T1 (m + p - 1) / (m p)``
-  (``jaxpg.pipeline.costs.ideal_step_time``), ``T1`` the un-pipelined step of the same
+  (``jaxpg.pipeline.schedule.costs.ideal_step_time``), ``T1`` the un-pipelined step of the same
   model and batch on one device.
 * ``--torch``: ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``,
   ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) on the same model, stage count
@@ -69,14 +69,14 @@ from _rounds import load_average, ratio_median, run_rounds  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpg.pipeline.buffer_plan import plan_buffers  # noqa: E402
-from jaxpg.pipeline.costs import ideal_step_time  # noqa: E402
-from jaxpg.pipeline.executor import pipeline_value_and_grad  # noqa: E402
-from jaxpg.pipeline.hlo_loop import count_in_loop  # noqa: E402
+from jaxpg.pipeline.api import pipeline_value_and_grad  # noqa: E402
+from jaxpg.pipeline.lockstep.buffer_plan import plan_buffers  # noqa: E402
+from jaxpg.pipeline.lockstep.hlo_loop import count_in_loop  # noqa: E402
 from jaxpg.pipeline.param_placement import place_pipeline_params  # noqa: E402
-from jaxpg.pipeline.schedules import get_schedule, one_f_one_b  # noqa: E402
-from jaxpg.pipeline.stage_order import to_model_order, to_rank_order  # noqa: E402
-from jaxpg.pipeline.stage_split import split_stage  # noqa: E402
+from jaxpg.pipeline.schedule.builders import get_schedule, one_f_one_b  # noqa: E402
+from jaxpg.pipeline.schedule.costs import ideal_step_time  # noqa: E402
+from jaxpg.pipeline.stage.order import to_model_order, to_rank_order  # noqa: E402
+from jaxpg.pipeline.stage.split import split_stage  # noqa: E402
 
 CHUNKS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zb_v": 2}
 # "1f1b_split": 1F1B with each backward run as B then W (one_f_one_b(split_backward=True)).

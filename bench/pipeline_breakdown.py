@@ -13,7 +13,7 @@ start of this one's) and the ``ppermute``'s time, split into the *transfer* (the
 rank's ``ppermute``: the last to arrive waits for no one) and the rank's *waiting* (the
 rest: for the slowest rank of the tick), out of one traced step (its wall time is given
 too: tracing slows it). For the process executor (``executor="mpmd"``)
-``jaxpg.pipeline.step_timeline`` gives per rank the compute, the idle time (step minus
+``jaxpg.pipeline.process.step_timeline`` gives per rank the compute, the idle time (step minus
 compute), the host's waits for messages and the lanes' transfer time (which overlaps
 compute). Step times are medians of ``--steps`` untraced steps.
 

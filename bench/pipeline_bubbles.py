@@ -4,7 +4,7 @@ For every schedule and a range of (p, m, v) this builds the timetable, checks
 it, and records its ticks, its measured bubble fraction (idle rank-ticks over
 all rank-ticks, one tick per action) and the formula's, the peak number of
 activations in flight per rank, and the cost-weighted figures
-(``jaxpg.pipeline.costs``, default costs F:B:W 1:1:1 with a split backward and
+(``jaxpg.pipeline.schedule.costs``, default costs F:B:W 1:1:1 with a split backward and
 F:B 1:2 without): the event-driven time and bubble in those units, and the
 lockstep executor's time (a tick lasts as long as its slowest action). It
 writes ``bench/results/pipeline_bubbles.json``, a picture of each schedule at
@@ -20,15 +20,15 @@ from __future__ import annotations
 import json
 import pathlib
 
-from jaxpg.pipeline.checker import check_timetable, peak_in_flight
-from jaxpg.pipeline.costs import default_costs, lockstep_time, timed
-from jaxpg.pipeline.render import render_png
-from jaxpg.pipeline.schedules import (
+from jaxpg.pipeline.schedule.builders import (
     get_schedule,
     one_f_one_b,
     theory_bubble_fraction,
     theory_ticks,
 )
+from jaxpg.pipeline.schedule.checker import check_timetable, peak_in_flight
+from jaxpg.pipeline.schedule.costs import default_costs, lockstep_time, timed
+from jaxpg.pipeline.schedule.render import render_png
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

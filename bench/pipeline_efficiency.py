@@ -10,7 +10,7 @@ and every (schedule, m) run once each in a rotating order, in the same processes
 
     ideal = T1 (m + p - 1) / (m p),    efficiency = ideal / T,
 
-(``jaxpg.pipeline.costs.ideal_step_time``),
+(``jaxpg.pipeline.schedule.costs.ideal_step_time``),
 
 and the table gives the median over rounds. ``rank CPU / wall`` (the ranks' summed
 process CPU time over p x wall time) says how much of its core each rank used: above
@@ -47,7 +47,7 @@ from _launch import RESULTS
 from _pipeline_mp_worker import CHUNKS
 from _rounds import load_average, ratio_median
 
-from jaxpg.pipeline.costs import ideal_step_time
+from jaxpg.pipeline.schedule.costs import ideal_step_time
 
 
 def efficiency_rows(raw: dict, schedules: list[str], ms: list[int]) -> list[dict]:

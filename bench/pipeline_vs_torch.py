@@ -12,7 +12,7 @@ rotating order, so all see the same load; ratios are medians over rounds of the
 per-round ratio (below 1: jaxpg faster), of the wall time and of the CPU time (the
 ranks' summed process CPU time). ``efficiency`` is a step against the bound from its
 framework's own un-pipelined step on one core, ``T1 (m + p - 1) / (m p)``
-(``jaxpg.pipeline.costs.ideal_step_time``), per round.
+(``jaxpg.pipeline.schedule.costs.ideal_step_time``), per round.
 
 The model is identical in both: ``--blocks`` residual MLP blocks
 ``x + W2 gelu(W1 x + b1) + b2`` (tanh gelu), width ``--dim``, hidden ``4 dim``, mean
@@ -27,7 +27,7 @@ has no ZB-H1, so ZB-H1 is set beside ``Schedule1F1B`` (the same stages and memor
 and ``ScheduleInterleavedZeroBubble`` (no jaxpg schedule) beside jaxpg's ZB-V (the other
 two-chunk zero-bubble schedule). The zero-bubble rows also give jaxpg's ZB-H1 / 1F1B and
 ZB-V / interleaved 1F1B step-time ratios (per round), and what the cost model
-(``jaxpg.pipeline.costs.timed``, with the stage's F, B and W timed on this machine by
+(``jaxpg.pipeline.schedule.costs.timed``, with the stage's F, B and W timed on this machine by
 ``measure_costs``) predicts for them.
 
     python bench/pipeline_vs_torch.py [--nprocs 2,4] [--ms 4,8,16] [--rounds 5] [--lockstep]
@@ -51,7 +51,7 @@ from _launch import RESULTS
 from _pipeline_mp_worker import CHUNKS, TORCH
 from _rounds import load_average, ratio_median
 
-from jaxpg.pipeline.costs import ideal_step_time
+from jaxpg.pipeline.schedule.costs import ideal_step_time
 
 PAIRS = [  # (jaxpg schedule, torch class, how they relate)
     ("gpipe", "ScheduleGPipe", "same"),
@@ -143,7 +143,8 @@ def predictions(ps: list[int], ms: list[int], blocks: int, dim: int, rows: int) 
     from _pipeline_mp_worker import make_params, per_block, stage_fn
 
     from jaxpg.pipeline import get_schedule
-    from jaxpg.pipeline.costs import ActionCosts, default_costs, measure_costs, timed
+    from jaxpg.pipeline.schedule.costs import ActionCosts, default_costs, timed
+    from jaxpg.pipeline.stage.measured_costs import measure_costs
 
     out = {}
     for p in ps:

@@ -33,7 +33,7 @@ from jax.sharding import Mesh  # noqa: E402
 import jaxpg  # noqa: E402
 from jaxpg.ddp import DistributedDataParallel  # noqa: E402
 from jaxpg.fsdp import FullyShardedDataParallel  # noqa: E402
-from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad  # noqa: E402
+from jaxpg.pipeline.api import StagedParams, pipeline_value_and_grad  # noqa: E402
 
 
 class MLP(nnx.Module):

@@ -40,7 +40,7 @@ from flax import nnx  # noqa: E402
 
 import jaxpg  # noqa: E402
 from jaxpg.pipeline import PipelineStage  # noqa: E402
-from jaxpg.pipeline.stage_runner import stage_programs  # noqa: E402
+from jaxpg.pipeline.process.stage_runner import stage_programs  # noqa: E402
 from jaxpg.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tp_stage_host_work.json"

@@ -38,8 +38,8 @@ from _rounds import ratio_median, run_rounds  # noqa: E402
 from _stage_pieces import block, piece_variants  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-import jaxpg.pipeline.executor as executor  # noqa: E402
-import jaxpg.pipeline.stage_split as stage_split  # noqa: E402
+import jaxpg.pipeline.lockstep.executor as executor  # noqa: E402
+import jaxpg.pipeline.stage.split as stage_split  # noqa: E402
 from jaxpg.pipeline import pipeline_value_and_grad  # noqa: E402
 
 P, M = 4, 8

@@ -49,7 +49,7 @@ from flax import nnx  # noqa: E402
 import jaxpg  # noqa: E402
 from jaxpg import tensor_parallel as tp  # noqa: E402
 from jaxpg.pipeline import StagedParams, init_train_state, make_train_step  # noqa: E402
-from jaxpg.pipeline.nnx_stages import module_fn
+from jaxpg.pipeline.stage.nnx_stages import module_fn
 from jaxpg.tensor_parallel import (  # noqa: E402
     ColwiseParallel,
     PrepareModuleInputOutput,

@@ -29,8 +29,8 @@ from flax import nnx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jaxpg  # noqa: E402
-from jaxpg.pipeline.executor import StagedParams  # noqa: E402
-from jaxpg.pipeline.nnx_stages import module_fn, split_module, stack_modules  # noqa: E402
+from jaxpg.pipeline.api import StagedParams  # noqa: E402
+from jaxpg.pipeline.stage.nnx_stages import module_fn, split_module, stack_modules  # noqa: E402
 from jaxpg.pipeline.train_step import init_train_state, make_train_step  # noqa: E402
 
 SOURCE_FILES = ("os.py", "functools.py", "contextlib.py", "textwrap.py", "string.py")

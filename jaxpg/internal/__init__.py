@@ -18,7 +18,7 @@ parallelism packages (flax, optax).
 from jaxpg.ddp.param_sync import param_signature
 from jaxpg.ddp.reducer import fused_pmean
 from jaxpg.groups.mesh_axis import MeshAxis, resolve_mesh_axis
-from jaxpg.pipeline.timetable import KIND_CODES
+from jaxpg.pipeline.schedule.timetable import KIND_CODES
 from jaxpg.rendezvous.init_method import free_port
 from jaxpg.tensor_parallel.hlo_counts import collective_bytes, collective_counts
 

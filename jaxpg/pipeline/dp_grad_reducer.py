@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from jaxpg.ddp import allreduce_hook, make_bucket_plan, reduce_gradients
-from jaxpg.pipeline.executor import StagedParams
+from jaxpg.pipeline.stage.params import StagedParams
 
 __all__ = ["bucketed_grad_reducer"]
 

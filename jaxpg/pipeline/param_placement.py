@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.groups.resolve import resolve_mesh
-from jaxpg.pipeline.executor import StagedParams, check_param_specs
+from jaxpg.pipeline.api import StagedParams, check_param_specs
 
 __all__ = ["place_pipeline_params", "put_copy"]
 

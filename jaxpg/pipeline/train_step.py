@@ -21,14 +21,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpg.groups.resolve import data_parallel_axis, resolve_mesh
-from jaxpg.pipeline.executor import (
+from jaxpg.pipeline.api import (
     EXECUTORS,
     StagedParams,
     pipeline_value_and_grad,
 )
 from jaxpg.pipeline.param_placement import place_pipeline_params, put_copy
-from jaxpg.pipeline.process_executor import mpmd_unsupported_reason
-from jaxpg.pipeline.stage_order import check_stage_order
+from jaxpg.pipeline.process.executor import mpmd_unsupported_reason
+from jaxpg.pipeline.stage.order import check_stage_order
 from jaxpg.supervision.step_recording import recorded_step
 
 __all__ = ["make_train_step", "init_train_state"]

@@ -39,7 +39,7 @@ from jaxpg.data_parallel.zero import (
 from jaxpg.fsdp.collectives import Comm, reduce_leaf
 from jaxpg.fsdp.mixed_precision import MixedPrecisionPolicy
 from jaxpg.groups.resolve import resolve_mesh
-from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
+from jaxpg.pipeline.api import StagedParams, pipeline_value_and_grad
 from jaxpg.pipeline.param_placement import place_pipeline_params
 
 __all__ = ["pipeline_layouts", "init_zero_train_state", "make_zero_train_step",

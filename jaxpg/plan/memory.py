@@ -10,7 +10,7 @@
   the embedding on the first stage and the output head on the last.
 * **Activations**: a block's saved bytes (:mod:`jaxpg.plan.activations`) times the blocks of a
   chunk times the chunks the schedule keeps in flight on its fullest rank (the pipeline's
-  :func:`~jaxpg.pipeline.checker.default_in_flight_limits`: ``p`` for 1F1B's first stage,
+  :func:`~jaxpg.pipeline.schedule.checker.default_in_flight_limits`: ``p`` for 1F1B's first stage,
   ``m`` for GPipe, Megatron's interleaved warmup, which gives Korthikanti's first-stage factor
   ``1 + (p - 1) / (p v)``).
 * **Temporaries**: the last stage's logits (compute dtype and fp32) for one microbatch, one
@@ -99,8 +99,8 @@ def param_split(job: Job, layout: Layout) -> ParamSplit:
 
 @functools.lru_cache(maxsize=4096)
 def timetable(schedule: str, pp: int, microbatches: int, chunks: int):
-    """The pipeline's timetable (cached): :func:`jaxpg.pipeline.schedules.get_schedule`."""
-    from jaxpg.pipeline.schedules import get_schedule
+    """The pipeline's timetable (cached): :func:`jaxpg.pipeline.schedule.builders.get_schedule`."""
+    from jaxpg.pipeline.schedule.builders import get_schedule
 
     v = chunks if schedule in ("interleaved_1f1b", "zb_v") else 1
     return get_schedule(schedule, pp, microbatches, v)
@@ -109,13 +109,13 @@ def timetable(schedule: str, pp: int, microbatches: int, chunks: int):
 def in_flight_chunks(layout: Layout) -> int:
     """Chunk activations the fullest pipeline rank holds at once (1 without a pipeline).
 
-    The schedule's own promise (:func:`~jaxpg.pipeline.checker.default_in_flight_limits`,
+    The schedule's own promise (:func:`~jaxpg.pipeline.schedule.checker.default_in_flight_limits`,
     which reads only the timetable's name and sizes, so none is built here); it equals the
-    count :func:`~jaxpg.pipeline.checker.peak_in_flight` reads off the timetable.
+    count :func:`~jaxpg.pipeline.schedule.checker.peak_in_flight` reads off the timetable.
     """
     if layout.pp == 1:
         return 1
-    from jaxpg.pipeline.checker import default_in_flight_limits
+    from jaxpg.pipeline.schedule.checker import default_in_flight_limits
 
     sizes = types.SimpleNamespace(name=layout.schedule, num_stages=layout.pp,
                                   num_microbatches=layout.microbatches,

@@ -20,7 +20,7 @@ Each pipeline action (one microbatch through one chunk of blocks on one rank) is
   is its own collective and pays the link's latency.
 
 The actions' costs then play through the schedule's timetable with jaxpg's own event-driven
-replay (:func:`jaxpg.pipeline.costs.timed`): its makespan minus the ranks' work is the
+replay (:func:`jaxpg.pipeline.schedule.costs.timed`): its makespan minus the ranks' work is the
 bubble. After the pipeline: the data-parallel gradient reduction (overlapped with the last
 backward when ``overlap_grad_reduce``: only the excess over it, or one bucket, is exposed),
 ZeRO's parameter all-gather, and the optimizer's pass over its state (HBM bound). On
@@ -173,7 +173,7 @@ _GRID = 0.25  # the ratios B/F and W/F the replay is run at; between them it int
 @functools.lru_cache(maxsize=65536)
 def _replay(schedule: str, pp: int, m: int, chunks: int, b: float, w: float
             ) -> tuple[float, float]:
-    from jaxpg.pipeline.costs import ActionCosts, timed
+    from jaxpg.pipeline.schedule.costs import ActionCosts, timed
 
     tt = timetable(schedule, pp, m, chunks)
     replay = timed(tt, ActionCosts(1.0, b, w if tt.split_backward else 0.0))

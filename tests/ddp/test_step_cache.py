@@ -103,7 +103,8 @@ def test_pipeline_fresh_lambdas_reuse_the_compiled_program():
     import jax
     from jax.sharding import Mesh
 
-    from jaxpg.pipeline.executor import StagedParams, _compiled, pipeline_value_and_grad
+    from jaxpg.pipeline.api import StagedParams, pipeline_value_and_grad
+    from jaxpg.pipeline.lockstep.executor import _compiled
 
     k = jax.random.split(jax.random.key(0), 3)
     params = StagedParams({"w": jax.random.normal(k[0], (2, 4, 4)) * 0.5}, None,

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpg
 from jaxpg.expert_parallel import MoELayer
 from jaxpg.pipeline import StagedParams, pipeline_value_and_grad
-from jaxpg.pipeline.nnx_stages import module_fn
+from jaxpg.pipeline.stage.nnx_stages import module_fn
 from jaxpg.tensor_parallel import param_specs
 
 D, F, E, STAGES, BATCH, SEQ = 8, 16, 4, 2, 8, 4

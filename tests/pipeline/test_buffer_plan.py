@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from jaxpg.pipeline.buffer_plan import NUM_COLUMNS, plan_buffers
-from jaxpg.pipeline.checker import peak_in_flight
-from jaxpg.pipeline.schedules import get_schedule
-from jaxpg.pipeline.timetable import Action, Timetable
+from jaxpg.pipeline.lockstep.buffer_plan import NUM_COLUMNS, plan_buffers
+from jaxpg.pipeline.schedule.builders import get_schedule
+from jaxpg.pipeline.schedule.checker import peak_in_flight
+from jaxpg.pipeline.schedule.timetable import Action, Timetable
 
 
 @pytest.mark.parametrize(

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpg.pipeline.checker import check_timetable, peak_in_flight
-from jaxpg.pipeline.costs import (
+from jaxpg.pipeline.schedule.builders import get_schedule, one_f_one_b
+from jaxpg.pipeline.schedule.checker import check_timetable, peak_in_flight
+from jaxpg.pipeline.schedule.costs import (
     ActionCosts,
     default_costs,
     ideal_step_time,
     lockstep_time,
-    measure_costs,
     timed,
 )
-from jaxpg.pipeline.render import render_png
-from jaxpg.pipeline.schedules import get_schedule, one_f_one_b
+from jaxpg.pipeline.schedule.render import render_png
+from jaxpg.pipeline.stage.measured_costs import measure_costs
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 5)])

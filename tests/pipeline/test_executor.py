@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxpg
-from jaxpg.pipeline.buffer_plan import plan_buffers
-from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
-from jaxpg.pipeline.schedules import get_schedule, one_f_one_b
+from jaxpg.pipeline.api import StagedParams, pipeline_value_and_grad
+from jaxpg.pipeline.lockstep.buffer_plan import plan_buffers
+from jaxpg.pipeline.schedule.builders import get_schedule, one_f_one_b
 
 # meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
 pytestmark = pytest.mark.cpu_only

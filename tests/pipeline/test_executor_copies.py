@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxpg.pipeline.executor import pipeline_value_and_grad
-from jaxpg.pipeline.hlo_loop import computations, count_in_loop, loop_bodies, loop_text
+from jaxpg.pipeline.api import pipeline_value_and_grad
+from jaxpg.pipeline.lockstep.hlo_loop import computations, count_in_loop, loop_bodies, loop_text
 
 # meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
 pytestmark = pytest.mark.cpu_only

@@ -1,12 +1,17 @@
-"""jaxpg.pipeline.hlo_loop: reading what a compiled step runs inside its while loop."""
+"""jaxpg.pipeline.lockstep.hlo_loop: reading what a compiled step runs inside its while loop."""
 
 import doctest
 
 import jax
 import jax.numpy as jnp
 
-from jaxpg.pipeline import hlo_loop
-from jaxpg.pipeline.hlo_loop import computations, count_in_loop, loop_computations, loop_text
+from jaxpg.pipeline.lockstep import hlo_loop
+from jaxpg.pipeline.lockstep.hlo_loop import (
+    computations,
+    count_in_loop,
+    loop_computations,
+    loop_text,
+)
 
 # A while body that calls a two-way conditional (one dot in one branch, two in the other)
 # and the same fused computation twice; one dot outside the loop, one in a computation

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpg.pipeline.microbatch import merge_microbatches, microbatch_size, split_microbatches
+from jaxpg.pipeline.stage.microbatch import merge_microbatches, microbatch_size, split_microbatches
 
 
 def test_split_is_contiguous_and_merge_inverts():

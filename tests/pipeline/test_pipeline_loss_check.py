@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jaxpg.data_parallel.loss_check import LossDoesNotTrainError
 from jaxpg.pipeline import PipelineStage
-from jaxpg.pipeline.executor import StagedParams
+from jaxpg.pipeline.api import StagedParams
 from jaxpg.pipeline.train_step import init_train_state, make_train_step
 
 pytestmark = pytest.mark.cpu_only
@@ -58,7 +58,7 @@ class _Linear(nnx.Module):
 
 
 def test_a_schedule_loss_that_ignores_the_stage_output_is_named(world):
-    from jaxpg.pipeline.stage_runner import stage_programs
+    from jaxpg.pipeline.process.stage_runner import stage_programs
 
     module = _Linear()
     stage = PipelineStage(module, 7, 8)

@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from jaxpg.pipeline.costs import ActionCosts, timed
-from jaxpg.pipeline.rank_ops import pair_transfers, peers_of, rank_ops
-from jaxpg.pipeline.schedules import get_schedule, one_f_one_b
+from jaxpg.pipeline.process.rank_ops import pair_transfers, peers_of, rank_ops
+from jaxpg.pipeline.schedule.builders import get_schedule, one_f_one_b
+from jaxpg.pipeline.schedule.costs import ActionCosts, timed
 
 CASES = [
     (name, p, m, v)

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from jaxpg.pipeline.render import render_png, render_text
-from jaxpg.pipeline.schedules import get_schedule
+from jaxpg.pipeline.schedule.builders import get_schedule
+from jaxpg.pipeline.schedule.render import render_png, render_text
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -22,8 +22,8 @@ from jaxpg.pipeline import (
     check_timetable,
     get_schedule,
 )
-from jaxpg.pipeline.pipeline_layer import segment_layers
-from jaxpg.pipeline.schedules import interleaved_zero_bubble
+from jaxpg.pipeline.paddle_api import segment_layers
+from jaxpg.pipeline.schedule.builders import interleaved_zero_bubble
 
 
 class Block(nnx.Module):
@@ -127,7 +127,7 @@ def test_tensor_parallel_stage_programs_give_the_unsharded_gradients(world, last
     """A tp = 2 stage's SPMD programs (forward, whole and split backward) against jax.vjp of
     the unsharded module; the runs across processes are in test_pipeline_stage.py."""
     import jaxpg
-    from jaxpg.pipeline.stage_runner import stage_programs
+    from jaxpg.pipeline.process.stage_runner import stage_programs
 
     mesh = jaxpg.init_device_mesh((4, 2), ("pp", "tp"))
     stage = PipelineStage(_tp_mlp(mesh["tp"]), 3 if last else 1, 4, group=mesh["pp"],
@@ -172,7 +172,7 @@ def test_tensor_parallel_stage_output_must_be_replicated_over_tp(world, last):
     activations: the first forward finds it and names the fix; with
     ``output_layouts=Replicate()`` the output is the unsharded layer's."""
     import jaxpg
-    from jaxpg.pipeline.stage_runner import stage_programs
+    from jaxpg.pipeline.process.stage_runner import stage_programs
     from jaxpg.tensor_parallel import ColwiseParallel, Replicate, parallelize_module
 
     mesh = jaxpg.init_device_mesh((4, 2), ("pp", "tp"))
@@ -293,7 +293,7 @@ def test_pipeline_layer_takes_the_hybrid_groups_data_parallel_group(world):
     the layouts it cannot train are refused when it is made."""
     import jaxpg
     from jaxpg.pipeline.layer_groups import layer_groups
-    from jaxpg.pipeline.pipeline_stage import _pipeline_group
+    from jaxpg.pipeline.stage.pipeline_stage import _pipeline_group
 
     # this process acts as rank 0: the rank order is (dp, pp, sharding, sep, mp)
     for degrees, pp_ranks, dp_ranks in (

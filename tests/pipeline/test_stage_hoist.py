@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpg.pipeline.action_programs import action_programs
-from jaxpg.pipeline.stage_hoist import hoist_stage
+from jaxpg.pipeline.process.action_programs import action_programs
+from jaxpg.pipeline.stage.hoist import hoist_stage
 
 D, H, L, ROWS = 8, 40, 3, 4
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxpg.pipeline.stage_meta import format_struct, infer_stage_metadata
+from jaxpg.pipeline.stage.metadata import format_struct, infer_stage_metadata
 
 
 def block(w, x):

@@ -14,7 +14,7 @@ from jaxpg.pipeline import (
     pipeline_value_and_grad,
 )
 from jaxpg.pipeline.param_placement import place_pipeline_params
-from jaxpg.pipeline.stage_order import to_model_order, to_rank_order
+from jaxpg.pipeline.stage.order import to_model_order, to_rank_order
 
 # meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)
 pytestmark = pytest.mark.cpu_only

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpg.pipeline.stage_split import ELEMENTWISE, split_stage
+from jaxpg.pipeline.stage.split import ELEMENTWISE, split_stage
 
 D = 8
 

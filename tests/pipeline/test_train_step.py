@@ -9,8 +9,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jaxpg
-from jaxpg.pipeline.executor import StagedParams, pipeline_value_and_grad
-from jaxpg.pipeline.nnx_stages import module_fn, split_module, stack_modules
+from jaxpg.pipeline.api import StagedParams, pipeline_value_and_grad
+from jaxpg.pipeline.stage.nnx_stages import module_fn, split_module, stack_modules
 from jaxpg.pipeline.train_step import init_train_state, make_train_step
 
 # meshes of 2 to 8 devices: not on one GPU (tools/gpu_check.sh)

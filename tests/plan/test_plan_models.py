@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpg.pipeline.checker import peak_in_flight
-from jaxpg.pipeline.schedules import get_schedule
+from jaxpg.pipeline.schedule.builders import get_schedule
+from jaxpg.pipeline.schedule.checker import peak_in_flight
 from jaxpg.plan import Job, Layout, TransformerSpec, get_hardware, get_model, memory
 from jaxpg.plan.activations import block_activation_bytes
 from jaxpg.plan.hardware import load_hardware, save_hardware

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jaxpg.pipeline.costs import ActionCosts, timed
-from jaxpg.pipeline.schedules import get_schedule
+from jaxpg.pipeline.schedule.builders import get_schedule
+from jaxpg.pipeline.schedule.costs import ActionCosts, timed
 from jaxpg.plan import (
     JSON_KEYS,
     Job,
