@@ -259,3 +259,100 @@ def test_the_library_imports_neither_torch_nor_transformers():
             found += [f"{name}:{node.lineno} imports {r}" for r in roots
                       if r in ("torch", "transformers")]
     assert found == []
+
+
+# Inside the pipeline package (docs/design.md, "The pipeline's folders"): ``schedule/`` is plain
+# Python; ``stage/`` builds on it; the two executors, ``lockstep/`` (executor="spmd") and
+# ``process/`` (executor="mpmd"), build on both and never on each other; the modules beside
+# the folders (the API, the training step, torch's and Paddle's faces) sit on top, and no
+# folder imports them.
+PIPELINE = "jaxpg.pipeline"
+PIPELINE_FOLDERS = {
+    "schedule": {"schedule"},
+    "stage": {"stage", "schedule"},
+    "lockstep": {"lockstep", "stage", "schedule"},
+    "process": {"process", "stage", "schedule"},
+}
+PIPELINE_TOP = {"api", "train_step", "zero", "param_placement", "dp_grad_reducer",
+                "torch_api", "paddle_api", "layer_groups"}
+NOT_PLAIN_PYTHON = ("jax", "jaxlib", "flax", "optax", "orbax")
+
+
+def _pipeline_place(name: str) -> str | None:
+    """A pipeline module's folder, ``""`` for the package's own top level, None outside."""
+    if name == PIPELINE:
+        return ""
+    if not name.startswith(PIPELINE + "."):
+        return None
+    part = name.split(".")[2]
+    return part if part in PIPELINE_FOLDERS else ""
+
+
+def test_every_pipeline_module_has_a_place():
+    # a new module goes into a folder, or is one of the few beside them on purpose
+    loose = sorted(name for name, (_, is_package) in MODULES.items()
+                   if _pipeline_place(name) == "" and name != PIPELINE
+                   and name.split(".")[2] not in PIPELINE_TOP)
+    assert loose == []
+    assert set(PIPELINE_FOLDERS) <= {name.split(".")[2] for name in MODULES
+                                     if name.startswith(PIPELINE + ".")}
+
+
+def _folder_crossings(graph: dict[str, set[tuple[str, int]]]) -> list[str]:
+    """Every import of a pipeline folder's module from a folder it may not use, or from the
+    package's top level."""
+    wrong = []
+    for name in sorted(graph):
+        folder = _pipeline_place(name)
+        if not folder:
+            continue
+        for target, line in sorted(graph[name], key=lambda e: e[1]):
+            place = _pipeline_place(target)
+            if place is not None and place not in PIPELINE_FOLDERS[folder]:
+                wrong.append(f"{name}:{line} imports {target} "
+                             f"({place + '/' if place else 'the top level'})")
+    return wrong
+
+
+def test_pipeline_folders_import_only_their_own_and_lower_folders():
+    assert _folder_crossings(GRAPH) == []
+
+
+def test_the_schedule_folder_is_plain_python():
+    # timetables, their builders, checker, costs and pictures: no jax, and of jaxpg only
+    # themselves and the error classes
+    found = []
+    for name in sorted(MODULES):
+        if _pipeline_place(name) != "schedule":
+            continue
+        for node in _nodes(name):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            found += [f"{name}:{node.lineno} imports {r}" for r in roots
+                      if r in NOT_PLAIN_PYTHON]
+        found += [f"{name}:{line} imports {target}" for target, line in GRAPH[name]
+                  if _pipeline_place(target) != "schedule" and target != "jaxpg.errors"]
+    assert found == []
+
+
+def test_the_pipeline_layout_rules_catch_a_crossing():
+    # an executor reaching into the other, a stage module reaching up to the API, and the
+    # allowed edges (an executor on stage/ and schedule/, the API on everything) left alone
+    graph = {
+        "jaxpg.pipeline.process.executor": {("jaxpg.pipeline.lockstep.executor", 3),
+                                            ("jaxpg.pipeline.stage.split", 4)},
+        "jaxpg.pipeline.stage.split": {("jaxpg.pipeline.api", 5),
+                                       ("jaxpg.pipeline.schedule.timetable", 6)},
+        "jaxpg.pipeline.schedule.timetable": {("jaxpg.pipeline", 7)},
+        "jaxpg.pipeline.api": {("jaxpg.pipeline.process.executor", 8)},
+    }
+    assert _folder_crossings(graph) == [
+        "jaxpg.pipeline.process.executor:3 imports jaxpg.pipeline.lockstep.executor "
+        "(lockstep/)",
+        "jaxpg.pipeline.schedule.timetable:7 imports jaxpg.pipeline (the top level)",
+        "jaxpg.pipeline.stage.split:5 imports jaxpg.pipeline.api (the top level)",
+    ]
