@@ -7,26 +7,31 @@ under the layout, compiled by XLA over a ``(dp, tp)`` mesh of the local devices:
 
 * ``tp``: Megatron's plan, q/k/v and the MLP's first matrices split by columns, the output
   projections by rows;
-* ``dp_replicate x dp_shard``: the batch split over ``dp``; ZeRO-3 also splits every matrix
-  over ``dp`` (XLA gathers them where used), ZeRO-1/2 the Adam state;
+* ``dp_replicate x dp_shard``: the batch split over ``dp``; ZeRO-3 also splits every tensor
+  over ``dp`` and gathers each where it is used, in every microbatch, as FSDP does (a
+  sharding constraint: left to itself, XLA would rather gather the activations and keep
+  the weights split), ZeRO-1/2 split the Adam state;
 * ``microbatches``: gradient accumulation in a ``lax.scan``;
 * ``remat``: ``jax.checkpoint`` around each block (``selective``: the weight matmuls' outputs
   kept, attention's core recomputed).
 
 Pipelines, context and expert parallelism are not tried here (:func:`trial_step` says so).
-It returns the median step time; the planner's prediction for the same layout is
-:func:`jaxpg.plan.evaluate`'s.
+:func:`trial_times` times each step by wall clock and by the process's CPU time (the local
+devices are threads of this process: CPU time counts their work and not the other programs
+the machine runs); :func:`trial_step` returns one figure. The planner's prediction for the
+same layout is :func:`jaxpg.plan.evaluate`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 from jaxpg.plan.job import Job
 from jaxpg.plan.layout import Layout
 
-__all__ = ["trial_step"]
+__all__ = ["TrialTimes", "trial_step", "trial_times"]
 
 
 def _init(spec, key, dtype):
@@ -101,54 +106,61 @@ def _block(spec, p, x):
     return x + inner @ p["down"]
 
 
-def _loss(spec, remat, params, tokens):
+def _loss(spec, remat, params, tokens, gather=lambda p: p):
     import jax
     import jax.numpy as jnp
 
-    block = lambda p, x: _block(spec, p, x)  # noqa: E731
+    block = lambda p, x: _block(spec, gather(p), x)  # noqa: E731
     if remat == "full":
         block = jax.checkpoint(block)
     elif remat == "selective":
         block = jax.checkpoint(
             block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    x = params["embed"][tokens[:, :-1]]
+    top = gather({k: v for k, v in params.items() if k != "blocks"})
+    x = top["embed"][tokens[:, :-1]]
     for p in params["blocks"]:
         x = block(p, x)
-    x = _rms(x, params["ln_f"])
-    head = params["embed"].T if spec.tied_embeddings else params["head"]
+    x = _rms(x, top["ln_f"])
+    head = top["embed"].T if spec.tied_embeddings else top["head"]
     logits = (x @ head).astype(jnp.float32)
     labels = tokens[:, 1:]
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
-def trial_step(job: Job, layout: Layout, *, steps: int = 3, devices=None, seed: int = 0,
-               statistic: str = "median") -> float:
-    """The median (or fastest) seconds of ``steps`` real training steps of ``job``.
+@dataclasses.dataclass(frozen=True)
+class TrialTimes:
+    """The timed steps of one trial, by two clocks.
 
-    Args:
-        job: the job (its devices are this machine's, ``job.devices`` of them).
-        layout: a layout without pipeline, context or expert parallelism.
-        steps: timed steps after one warm-up (compile) step.
-        devices: the devices (default: the first ``job.devices`` local ones).
-        seed: the parameters' and tokens' seed.
-        statistic: ``"median"`` or ``"min"`` (the step least disturbed by other work).
+    Attributes:
+        wall: each step's wall-clock seconds.
+        cpu: each step's CPU seconds of this process, all its threads together. The local
+            devices run in this process, so this is their work, whatever else the machine
+            runs; wall time also holds the waits for cores other work took.
     """
-    if statistic not in ("median", "min"):
-        raise ValueError(f"trial_step: statistic={statistic!r} must be 'median' or 'min'.")
+
+    wall: tuple[float, ...]
+    cpu: tuple[float, ...]
+
+    def seconds(self, clock: str = "cpu", statistic: str = "min") -> float:
+        """One figure: ``clock`` ``"cpu"`` or ``"wall"``, ``statistic`` ``"min"`` or
+        ``"median"``."""
+        if clock not in ("cpu", "wall"):
+            raise ValueError(f"TrialTimes: clock={clock!r} must be 'cpu' or 'wall'.")
+        if statistic not in ("median", "min"):
+            raise ValueError(f"TrialTimes: statistic={statistic!r} must be 'median' or 'min'.")
+        samples = self.cpu if clock == "cpu" else self.wall
+        return statistics.median(samples) if statistic == "median" else min(samples)
+
+
+def _build(job: Job, layout: Layout, devices, seed: int):
+    """The compiled step and its first arguments (parameters, Adam moments, tokens)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    if layout.pp > 1 or layout.cp > 1 or layout.ep > 1:
-        raise ValueError(f"trial_step: layout {layout} has pp, cp or ep > 1; trials run "
-                         "tp, the data-parallel axes, microbatches and recomputation only.")
-    devices = list(devices or jax.devices()[:job.devices])
-    if len(devices) != layout.devices or layout.devices != job.devices:
-        raise ValueError(f"trial_step: layout {layout} uses {layout.devices} devices; the job "
-                         f"has {job.devices} and {len(devices)} are given.")
     spec, dt = job.model, {"bf16": jnp.bfloat16, "fp32": jnp.float32,
                            "fp16": jnp.float16}[job.dtype]
     mesh = Mesh(np.array(devices).reshape(layout.dp, layout.tp), ("dp", "tp"))
@@ -164,13 +176,46 @@ def trial_step(job: Job, layout: Layout, *, steps: int = 3, devices=None, seed: 
     tokens = jax.random.randint(jax.random.key(seed + 1), (m, per, job.seq_len + 1), 0,
                                 spec.vocab)
     tokens = jax.device_put(tokens, NamedSharding(mesh, P(None, "dp")))
-    grad_fn = jax.grad(lambda p, t: _loss(spec, layout.remat, p, t))
 
-    def step(params, opt, tokens):
+    def gather(tree):
+        """ZeRO-3 (FSDP): each shard gathered where it is used, the batch staying split;
+        its transpose reduce-scatters the gradients."""
+        if layout.zero < 3:
+            return tree
+        return jax.lax.with_sharding_constraint(
+            tree, shard(_specs(tree, layout.replace(zero=0))))
+
+    loss = lambda p, t: _loss(spec, layout.remat, p, t, gather)  # noqa: E731
+    dp = layout.dp
+
+    def local_grads(params, tokens):
+        """ZeRO 0/1: each dp rank accumulates its own gradients over the microbatches and
+        they are reduced once after them, as DDP's no_sync does (dp manual, tp left to
+        XLA); left to itself, XLA would all-reduce every microbatch's."""
+        def per_rank(params, tokens):
+            grad_fn = jax.grad(loss)
+
+            def accumulate(acc, t):
+                return jax.tree.map(jnp.add, acc, grad_fn(params, t)), None
+
+            acc, _ = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), tokens)
+            return jax.tree.map(lambda g: jax.lax.psum(g, "dp") / dp, acc)
+
+        return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(None, "dp")),
+                             out_specs=P(), axis_names={"dp"}, check_vma=False)(params, tokens)
+
+    def sharded_grads(params, tokens):
+        """ZeRO 2/3: every microbatch's gradients reduce-scattered as they are made."""
+        grad_fn = jax.grad(loss)
+
         def accumulate(acc, t):
             return jax.tree.map(jnp.add, acc, grad_fn(params, t)), None
 
         grads, _ = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), tokens)
+        return grads
+
+    def step(params, opt, tokens):
+        grads = (local_grads if layout.zero <= 1 and dp > 1 else sharded_grads)(params, tokens)
         mu, nu = opt
         mu = jax.tree.map(lambda a, g: 0.9 * a + 0.1 * g / m, mu, grads)
         nu = jax.tree.map(lambda a, g: 0.999 * a + 0.001 * (g / m) ** 2, nu, grads)
@@ -180,10 +225,66 @@ def trial_step(job: Job, layout: Layout, *, steps: int = 3, devices=None, seed: 
 
     fn = jax.jit(step, out_shardings=(shard(pspecs), shard((opt_specs, opt_specs))),
                  donate_argnums=(0, 1))
+    return fn, (params, opt, tokens)
+
+
+def _check(job: Job, layout: Layout, devices):
+    import jax
+
+    if layout.pp > 1 or layout.cp > 1 or layout.ep > 1:
+        raise ValueError(f"trial_step: layout {layout} has pp, cp or ep > 1; trials run "
+                         "tp, the data-parallel axes, microbatches and recomputation only.")
+    devices = list(devices or jax.devices()[:job.devices])
+    if len(devices) != layout.devices or layout.devices != job.devices:
+        raise ValueError(f"trial_step: layout {layout} uses {layout.devices} devices; the job "
+                         f"has {job.devices} and {len(devices)} are given.")
+    return devices
+
+
+def trial_times(job: Job, layout: Layout, *, steps: int = 3, devices=None,
+                seed: int = 0) -> TrialTimes:
+    """Runs ``steps`` real training steps of ``job`` (after one warm-up, compiling, step)
+    and times each by wall clock and by this process's CPU time.
+
+    Args:
+        job: the job (its devices are this machine's, ``job.devices`` of them).
+        layout: a layout without pipeline, context or expert parallelism.
+        steps: timed steps after the warm-up.
+        devices: the devices (default: the first ``job.devices`` local ones).
+        seed: the parameters' and tokens' seed.
+    """
+    import jax
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"trial_times: steps={steps!r} must be an int >= 1.")
+    devices = _check(job, layout, devices)
+    fn, (params, opt, tokens) = _build(job, layout, devices, seed)
     params, opt = jax.block_until_ready(fn(params, opt, tokens))
-    samples = []
+    wall, cpu = [], []
     for _ in range(steps):
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.process_time()
         params, opt = jax.block_until_ready(fn(params, opt, tokens))
-        samples.append(time.perf_counter() - begin)
-    return statistics.median(samples) if statistic == "median" else min(samples)
+        wall.append(time.perf_counter() - begin)
+        cpu.append(time.process_time() - begin_cpu)
+    return TrialTimes(tuple(wall), tuple(cpu))
+
+
+def trial_step(job: Job, layout: Layout, *, steps: int = 3, devices=None, seed: int = 0,
+               statistic: str = "median", clock: str = "wall") -> float:
+    """The median (or fastest) seconds of ``steps`` real training steps of ``job``.
+
+    Args:
+        job: the job (its devices are this machine's, ``job.devices`` of them).
+        layout: a layout without pipeline, context or expert parallelism.
+        steps: timed steps after one warm-up (compile) step.
+        devices: the devices (default: the first ``job.devices`` local ones).
+        seed: the parameters' and tokens' seed.
+        statistic: ``"median"`` or ``"min"`` (the step least disturbed by other work).
+        clock: ``"wall"``, or ``"cpu"``: this process's CPU seconds (:class:`TrialTimes`).
+    """
+    if statistic not in ("median", "min"):
+        raise ValueError(f"trial_step: statistic={statistic!r} must be 'median' or 'min'.")
+    if clock not in ("cpu", "wall"):
+        raise ValueError(f"trial_step: clock={clock!r} must be 'cpu' or 'wall'.")
+    return trial_times(job, layout, steps=steps, devices=devices, seed=seed).seconds(
+        clock, statistic)
