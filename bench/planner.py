@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from jaxpg.plan import Job, Layout, TransformerSpec, evaluate, get_model  # noqa: E402
 from jaxpg.plan.calibrate import calibrate  # noqa: E402
 from jaxpg.plan.published import MEGATRON_TABLE1, megatron_tokens_per_s  # noqa: E402
-from jaxpg.plan.trial import trial_step  # noqa: E402
+from jaxpg.plan.trial import trial_times  # noqa: E402
 
 QUICK_ARGS: list[str] = ["--quick"]
 GPT = TransformerSpec(layers=2, dim=128, heads=8, ffn=512, vocab=512, mlp="gelu",
@@ -94,7 +94,7 @@ def megatron_rows() -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="4 layouts, results under /tmp")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per layout")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     p.add_argument("--out", type=pathlib.Path)
     args = p.parse_args(argv)
     out = args.out or (pathlib.Path(tempfile.gettempdir()) / "jaxpg-bench-quick" /
@@ -110,8 +110,12 @@ def main(argv=None) -> int:
     for text in LAYOUTS[:4] if args.quick else LAYOUTS:
         lay = Layout.parse(text)
         est = evaluate(lay, job)
-        measured = trial_step(job, lay, steps=args.steps)
+        times = trial_times(job, lay, steps=args.steps)
+        # the devices are this process's threads: its CPU time over the devices is one
+        # device's work, whatever else the machine runs (wall time kept beside it)
+        measured = times.seconds("cpu", "min") / job.devices
         rows.append({"layout": str(lay), "predicted_s": est.step_s, "measured_s": measured,
+                     "measured_cpu_s": list(times.cpu), "measured_wall_s": list(times.wall),
                      "predicted_memory_gib": est.memory.total_gib,
                      "comm_s": dict(est.time.comm)})
         print(f"{str(lay):<60} predicted {est.step_s:7.3f} s  measured {measured:7.3f} s",
@@ -125,7 +129,9 @@ def main(argv=None) -> int:
         "calibrated": hw.to_dict(),
         "model": GPT.describe(), "seq_len": job.seq_len, "global_batch": job.global_batch,
         "layouts": rows,
+        "measured": "min over steps of process CPU seconds / devices",
         "spearman": spearman(predicted, measured),
+        "spearman_wall": spearman(predicted, [min(r["measured_wall_s"]) for r in rows]),
         "top_pick": rows[best_predicted]["layout"],
         "top_pick_over_best_measured": measured[best_predicted] / min(measured),
         "megatron_table1": megatron_rows(),
