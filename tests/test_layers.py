@@ -245,19 +245,22 @@ def test_private_jax_apis_only_in_the_compat_module():
     assert users == ["jaxpg/_jax_compat.py"]
 
 
+def _absolute_import_roots(name: str) -> list[tuple[int, str]]:
+    """Each absolute import's line and top-level package (``jax`` of ``jax.numpy``)."""
+    roots = []
+    for node in _nodes(name):
+        if isinstance(node, ast.Import):
+            roots += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            roots.append((node.lineno, (node.module or "").split(".")[0]))
+    return roots
+
+
 def test_the_library_imports_neither_torch_nor_transformers():
     # torch and transformers are the tests' and benchmarks' references, never the library's
-    found = []
-    for name in sorted(MODULES):
-        for node in _nodes(name):
-            if isinstance(node, ast.Import):
-                roots = [alias.name.split(".")[0] for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                roots = [(node.module or "").split(".")[0]]
-            else:
-                continue
-            found += [f"{name}:{node.lineno} imports {r}" for r in roots
-                      if r in ("torch", "transformers")]
+    found = [f"{name}:{line} imports {root}" for name in sorted(MODULES)
+             for line, root in _absolute_import_roots(name)
+             if root in ("torch", "transformers")]
     assert found == []
 
 
@@ -325,15 +328,8 @@ def test_the_schedule_folder_is_plain_python():
     for name in sorted(MODULES):
         if _pipeline_place(name) != "schedule":
             continue
-        for node in _nodes(name):
-            if isinstance(node, ast.Import):
-                roots = [alias.name.split(".")[0] for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                roots = [(node.module or "").split(".")[0]]
-            else:
-                continue
-            found += [f"{name}:{node.lineno} imports {r}" for r in roots
-                      if r in NOT_PLAIN_PYTHON]
+        found += [f"{name}:{line} imports {root}"
+                  for line, root in _absolute_import_roots(name) if root in NOT_PLAIN_PYTHON]
         found += [f"{name}:{line} imports {target}" for target, line in GRAPH[name]
                   if _pipeline_place(target) != "schedule" and target != "jaxpg.errors"]
     assert found == []

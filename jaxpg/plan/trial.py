@@ -128,6 +128,15 @@ def _loss(spec, remat, params, tokens, gather=lambda p: p):
     return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
+def _check_figure(caller: str, clock: str, statistic: str) -> None:
+    """Refuses a clock other than ``"cpu"``/``"wall"`` or a statistic other than
+    ``"min"``/``"median"``, naming ``caller``."""
+    if clock not in ("cpu", "wall"):
+        raise ValueError(f"{caller}: clock={clock!r} must be 'cpu' or 'wall'.")
+    if statistic not in ("median", "min"):
+        raise ValueError(f"{caller}: statistic={statistic!r} must be 'median' or 'min'.")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrialTimes:
     """The timed steps of one trial, by two clocks.
@@ -145,10 +154,7 @@ class TrialTimes:
     def seconds(self, clock: str = "cpu", statistic: str = "min") -> float:
         """One figure: ``clock`` ``"cpu"`` or ``"wall"``, ``statistic`` ``"min"`` or
         ``"median"``."""
-        if clock not in ("cpu", "wall"):
-            raise ValueError(f"TrialTimes: clock={clock!r} must be 'cpu' or 'wall'.")
-        if statistic not in ("median", "min"):
-            raise ValueError(f"TrialTimes: statistic={statistic!r} must be 'median' or 'min'.")
+        _check_figure("TrialTimes", clock, statistic)
         samples = self.cpu if clock == "cpu" else self.wall
         return statistics.median(samples) if statistic == "median" else min(samples)
 
@@ -188,24 +194,9 @@ def _build(job: Job, layout: Layout, devices, seed: int):
     loss = lambda p, t: _loss(spec, layout.remat, p, t, gather)  # noqa: E731
     dp = layout.dp
 
-    def local_grads(params, tokens):
-        """ZeRO 0/1: each dp rank accumulates its own gradients over the microbatches and
-        they are reduced once after them, as DDP's no_sync does (dp manual, tp left to
-        XLA); left to itself, XLA would all-reduce every microbatch's."""
-        def per_rank(params, tokens):
-            grad_fn = jax.grad(loss)
-
-            def accumulate(acc, t):
-                return jax.tree.map(jnp.add, acc, grad_fn(params, t)), None
-
-            acc, _ = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), tokens)
-            return jax.tree.map(lambda g: jax.lax.psum(g, "dp") / dp, acc)
-
-        return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(None, "dp")),
-                             out_specs=P(), axis_names={"dp"}, check_vma=False)(params, tokens)
-
     def sharded_grads(params, tokens):
-        """ZeRO 2/3: every microbatch's gradients reduce-scattered as they are made."""
+        """The gradients summed over the microbatches (ZeRO 2/3, over the whole mesh: every
+        microbatch's reduce-scattered as they are made)."""
         grad_fn = jax.grad(loss)
 
         def accumulate(acc, t):
@@ -213,6 +204,17 @@ def _build(job: Job, layout: Layout, devices, seed: int):
 
         grads, _ = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), tokens)
         return grads
+
+    def local_grads(params, tokens):
+        """ZeRO 0/1: each dp rank accumulates its own gradients over the microbatches and
+        they are reduced once after them, as DDP's no_sync does (dp manual, tp left to
+        XLA); left to itself, XLA would all-reduce every microbatch's."""
+        def per_rank(params, tokens):
+            acc = sharded_grads(params, tokens)
+            return jax.tree.map(lambda g: jax.lax.psum(g, "dp") / dp, acc)
+
+        return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(None, "dp")),
+                             out_specs=P(), axis_names={"dp"}, check_vma=False)(params, tokens)
 
     def step(params, opt, tokens):
         grads = (local_grads if layout.zero <= 1 and dp > 1 else sharded_grads)(params, tokens)
@@ -282,9 +284,6 @@ def trial_step(job: Job, layout: Layout, *, steps: int = 3, devices=None, seed: 
         statistic: ``"median"`` or ``"min"`` (the step least disturbed by other work).
         clock: ``"wall"``, or ``"cpu"``: this process's CPU seconds (:class:`TrialTimes`).
     """
-    if statistic not in ("median", "min"):
-        raise ValueError(f"trial_step: statistic={statistic!r} must be 'median' or 'min'.")
-    if clock not in ("cpu", "wall"):
-        raise ValueError(f"trial_step: clock={clock!r} must be 'cpu' or 'wall'.")
+    _check_figure("trial_step", clock, statistic)  # before the trial runs
     return trial_times(job, layout, steps=steps, devices=devices, seed=seed).seconds(
         clock, statistic)
