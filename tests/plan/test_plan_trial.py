@@ -3,7 +3,9 @@
 ``jaxpg.plan.trial`` times a layout's step; its ZeRO-0/1 path reduces each dp rank's
 accumulated gradients once, its ZeRO-2/3 path lets XLA reduce-scatter each microbatch's and
 ZeRO-3 gathers each weight where it is used. From the same parameters and tokens, one step
-of each layout must give the parameters of one device's step on the whole batch.
+of each layout must give the gradient of one device's step on the whole batch, read from
+the Adam first moment after one step (a tenth of the gradient: linear in it, where Adam's
+update would hide a gradient scaled by a constant).
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ GPT = TransformerSpec(layers=1, dim=32, heads=4, ffn=64, vocab=64, mlp="gelu",
 
 
 def _one_step(layout: Layout, devices: int, batch: np.ndarray | None = None):
-    """The parameters after one step, and the batch it took (``batch``: these sequences)."""
+    """The first moment after one step, and the batch it took (``batch``: these sequences)."""
     job = Job(model=GPT, devices=devices, hardware=get_hardware("h100-80gb"), seq_len=16,
               global_batch=16, dtype="fp32", param_dtype="fp32")
     fn, (params, opt, tokens) = _build(job, layout, jax.devices()[:devices], seed=0)
     if batch is not None:  # the same 16 sequences, split into the layout's microbatches
         tokens = jax.device_put(batch.reshape(tokens.shape), tokens.sharding)
     taken = np.asarray(tokens).reshape(-1, tokens.shape[-1])
-    params, _ = fn(params, opt, tokens)
-    return jax.tree.map(np.asarray, params), taken
+    _, (mu, _) = fn(params, opt, tokens)
+    return jax.tree.map(np.asarray, mu), taken
 
 
 @pytest.mark.parametrize("layout", [
