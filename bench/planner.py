@@ -24,13 +24,13 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+from _results import add_flag, save  # noqa: E402  (bench/ is sys.path[0])
 
 from jaxpg.plan import Job, Layout, TransformerSpec, evaluate, get_model  # noqa: E402
 from jaxpg.plan.calibrate import calibrate  # noqa: E402
@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="4 layouts, results under /tmp")
     p.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     p.add_argument("--out", type=pathlib.Path)
+    add_flag(p)
     args = p.parse_args(argv)
     out = args.out or (pathlib.Path(tempfile.gettempdir()) / "jaxpg-bench-quick" /
                        "planner.json" if args.quick else
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
         "seconds": time.time() - began,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    save(out, result, args.configuration)
     print(f"spearman {result['spearman']:.3f}, top pick {result['top_pick']} at "
           f"{result['top_pick_over_best_measured']:.3f} x the best measured; wrote {out}")
     return 0
