@@ -2,18 +2,25 @@
 
 It times, on every local device at once (what a layout's devices do in a step):
 
-* a matmul on each device: the per-device FLOP/s the profile calls peak (so
-  ``matmul_efficiency`` is 1: the measurement already is what matmuls reach), and a narrow
-  one (width 16), whose slowdown gives ``matmul_half_width``;
+* a matmul on each device: the FLOP/s the profile calls peak (so ``matmul_efficiency`` is
+  1: the measurement already is what matmuls reach), and two narrow ones (widths 16 and
+  64), whose slowdown gives ``matmul_half_width``;
 * an elementwise pass over a large array on each device: the memory bandwidth;
 * an all-reduce over all devices at two sizes: its bandwidth, from the alpha-beta model
   (:mod:`jaxpg.plan.links`), as the link within the "node" (this machine), with
-  ``collective_efficiency`` 1 for the same reason; and 16 small ones in a row in one
-  program: its latency (what each collective of a program pays, not a program's launch);
+  ``collective_efficiency`` 1 for the same reason; and, for each kind a step is made of
+  (all-gather, reduce-scatter, all-reduce), 16 small ones in a row in one program: the
+  link's latency (what each collective of a program pays, not a program's launch);
 * on CPU devices, ``overlap=False``: XLA:CPU runs one operation at a time.
 
-Simulated CPU devices (``--xla_force_host_platform_device_count``) share the host's cores;
-measuring them all at once charges each its share, which is what a step on them gets.
+The clock depends on the devices. GPU and TPU devices are each their own hardware: they are
+timed by wall clock, each rate is one device's. Simulated CPU devices
+(``--xla_force_host_platform_device_count``) are threads of this process sharing the host's
+cores: they are timed by the process's CPU time, all devices' work together divided by
+their number, so each rate is what one device's work gets from one core, whatever else
+the machine runs. A step's prediction on such a profile is then one device's CPU seconds,
+what :func:`jaxpg.plan.trial.trial_times` measures as its CPU time over the devices; on an
+idle machine its wall time is about that times the devices over the cores.
 
 Example:
     >>> hw = calibrate(repeats=2, matmul_size=128)   # doctest: +SKIP
@@ -29,18 +36,21 @@ from jaxpg.plan.hardware import Hardware, Link
 __all__ = ["calibrate"]
 
 
-def _best_seconds(fn, *args, repeats: int) -> float:
+def _best_seconds(fn, *args, repeats: int, cpu: bool) -> float:
     """The fastest of ``repeats`` timed runs (after a warm-up): on a shared machine the
-    fastest run is the one least disturbed by other work."""
+    fastest run is the one least disturbed by other work. ``cpu``: this process's CPU
+    seconds, all its threads together (simulated CPU devices are its threads), in place of
+    wall time."""
     import jax
 
+    clock = time.process_time if cpu else time.perf_counter
     jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(repeats):
-        begin = time.perf_counter()
+        begin = clock()
         jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - begin)
-    return min(samples)
+        samples.append(clock() - begin)
+    return max(min(samples), 1e-9)
 
 
 def _host_bytes() -> float:
@@ -53,6 +63,9 @@ def _host_bytes() -> float:
 def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
               stream_mib: int = 32, repeats: int = 5, name: str = "local") -> Hardware:
     """Measures ``devices`` (default: all local ones) into a :class:`Hardware` profile.
+
+    CPU devices are timed by this process's CPU time over their number (one device's
+    work), other devices by wall clock (the module's docstring says why).
 
     Args:
         devices: the devices to measure together.
@@ -69,6 +82,15 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
 
     devices = list(devices or jax.local_devices())
     n = len(devices)
+    cpu = devices[0].platform == "cpu"
+    # by CPU time, the work of all n devices over the CPU seconds is one core's rate: the
+    # n devices' seconds divided by n are one device's
+    share = n if cpu else 1
+
+    def seconds(fn, *args) -> float:
+        """One device's seconds for ``fn`` run on all devices at once."""
+        return _best_seconds(fn, *args, repeats=repeats, cpu=cpu) / share
+
     mesh = Mesh(np.array(devices), ("d",))
     spec = NamedSharding(mesh, PartitionSpec("d"))
     jdtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32, "fp16": jnp.float16}[dtype]
@@ -78,44 +100,64 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
     def matmul_flops(rows: int, width: int) -> float:
         x = jax.device_put(jnp.ones((n, rows, matmul_size), jdtype), spec)
         w = jax.device_put(jnp.ones((n, matmul_size, width), jdtype), spec)
-        return 2.0 * rows * matmul_size * width / _best_seconds(matmul, x, w,
-                                                                   repeats=repeats)
+        return 2.0 * rows * matmul_size * width / seconds(matmul, x, w)
 
     flops = matmul_flops(matmul_size, matmul_size)
-    # a narrow matmul (width 16): w / (w + half) = its throughput over the square one's
-    narrow = 16
-    ratio = min(matmul_flops(matmul_size, narrow) / flops, 0.999)
-    half_width = narrow * (1 - ratio) / ratio
+    # narrow matmuls (widths 16 and 64): w / (w + half) = their throughput over the square
+    # one's; the half width is the mean of the two estimates
+    halves = []
+    for narrow in (16, 64):
+        ratio = min(matmul_flops(matmul_size, narrow) / flops, 0.999)
+        halves.append(narrow * (1 - ratio) / ratio)
+    half_width = sum(halves) / len(halves)
 
     words = stream_mib * 2**20 // 4
     s = jax.device_put(jnp.ones((n, words), jnp.float32), spec)
     stream = jax.jit(lambda x: x * 1.5 + 1.0, out_shardings=spec)
-    bandwidth = 2.0 * words * 4 / _best_seconds(stream, s, repeats=repeats)
+    bandwidth = 2.0 * words * 4 / seconds(stream, s)
 
-    def all_reduce_seconds(count: int, chain: int = 1) -> float:
+    def collective_seconds(kind: str, count: int, chain: int = 1) -> float:
+        """One program of ``chain`` collectives of ``kind`` in a row (each waits for the
+        previous one) over ``count`` float32 words per device (the full buffer)."""
+        def one(v):
+            if kind == "all_reduce":
+                return jax.lax.psum(v, "d") * 0.5
+            if kind == "all_gather":  # a parameter's shard gathered, then used
+                return jax.lax.all_gather(v[: count // n], "d", tiled=True) * 0.5
+            # a gradient reduce-scattered, its shard then used
+            return jnp.tile(jax.lax.psum_scatter(v, "d", tiled=True), n) * 0.5
+
         def body(v):
-            for _ in range(chain):  # one after another: each waits for the previous one
-                v = jax.lax.psum(v, "d") * 0.5
+            for _ in range(chain):
+                v = one(v[0])[None]
             return v
 
         x = jax.device_put(jnp.ones((n, count), jnp.float32), spec)
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("d"),
                                    out_specs=PartitionSpec("d")))
-        return _best_seconds(fn, x, repeats=repeats)
+        return seconds(fn, x)
 
     if n > 1:
-        small, large = 1024, 4 * 2**20 // 4
-        t_small, t_large = all_reduce_seconds(small), all_reduce_seconds(large)
+        small, large = 1024 * n, 4 * 2**20 // 4
+        t_small = collective_seconds("all_reduce", small)
+        t_large = collective_seconds("all_reduce", large)
         per_byte = max(t_large - t_small, 1e-9) / ((large - small) * 4)
         beta = 2 * (n - 1) / n / per_byte
-        # the latency inside a program: 16 small all-reduces in a row, less one program's
-        chained = all_reduce_seconds(small, chain=17) - t_small
-        alpha = max(chained / 16 - 2 * (n - 1) / n * small * 4 / beta, 1e-7) / (2 * (n - 1))
+        # the latency inside a program, from the collectives a layout's step is made of
+        # (ZeRO-3's parameter all-gathers and gradient reduce-scatters, tp's all-reduces):
+        # 16 small ones of each kind in a row, less one program's, per op and rank step
+        alphas = []
+        for kind, steps in (("all_gather", n - 1), ("reduce_scatter", n - 1),
+                            ("all_reduce", 2 * (n - 1))):
+            chained = (collective_seconds(kind, small, chain=17)
+                       - collective_seconds(kind, small))
+            wire = steps / n * small * 4 / beta
+            alphas.append(max(chained / 16 - wire, 1e-7) / steps)
+        alpha = sum(alphas) / len(alphas)
     else:
         beta, alpha = bandwidth, 1e-6
     link = Link(bandwidth=beta, latency=alpha)
     return Hardware(name=name, flops={dtype: flops}, hbm_bytes=_host_bytes() / n,
                     hbm_bandwidth=bandwidth, intra=link, inter=link, devices_per_node=n,
                     matmul_efficiency=1.0, collective_efficiency=1.0,
-                    matmul_half_width=half_width,
-                    overlap=devices[0].platform != "cpu")
+                    matmul_half_width=half_width, overlap=not cpu)
