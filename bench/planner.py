@@ -1,11 +1,13 @@
 """The layout planner against measurements and published runs (docs/planner.md).
 
 1. Calibrates the ``local`` hardware profile on 8 simulated CPU devices
-   (:func:`jaxpg.plan.calibrate.calibrate`).
-2. For a small GPT, predicts and measures (:func:`jaxpg.plan.trial.trial_step`) the step time
+   (:func:`jaxpg.plan.calibrate.calibrate`, timed by the process's CPU time over the
+   devices).
+2. For a small GPT, predicts and measures (:func:`jaxpg.plan.trial.trial_times`, its CPU
+   time over the devices: one device's CPU seconds, as the profile predicts) the step time
    of at least 10 layouts over tp, dp_replicate / dp_shard with ZeRO 1 and 3, microbatches
-   and recomputation: Spearman's rank correlation, and how far the predicted best is from
-   the measured best.
+   and recomputation: Spearman's rank correlation, how far the predicted best is from the
+   measured best, and the predicted over measured seconds (median, least, most).
 3. Megatron-LM's Table 1: the predicted tokens/s per GPU against the published figure.
 
 Writes ``bench/results/planner.json`` (``--quick``: 4 layouts, under the quick folder). XLA
@@ -124,6 +126,7 @@ def main(argv=None) -> int:
     predicted = [r["predicted_s"] for r in rows]
     measured = [r["measured_s"] for r in rows]
     best_predicted = int(np.argmin(predicted))
+    ratios = [p / m for p, m in zip(predicted, measured)]
     result = {
         "machine": {"cpus": os.cpu_count(), "load_before": load_before,
                     "load_after": os.getloadavg(), "python": sys.version.split()[0]},
@@ -135,13 +138,17 @@ def main(argv=None) -> int:
         "spearman_wall": spearman(predicted, [min(r["measured_wall_s"]) for r in rows]),
         "top_pick": rows[best_predicted]["layout"],
         "top_pick_over_best_measured": measured[best_predicted] / min(measured),
+        "predicted_over_measured": {"median": float(np.median(ratios)),
+                                    "min": min(ratios), "max": max(ratios)},
         "megatron_table1": megatron_rows(),
         "seconds": time.time() - began,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     save(out, result, args.configuration)
     print(f"spearman {result['spearman']:.3f}, top pick {result['top_pick']} at "
-          f"{result['top_pick_over_best_measured']:.3f} x the best measured; wrote {out}")
+          f"{result['top_pick_over_best_measured']:.3f} x the best measured; predicted / "
+          f"measured {np.median(ratios):.2f} (median, {min(ratios):.2f} to "
+          f"{max(ratios):.2f}); wrote {out}")
     return 0
 
 
