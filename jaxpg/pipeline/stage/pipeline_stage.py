@@ -66,8 +66,9 @@ from jaxpg.groups import world
 from jaxpg.groups.device_mesh import DeviceMesh
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.resolve import resolve_group
+from jaxpg.pipeline.stage.fsdp import stage_fully_shard
 from jaxpg.pipeline.stage.tp import stage_tensor_parallel
-from jaxpg.pipeline.stage.tp_programs import tp_output_structs
+from jaxpg.pipeline.stage.tp_programs import submesh_output_structs
 
 __all__ = ["PipelineStage"]
 
@@ -118,12 +119,16 @@ class PipelineStage:
         tensor_parallel_group: the tensor-parallel group holding this stage (e.g.
             ``mesh["tp"]``: the processes of this pp coordinate), over which ``module``
             was parallelized; None: inferred from the module (a plain module has none).
+        fsdp_group: the dp_shard group holding this stage (e.g. ``mesh["dp_shard"]`` of a
+            ``("pp", "dp_shard")`` mesh), over which the stage is fully sharded (FSDP,
+            ZeRO stage 3: ``jaxpg.pipeline.stage.fsdp``); each of its processes passes
+            the same module and its own part of the batch. None: no full sharding.
     """
 
     def __init__(self, module: nnx.Module, stage_index: int, num_stages: int,
                  device: Any = None, *, input_args: Any = None, output_args: Any = None,
                  group: Any = None, data_parallel_group: Any = None,
-                 tensor_parallel_group: Any = None) -> None:
+                 tensor_parallel_group: Any = None, fsdp_group: Any = None) -> None:
         if not isinstance(module, nnx.Module):
             raise TypeError(f"PipelineStage module must be a flax.nnx.Module, got "
                             f"{type(module).__name__}.")
@@ -159,6 +164,10 @@ class PipelineStage:
                                       me=self.group.ranks[self.group_rank], pipeline=self.group,
                                       data_parallel=self.dp_group)
         self.tp_group, self.tp = found if found is not None else (None, None)
+        sharded = stage_fully_shard(module, fsdp_group, device=self.device,
+                                    me=self.group.ranks[self.group_rank], pipeline=self.group,
+                                    data_parallel=self.dp_group, tensor_parallel=self.tp)
+        self.fsdp_group, self.fsdp = sharded if sharded is not None else (None, None)
         self.graphdef = nnx.graphdef(module)
 
     def _data_parallel_group(self, given: Any) -> ProcessGroup | None:
@@ -197,10 +206,17 @@ class PipelineStage:
         """The module's state other than ``nnx.Param`` (read as constants by the stage)."""
         return nnx.state(self.submod, nnx.Not(nnx.Param))
 
+    @property
+    def layout(self) -> Any:
+        """The stage's sub-mesh layout (``StageTP`` or ``StageFSDP``), or None (one device)."""
+        return self.tp if self.tp is not None else self.fsdp
+
     def placed(self, state: nnx.State) -> nnx.State:
-        """``state`` where the stage's programs take it: on its device, or on its
-        tensor-parallel mesh (``state``'s arrays each keeping their layout)."""
-        return jax.device_put(state, self.device) if self.tp is None else self.tp.place(state)
+        """``state`` where the stage's programs take it: on its device, or on its sub-mesh
+        (tensor-parallel: ``state``'s arrays each keeping their layout; fully sharded:
+        parameters split over dp_shard)."""
+        layout = self.layout
+        return jax.device_put(state, self.device) if layout is None else layout.place(state)
 
     def zero_grad(self) -> None:
         """Clears ``grads`` (to ``None``, as torch's ``zero_grad(set_to_none=True)``)."""
@@ -218,9 +234,9 @@ class PipelineStage:
 
     def output_structs(self, inputs: tuple) -> tuple:
         """The shapes and dtypes of the stage's outputs for inputs of ``inputs``' shapes."""
-        if self.tp is not None:
-            return tp_output_structs(self.graphdef, self.tp, self.params(),
-                                     self.frozen_state(), tuple(inputs))
+        if self.layout is not None:
+            return submesh_output_structs(self.graphdef, self.layout, self.params(),
+                                          self.frozen_state(), tuple(inputs))
         return jax.eval_shape(lambda p, *x: self(p, *x), self.params(), *inputs)
 
     def __repr__(self) -> str:

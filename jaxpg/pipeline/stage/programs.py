@@ -4,8 +4,11 @@ backward, whole or split into its input and weight halves, each one jitted progr
 ``F`` runs ``jax.vjp`` of the stage (of stage and loss on the last) and keeps the
 pullback's residuals until the backward; ``B`` applies it (with a split backward, ``B``
 makes only the input gradient and ``W`` only the weight gradient, XLA dropping the other
-half of each). A tensor-parallel stage runs the same programs inside SPMD programs over its
-tp group (``jaxpg.pipeline.stage.tp_programs``).
+half of each). A tensor-parallel or fully sharded stage runs the same programs inside SPMD
+programs over its sub-mesh (``jaxpg.pipeline.stage.tp_programs``): a fully sharded stage's
+``gather`` all-gathers its parameter shards inside the differentiated function, recomputed
+in the backward rather than kept (``jax.checkpoint``), and its per-rank loss is divided by
+``shards`` so that the ranks' gradients sum to the gradient of the microbatch's mean.
 """
 
 from __future__ import annotations
@@ -44,13 +47,28 @@ class StagePrograms(NamedTuple):
     weight: Callable  # (vjp, dy, g) -> g + dp
 
 
+GATHERED = "jaxpg_fsdp_gathered"
+"""The ``checkpoint_name`` of a fully sharded stage's gathered parameters (never kept)."""
+
+
+def _unless_gathered(prim: Any, *_: Any, **params: Any) -> bool:
+    """A ``jax.checkpoint`` policy: save every value but an all-gather's (and its named
+    alias): the gathered parameters are gathered again in the backward, as FSDP does."""
+    return not (str(prim) == "all_gather" or params.get("name") == GATHERED)
+
+
 @functools.lru_cache(maxsize=64)
-def plain_programs(graphdef: Any, loss_fn: Callable | None, first: bool) -> StagePrograms:
+def plain_programs(graphdef: Any, loss_fn: Callable | None, first: bool,
+                   gather: Callable | None = None, shards: int = 1) -> StagePrograms:
     """The programs of a stage of module structure ``graphdef`` with ``loss_fn`` (``first``:
-    the model's first stage, whose inputs take no gradient); made once per structure."""
-    def call(p, rest, *a):
-        out = nnx.merge(graphdef, p, rest)(*a)
+    the model's first stage, whose inputs take no gradient); made once per structure.
+    ``gather`` (inside an SPMD program): parameter shards -> whole parameters, names its
+    results :data:`GATHERED`; ``shards``: what each rank's loss is divided by."""
+    def merged(p, rest, *a):
+        out = nnx.merge(graphdef, p if gather is None else gather(p), rest)(*a)
         return tuple(out) if isinstance(out, tuple | list) else (out,)
+
+    call = merged if gather is None else jax.checkpoint(merged, policy=_unless_gathered)
 
     def pullback(f, p, rest, args, **kw):
         if first:  # the model's inputs take no gradient (token ids, say)
@@ -71,7 +89,8 @@ def plain_programs(graphdef: Any, loss_fn: Callable | None, first: bool) -> Stag
                               loss_fn=loss_fn, api="PipelineStage schedule",
                               model="its output argument", cause=LOSS_CAUSE)
                 checked.append(True)
-            return loss_fn(y, target), out
+            loss = loss_fn(y, target)
+            return (loss if shards == 1 else loss / shards), out
 
         loss, vjp, out = pullback(f, p, rest, args, has_aux=True)
         return loss, out, vjp

@@ -35,6 +35,7 @@ from jaxpg.groups import world
 from jaxpg.groups.mesh_axis import MeshAxis, resolve_mesh_axis
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.resolve import resolve_group
+from jaxpg.pipeline.stage.programs import plain_programs
 from jaxpg.reduce_op import ReduceOp
 
 __all__ = ["StageTP", "stage_tensor_parallel"]
@@ -91,6 +92,35 @@ class StageTP(MeshAxis):
     def specs(self) -> tuple[Any, Any]:
         """``(param specs, rest specs)`` as trees of the state's structure."""
         return tuple(jax.tree.unflatten(*s) for s in (self.param_specs, self.rest_specs))
+
+    # what the sub-mesh programs (``jaxpg.pipeline.stage.tp_programs``) ask of a layout
+    out_spec = P()  # activations are replicated over tp
+
+    def base_programs(self, graphdef: Any, loss_fn: Any, first: bool) -> Any:
+        """The per-rank programs the SPMD programs run: a plain stage's, on local shards."""
+        return plain_programs(graphdef, loss_fn, first)
+
+    def gather(self, params: Any) -> Any:
+        """The parameters a tp rank's module takes: its own shards."""
+        return params
+
+    def data_spec(self, x: Any) -> P:
+        """The spec of an activation, target or cotangent: replicated over tp."""
+        return P()
+
+    def reduce_loss(self, loss: Any) -> Any:
+        """A rank's microbatch loss is the whole microbatch's already."""
+        return loss
+
+    def global_struct(self, struct: Any) -> Any:
+        """An activation's global shape struct: this process's copy is the whole."""
+        return struct
+
+    local_struct = global_struct
+
+    def check_outputs(self, tree: Any, what: str) -> None:
+        """:meth:`check_replicated`."""
+        self.check_replicated(tree, what)
 
     def place(self, tree: Any) -> Any:
         """``tree``'s arrays on the stage's mesh, each device keeping its own shard."""

@@ -1,16 +1,21 @@
-"""A tensor-parallel stage's programs: SPMD programs over the stage's tp group.
+"""A sub-mesh stage's programs: SPMD programs over the stage's own mesh.
 
-The same five programs as a plain stage's (``jaxpg.pipeline.process.stage_runner.StagePrograms``),
-each one ``jax.shard_map`` over the stage's mesh (``jaxpg.pipeline.stage.tp.StageTP``), in
-which the tensor-parallel layers see their local shards and issue Megatron's collectives.
-Activations, targets and losses go in and out as this process's local arrays (what the
-lanes move); parameters and gradients stay global arrays with the module's own specs.
+The same five programs as a plain stage's (``jaxpg.pipeline.stage.programs.StagePrograms``),
+each one ``jax.shard_map`` over the stage's mesh, for the two layouts of a stage over its
+sub-mesh: a tensor-parallel stage (``jaxpg.pipeline.stage.tp.StageTP``), in which the
+tensor-parallel layers see their local shards and issue Megatron's collectives, its
+activations replicated over tp; and a fully sharded one (``jaxpg.pipeline.stage.fsdp.StageFSDP``),
+whose parameters are all-gathered inside each program and whose gradients leave reduce-scattered
+(the all-gather's transpose), its activations split over the batch. Activations, targets
+and losses go in and out as this process's local arrays (what the lanes move); parameters
+and gradients stay global arrays with the layout's specs.
 
 The pullback is taken inside the SPMD program (``jax.vjp`` per rank), never by
 differentiating the ``shard_map`` itself: Megatron's convention (the gradient of a value
 the same on every tp rank is complete on every rank) then holds as the layers assume. Its
-residuals leave the forward as per-rank values (a leading axis over tp) and enter the
-backward the same way; their structure is kept by the program, found when it is traced.
+residuals leave the forward as per-rank values (a leading axis over the stage's axis) and
+enter the backward the same way; their structure is kept by the program, found when it is
+traced.
 """
 
 from __future__ import annotations
@@ -24,15 +29,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpg.pipeline.stage.programs import StagePrograms, plain_programs
-from jaxpg.pipeline.stage.tp import StageTP
+from jaxpg.pipeline.stage.programs import StagePrograms
 from jaxpg.pipeline.stage.trace_tools import add_grads
 
-__all__ = ["tp_stage_programs", "tp_output_structs"]
+__all__ = ["submesh_stage_programs", "submesh_output_structs"]
 
 
 class _Pullback(NamedTuple):
-    """A forward's residuals (per-rank, leading axis over tp) and their structure."""
+    """A forward's residuals (per-rank, leading axis over the stage's axis) and their
+    structure."""
 
     tree: Any
     residuals: tuple
@@ -42,31 +47,41 @@ def _key(tree: Any) -> tuple:
     return tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(tree))
 
 
-def _smap(layout: StageTP, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
+def _smap(layout: Any, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
     return jax.shard_map(f, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
 
-def tp_output_structs(graphdef: Any, layout: StageTP, params: Any, rest: Any,
-                      inputs: tuple) -> tuple:
-    """The shapes and dtypes of a tensor-parallel stage's outputs (replicated over tp)."""
+def _data(layout: Any, tree: Any) -> Any:
+    """The specs of activations ``tree`` (their leaves' :meth:`data_spec`)."""
+    return jax.tree.map(layout.data_spec, tree)
+
+
+def submesh_output_structs(graphdef: Any, layout: Any, params: Any, rest: Any,
+                           inputs: tuple) -> tuple:
+    """The shapes and dtypes of a sub-mesh stage's outputs, as this process holds them, for
+    inputs of ``inputs``' (this process's) shapes."""
     pspecs, rspecs = layout.specs()
+    inputs = tuple(layout.global_struct(a) for a in inputs)
 
     def call(p, r, args):
-        out = nnx.merge(graphdef, p, r)(*args)
+        out = nnx.merge(graphdef, layout.gather(p), r)(*args)
         return tuple(out) if isinstance(out, tuple | list) else (out,)
 
-    return jax.eval_shape(_smap(layout, call, (pspecs, rspecs, P()), P()), params, rest,
-                          tuple(inputs))
+    out = jax.eval_shape(lambda p, r, a: _smap(
+        layout, call, (pspecs, rspecs, _data(layout, a)), layout.out_spec)(p, r, a),
+        params, rest, inputs)
+    return tuple(layout.local_struct(a) for a in out)
 
 
 @functools.lru_cache(maxsize=64)
-def tp_stage_programs(graphdef: Any, loss_fn: Callable | None, first: bool,
-                      layout: StageTP) -> StagePrograms:
-    """The programs of a tensor-parallel stage (shared by stages of the same structure)."""
-    base = plain_programs(graphdef, loss_fn, first)
+def submesh_stage_programs(graphdef: Any, loss_fn: Callable | None, first: bool,
+                           layout: Any) -> StagePrograms:
+    """The programs of a sub-mesh stage (shared by stages of the same structure)."""
+    base = layout.base_programs(graphdef, loss_fn, first)
     pspecs, rspecs = layout.specs()
     ax = layout.axis
+    out_spec = layout.out_spec
     trees: dict[tuple, Any] = {}  # the pullback's structure, by program and input shapes
 
     def keep(key, vjp):
@@ -80,25 +95,26 @@ def tp_stage_programs(graphdef: Any, loss_fn: Callable | None, first: bool,
             out, vjp = base.forward(p, rest, args)
             return out, keep(key, vjp)
 
-        return _smap(layout, body, (pspecs, rspecs, P()), (P(), P(ax)))(p, rest, args)
+        return _smap(layout, body, (pspecs, rspecs, _data(layout, args)),
+                     (out_spec, P(ax)))(p, rest, args)
 
     def forward_loss(p, rest, args, target):
         key = ("L", *_key((args, target)))
 
         def body(p, rest, args, target):
             loss, out, vjp = base.forward_loss(p, rest, args, target)
-            return loss, out, keep(key, vjp)
+            return layout.reduce_loss(loss), out, keep(key, vjp)
 
-        return _smap(layout, body, (pspecs, rspecs, P(), P()), (P(), P(), P(ax)))(
-            p, rest, args, target)
+        return _smap(layout, body, (pspecs, rspecs, _data(layout, args), _data(layout, target)),
+                     (P(), out_spec, P(ax)))(p, rest, args, target)
 
     def pull(tree, residuals, dy, weights, inputs):
         def body(residuals, dy):
             grads = jax.tree.unflatten(tree, [r[0] for r in residuals])(dy)
             return (grads[0] if weights else None), (tuple(grads[1:]) if inputs else None)
 
-        return _smap(layout, body, (P(ax), P()), (pspecs if weights else P(), P()))(
-            residuals, dy)
+        return _smap(layout, body, (P(ax), _data(layout, dy)),
+                     (pspecs if weights else P(), out_spec))(residuals, dy)
 
     def backward(tree, residuals, dy, g):
         dp, dx = pull(tree, residuals, dy, True, True)
@@ -119,17 +135,19 @@ def tp_stage_programs(graphdef: Any, loss_fn: Callable | None, first: bool,
 
     def check_once(key, values, what):
         if key not in checked:
-            layout.check_replicated(values, what)
+            layout.check_outputs(values, what)
             checked.add(key)
 
     def run_forward(p, rest, args):
-        out, res = fwd(p, rest, layout.to_global(args))
+        args = layout.to_global(args)
+        out, res = fwd(p, rest, args)
         key = ("F", *_key(args))
         check_once(key, out, "output")
         return layout.to_local(out), _Pullback(trees[key], res)
 
     def run_forward_loss(p, rest, args, target):
-        loss, out, res = fwd_loss(p, rest, layout.to_global(args), layout.to_global(target))
+        args, target = layout.to_global(args), layout.to_global(target)
+        loss, out, res = fwd_loss(p, rest, args, target)
         key = ("L", *_key((args, target)))
         check_once(key, (loss, out), "loss or output")
         return (layout.to_local(loss), layout.to_local(out), _Pullback(trees[key], res))

@@ -1,0 +1,277 @@
+"""Fully sharded pipeline stages: FSDP (ZeRO stage 3) over the stage's ``dp_shard`` group.
+
+As torchtitan applies FSDP2's ``fully_shard`` to each stage module on its sub-mesh (FSDP x
+PP, with TP: FSDP x TP x PP), a ``("pp", "dp_shard")`` mesh puts model stage ``s`` on the
+dp_shard processes of pp coordinate ``s``. Each of them passes
+``PipelineStage(module, s, n, group=mesh["pp"], fsdp_group=mesh["dp_shard"])`` with the same
+module (built from the same seed, as each torch rank builds its model before ``fully_shard``);
+:func:`stage_fully_shard` splits every parameter along its leading dimension over the group
+(``NamedSharding(stage mesh, P("dp_shard"))``, each device keeping its shard) and replicates
+the module's other state.
+
+The stage's programs (``jaxpg.pipeline.stage.tp_programs``) are SPMD programs over the
+stage's mesh, written with explicit collectives rather than left to XLA's partitioner, so
+that the schedule is FSDP's and not whatever the partitioner infers for a program that keeps
+its residuals: each microbatch's forward all-gathers the parameters, its backward gathers
+them again (the gathered copy is never a residual: torch's ``reshard_after_forward=True``)
+and reduce-scatters the weight gradient (the all-gather's transpose), so each rank
+accumulates only its shard, and an optax update over ``stage.grads`` updates shards.
+
+Data parallelism inside the stage: each process of the group passes its own part of the
+batch to ``step`` (as each torch FSDP rank feeds its own data); microbatch ``i`` of the
+stage is the processes' ``i``-th microbatches together, activations travel as each
+process's rows to the same dp_shard rank of the next stage, and every rank's loss is
+divided by the group's size inside the differentiated function, so the gradients summed by
+the reduce-scatter are those of the mean over the whole batch, and the loss each process
+reports is that mean (a ``psum``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpg.groups.process_group import ProcessGroup
+from jaxpg.groups.resolve import resolve_group
+from jaxpg.pipeline.stage.programs import GATHERED, plain_programs
+
+__all__ = ["StageFSDP", "stage_fully_shard"]
+
+
+def _state_paths(state: Any) -> list[str]:
+    """Each leaf's path in ``state``, dotted."""
+    return [".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                     for k in path if getattr(k, "name", None) != "value")
+            for path, _ in jax.tree_util.tree_leaves_with_path(state)]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _summed_gradient(axis: str):
+    """The identity whose transpose sums over ``axis`` (a replicated parameter's use)."""
+    @jax.custom_vjp
+    def same(x):
+        return x
+
+    def fwd(x):
+        return x, None
+
+    def bwd(_, g):
+        return (lax.psum(g, axis),)
+
+    same.defvjp(fwd, bwd)
+    return same
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class StageFSDP:
+    """A stage's full sharding: its dp_shard group as the 1-D mesh ``mesh`` (axis ``axis``),
+    this process's device, and which parameters are split (the rest are replicated).
+
+    Attributes:
+        mesh: the stage's 1-D mesh over its dp_shard group's devices.
+        axis: the mesh's axis name (the group's dimension name, e.g. ``"dp_shard"``).
+        group: the dp_shard ``ProcessGroup``.
+        device: this process's device on ``mesh``.
+        param_specs: ``(treedef, specs)`` of the ``nnx.Param`` state: ``P(axis)`` for a
+            split leaf, ``P()`` for a 0-d one.
+        rest_specs: the same for the module's other state (all ``P()``).
+    """
+
+    mesh: Mesh
+    axis: str
+    group: ProcessGroup
+    device: Any
+    param_specs: tuple[Any, tuple] = dataclasses.field(default=(), repr=False)
+    rest_specs: tuple[Any, tuple] = dataclasses.field(default=(), repr=False)
+
+    @property
+    def size(self) -> int:
+        """The group's size: how many shards each parameter has."""
+        return self.mesh.size
+
+    @property
+    def local_count(self) -> int:
+        """How many of the stage mesh's devices this process holds."""
+        return sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+
+    def __repr__(self) -> str:
+        return f"StageFSDP(axis={self.axis!r}, devices={[d.id for d in self.mesh.devices.flat]})"
+
+    # what the sub-mesh programs (``jaxpg.pipeline.stage.tp_programs``) ask of a layout
+    @property
+    def out_spec(self) -> P:
+        """Activations are split over the batch (dimension 0)."""
+        return P(self.axis)
+
+    def specs(self) -> tuple[Any, Any]:
+        """``(param specs, rest specs)`` as trees of the state's structure."""
+        return tuple(jax.tree.unflatten(*s) for s in (self.param_specs, self.rest_specs))
+
+    def base_programs(self, graphdef: Any, loss_fn: Any, first: bool) -> Any:
+        """The per-rank programs: a plain stage's on the gathered parameters, each rank's
+        loss divided by the group's size."""
+        return plain_programs(graphdef, loss_fn, first, self.gather, self.size)
+
+    def gather(self, params: Any) -> Any:
+        """Parameter shards -> the whole parameters (inside an SPMD program): split leaves
+        all-gathered (their gradient reduce-scattered), replicated ones kept (their gradient
+        summed)."""
+        same = _summed_gradient(self.axis)
+
+        def one(x, spec):
+            if spec == P():
+                return same(x)
+            return checkpoint_name(lax.all_gather(x, self.axis, axis=0, tiled=True), GATHERED)
+
+        return jax.tree.map(one, params, self.specs()[0])
+
+    def data_spec(self, x: Any) -> P:
+        """The spec of an activation, target or cotangent: rows split over the group (a
+        0-d value, the loss's cotangent, replicated)."""
+        return P() if np.ndim(x) == 0 else P(self.axis)
+
+    def reduce_loss(self, loss: Any) -> Any:
+        """The whole microbatch's mean loss from the ranks' divided ones."""
+        return lax.psum(loss, self.axis)
+
+    def _factor(self) -> int:
+        return self.size // self.local_count
+
+    def global_struct(self, struct: Any) -> jax.ShapeDtypeStruct:
+        """The global shape of an activation of this process's shape ``struct``."""
+        shape = tuple(struct.shape)
+        return jax.ShapeDtypeStruct((shape[0] * self._factor(), *shape[1:]), struct.dtype)
+
+    def local_struct(self, struct: Any) -> jax.ShapeDtypeStruct:
+        """The shape this process holds of a global activation ``struct``."""
+        shape = tuple(struct.shape)
+        return jax.ShapeDtypeStruct((shape[0] // self._factor(), *shape[1:]), struct.dtype)
+
+    def check_outputs(self, tree: Any, what: str) -> None:
+        """Nothing to check: each rank's outputs are its own rows."""
+
+    # placement
+    def _shard(self, a: Any, spec: P) -> jax.Array:
+        sharding = NamedSharding(self.mesh, spec)
+        if isinstance(a, jax.Array) and a.sharding == sharding:
+            return a
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            raise ValueError(f"PipelineStage fsdp_group={self.group!r}: an array laid out as "
+                             f"{a.sharding} cannot be placed on the stage's mesh; pass the "
+                             "module with its arrays on this process.")
+        host = np.asarray(a)
+        return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+    def place(self, tree: Any) -> Any:
+        """``tree`` (the module's ``nnx.Param`` state, or its other state) on the stage's
+        mesh with the layout's specs."""
+        params = jax.tree.structure(tree) == self.param_specs[0]
+        return jax.tree.map(self._shard, tree, self.specs()[0 if params else 1])
+
+    def to_global(self, tree: Any) -> Any:
+        """This process's rows (activations, targets, cotangents) as arrays on the mesh."""
+        here = jax.process_index()
+        local = [d for d in self.mesh.devices.flat if d.process_index == here]
+
+        def one(x):
+            spec = self.data_spec(x)
+            sharding = NamedSharding(self.mesh, spec)
+            if isinstance(x, jax.Array) and x.sharding == sharding:
+                return x
+            if spec == P():
+                return jax.make_array_from_single_device_arrays(
+                    np.shape(x), sharding, [jax.device_put(x, d) for d in local])
+            rows = np.shape(x)[0]
+            if rows % len(local):
+                raise ValueError(
+                    f"PipelineStage fsdp_group={self.group!r}: a microbatch of {rows} rows "
+                    f"(shape {tuple(np.shape(x))}) does not split over this process's "
+                    f"{len(local)} devices of the stage's dp_shard group; use a batch of "
+                    f"n_microbatches x a multiple of {len(local)} rows.")
+            return jax.make_array_from_process_local_data(
+                sharding, x, (rows * self._factor(), *np.shape(x)[1:]))
+
+        return jax.tree.map(one, tree)
+
+    def to_local(self, tree: Any) -> Any:
+        """This process's part of each array: the shard on its device (the whole array when
+        the process holds the whole stage mesh)."""
+        if self.local_count == self.size:
+            return tree
+        return jax.tree.map(lambda x: next(s.data for s in x.addressable_shards
+                                           if s.device == self.device), tree)
+
+
+def stage_fully_shard(module: nnx.Module, given: Any, *, device: Any, me: int,
+                      pipeline: ProcessGroup, data_parallel: ProcessGroup | None,
+                      tensor_parallel: Any) -> tuple[ProcessGroup, StageFSDP] | None:
+    """The stage's dp_shard group and layout (sharding the module's arrays over it), or None.
+
+    Args:
+        module: the stage's module, the same (whole) values on every process of the group.
+        given: ``fsdp_group=`` (None: no full sharding).
+        device: this process's device; ``me``: its global rank.
+        pipeline, data_parallel: the stage's other groups (the dp_shard group meets the
+            pipeline group only at this process).
+        tensor_parallel: the stage's tp layout (not offered together with FSDP).
+
+    Raises:
+        ValueError: a group without this process, sharing ranks with the pipeline group,
+            combined with data_parallel_group= or tensor_parallel_group=, a process holding
+            only some of the group's devices, or a parameter whose leading dimension the
+            group's size does not divide.
+    """
+    if given is None:
+        return None
+    group = resolve_group(given, api="PipelineStage", arg="fsdp_group")
+    arg = f"fsdp_group={given!r}"
+    for name, other in (("data_parallel_group", data_parallel),
+                        ("tensor_parallel_group", tensor_parallel)):
+        if other is not None:
+            raise ValueError(f"PipelineStage {arg} with {name}= is not offered: a fully "
+                             "sharded stage runs over one dp_shard group; pass one of the two.")
+    if me not in group.ranks:
+        raise ValueError(f"PipelineStage {arg} (ranks {list(group.ranks)}) does not hold this "
+                         f"process's rank {me}; pass this process's dp_shard group (e.g. "
+                         "mesh['dp_shard'] of the ('pp', 'dp_shard') mesh).")
+    shared = sorted(set(group.ranks) & set(pipeline.ranks))
+    if shared != [me]:
+        raise ValueError(f"PipelineStage {arg} shares ranks {shared} with the pipeline group "
+                         f"{pipeline!r}; the two must be different dimensions of one mesh, "
+                         "meeting only at this process (e.g. mesh['dp_shard'] and mesh['pp']).")
+    axis = group.mesh_dim[1] if group.mesh_dim is not None else "dp_shard"
+    mesh = Mesh(np.asarray(group.devices), (axis,))
+    local = sum(d.process_index == jax.process_index() for d in group.devices)
+    if local not in (1, mesh.size):
+        raise ValueError(f"PipelineStage {arg}: this process holds {local} of the group's "
+                         f"{mesh.size} devices; a fully sharded stage runs with one device "
+                         "per process (jaxpg-run --nproc-per-node, as torchrun) or the whole "
+                         "group in one process.")
+    n = mesh.size
+    params = nnx.state(module, nnx.Param)
+    leaves, treedef = jax.tree.flatten(params)
+    for path, a in zip(_state_paths(params), leaves, strict=True):
+        shape = tuple(np.shape(a))
+        if shape and shape[0] % n:
+            raise ValueError(
+                f"PipelineStage {arg}: the parameter {path!r} of shape {shape} has a leading "
+                f"dimension {shape[0]} that the dp_shard group's size {n} does not divide; "
+                f"use a dp_shard degree that divides every parameter's leading dimension, or "
+                f"give {path!r} a leading dimension that is a multiple of {n}.")
+    rest = nnx.state(module, nnx.Not(nnx.Param))
+    rest_leaves, rest_tree = jax.tree.flatten(rest)
+    layout = StageFSDP(mesh, axis, group, device,
+                       param_specs=(treedef, tuple(P(axis) if np.ndim(a) else P()
+                                                   for a in leaves)),
+                       rest_specs=(rest_tree, tuple(P() for _ in rest_leaves)))
+    nnx.update(module, layout.place(params), layout.place(rest))
+    return group, layout
