@@ -19,7 +19,7 @@ soon as made and waited for right before they are read.
   buffer from then on.
 * **Programs.** Per stage, jitted (``jaxpg.pipeline.stage.programs``): ``F`` keeps the
   pullback until ``B`` (or ``B`` and ``W``) applies it. A tensor-parallel stage's programs
-  are SPMD programs over its tp group (``jaxpg.pipeline.stage.tp_programs``), a fully
+  are SPMD programs over its tp group (``jaxpg.pipeline.stage.submesh_programs``), a fully
   sharded stage's over its dp_shard group; activations still travel as each process's own
   copy (replicated over tp) or rows (split over dp_shard), to the same rank of the next
   stage's group.
@@ -40,7 +40,7 @@ from jaxpg.pipeline.process.p2p_lanes import StepMail
 from jaxpg.pipeline.process.rank_plan import RankPlan, rank_plan
 from jaxpg.pipeline.stage.metadata import format_struct
 from jaxpg.pipeline.stage.programs import StagePrograms, plain_programs
-from jaxpg.pipeline.stage.tp_programs import submesh_stage_programs
+from jaxpg.pipeline.stage.submesh_programs import submesh_stage_programs
 
 __all__ = ["StagePrograms", "stage_programs", "rank_setup", "exchange_shapes",
            "run_step"]

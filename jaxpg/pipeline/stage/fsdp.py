@@ -9,7 +9,7 @@ module (built from the same seed, as each torch rank builds its model before ``f
 (``NamedSharding(stage mesh, P("dp_shard"))``, each device keeping its shard) and replicates
 the module's other state.
 
-The stage's programs (``jaxpg.pipeline.stage.tp_programs``) are SPMD programs over the
+The stage's programs (``jaxpg.pipeline.stage.submesh_programs``) are SPMD programs over the
 stage's mesh, written with explicit collectives rather than left to XLA's partitioner, so
 that the schedule is FSDP's and not whatever the partitioner infers for a program that keeps
 its residuals: each microbatch's forward all-gathers the parameters, its backward gathers
@@ -106,7 +106,7 @@ class StageFSDP:
     def __repr__(self) -> str:
         return f"StageFSDP(axis={self.axis!r}, devices={[d.id for d in self.mesh.devices.flat]})"
 
-    # what the sub-mesh programs (``jaxpg.pipeline.stage.tp_programs``) ask of a layout
+    # what the sub-mesh programs (``jaxpg.pipeline.stage.submesh_programs``) ask of a layout
     @property
     def out_spec(self) -> P:
         """Activations are split over the batch (dimension 0)."""

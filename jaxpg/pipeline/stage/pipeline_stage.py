@@ -67,8 +67,8 @@ from jaxpg.groups.device_mesh import DeviceMesh
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.resolve import resolve_group
 from jaxpg.pipeline.stage.fsdp import stage_fully_shard
+from jaxpg.pipeline.stage.submesh_programs import submesh_output_structs
 from jaxpg.pipeline.stage.tp import stage_tensor_parallel
-from jaxpg.pipeline.stage.tp_programs import submesh_output_structs
 
 __all__ = ["PipelineStage"]
 

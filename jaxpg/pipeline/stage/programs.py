@@ -5,7 +5,7 @@ backward, whole or split into its input and weight halves, each one jitted progr
 pullback's residuals until the backward; ``B`` applies it (with a split backward, ``B``
 makes only the input gradient and ``W`` only the weight gradient, XLA dropping the other
 half of each). A tensor-parallel or fully sharded stage runs the same programs inside SPMD
-programs over its sub-mesh (``jaxpg.pipeline.stage.tp_programs``): a fully sharded stage's
+programs over its sub-mesh (``jaxpg.pipeline.stage.submesh_programs``): a fully sharded stage's
 ``gather`` all-gathers its parameter shards inside the differentiated function, recomputed
 in the backward rather than kept (``jax.checkpoint``), and its per-rank loss is divided by
 ``shards`` so that the ranks' gradients sum to the gradient of the microbatch's mean.

@@ -3,7 +3,7 @@
 As torchtitan composes PP with TP, a ``("pp", "tp")`` mesh (or ``("dp", "pp", "tp")``) puts
 model stage ``s`` on the tp processes of pp coordinate ``s``; the stage's module is
 parallelized over ``mesh["tp"]`` (``parallelize_module``) and its forward and backward are
-SPMD programs over that group (``jaxpg.pipeline.stage.tp_programs``). Activations between
+SPMD programs over that group (``jaxpg.pipeline.stage.submesh_programs``). Activations between
 stages are replicated over tp, so each process sends to and receives from its peers in the
 pipeline group, the same tp rank of the neighbouring stages.
 
@@ -93,7 +93,7 @@ class StageTP(MeshAxis):
         """``(param specs, rest specs)`` as trees of the state's structure."""
         return tuple(jax.tree.unflatten(*s) for s in (self.param_specs, self.rest_specs))
 
-    # what the sub-mesh programs (``jaxpg.pipeline.stage.tp_programs``) ask of a layout
+    # what the sub-mesh programs (``jaxpg.pipeline.stage.submesh_programs``) ask of a layout
     out_spec = P()  # activations are replicated over tp
 
     def base_programs(self, graphdef: Any, loss_fn: Any, first: bool) -> Any:

@@ -12,6 +12,12 @@ the reference's. Then a ``ScheduleInterleaved1F1B`` step over 4 tensor-parallel 
 two per process (stages ``r`` and ``r + 2`` on pp coordinate ``r``): every stage's
 gradients, gathered, must equal the un-pipelined, un-sharded chain's. Prints
 ``CHECK <name> ok``.
+
+Then the same two stages fully sharded (FSDP) on a ``("pp", "dp_shard") = (2, 2)`` mesh
+(``fsdp_group=mesh["dp_shard"]``), each dp_shard process feeding its own half of the batch:
+a ``Schedule1F1B`` step, SGD over the sharded ``stage.grads``, a ``ScheduleGPipe`` step give
+the un-pipelined model's losses, gradients and parameters, which stay split over dp_shard.
+Prints ``FSDP <name> ok`` (a failure raises, failing the launch).
 """
 
 import functools
@@ -164,6 +170,7 @@ def run_tensor_parallel(tokens: np.ndarray, labels: np.ndarray) -> None:
             stage.zero_grad()
             check("tp_sgd_params", close(gathered(stage, stage.params()), after_sgd[s]))
     run_interleaved(mesh)
+    run_fully_sharded(tokens, labels)
 
 
 def run_interleaved(mesh) -> None:
@@ -197,3 +204,61 @@ def run_interleaved(mesh) -> None:
         schedule.step(target=jnp.asarray(t))
     check("tp_interleaved_grads", all(close(gathered(st, st.grads), want[s])
                                       for s, st in zip(order, stages, strict=True)))
+
+
+def _verify(name: str, cond: bool) -> None:
+    """Raises unless ``cond`` (failing the launch); prints ``FSDP <name> ok``."""
+    if not cond:
+        raise AssertionError(f"FSDP {name} failed on process {jax.process_index()}")
+    print(f"FSDP {name} ok", flush=True)
+
+
+def run_fully_sharded(tokens: np.ndarray, labels: np.ndarray) -> None:
+    """FSDP stages: pp = 2 x dp_shard = 2, each process its half of the batch."""
+    mesh = jaxpg.init_device_mesh((2, 2), ("pp", "dp_shard"))
+    s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
+    half = len(tokens) // 2
+    mine = slice(d * half, (d + 1) * half)
+    # microbatch i of the step is both halves' i-th microbatches: the reference's batch in
+    # that order has them as its i-th M-th
+    rows = half // M
+    order = np.concatenate([np.arange(h * half + i * rows, h * half + (i + 1) * rows)
+                            for i in range(M) for h in range(2)])
+    ref = reference(jnp.asarray(tokens[order]), jnp.asarray(labels[order])) \
+        if jaxpg.get_rank() == 0 else (None, None)
+    steps, after_sgd = jaxpg.broadcast_object_list(list(ref), src=0)
+    stage = PipelineStage(stage_module(s), s, 2, group=mesh["pp"],
+                          fsdp_group=mesh["dp_shard"])
+    gather = _gather(stage.fsdp.mesh)
+
+    def full(state):
+        return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
+                            nnx.to_pure_dict(gather(state)))
+
+    def split_over_dp_shard(state):
+        return all(a.sharding.spec == P("dp_shard") for a in jax.tree.leaves(state))
+
+    _verify("params_split", split_over_dp_shard(stage.params()))
+    tx = optax.sgd(LR)
+
+    @jax.jit
+    def sgd(grads, params):  # plain SGD: the update of the sharded gradients, shard by shard
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return optax.apply_updates(params, updates)
+    for step, (name, cls) in enumerate((("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe))):
+        want_losses, want_grads = steps[step]
+        schedule = cls(stage, M, loss_fn=ce_loss)
+        if stage.is_first:
+            schedule.step(jnp.asarray(tokens[mine]))
+        else:
+            losses = []
+            logits = schedule.step(target=jnp.asarray(labels[mine]), losses=losses)
+            _verify(f"losses_{name}", logits.shape == (half, tokens.shape[1], V) and
+                    close(np.array([float(x) for x in losses]), want_losses))
+        _verify(f"grads_{name}", close(full(stage.grads), want_grads[s]) and
+                split_over_dp_shard(stage.grads))
+        if step == 0:
+            nnx.update(stage.submod, sgd(stage.grads, stage.params()))
+            stage.zero_grad()
+            _verify("sgd_params", close(full(stage.params()), after_sgd[s]) and
+                    split_over_dp_shard(stage.params()))
