@@ -59,7 +59,15 @@ def bucketed_grad_reducer(
 
     def reducer(grads: Any) -> Any:
         tree = grads if isinstance(grads, StagedParams) else StagedParams(grads)
-        out, _ = reduce_gradients(tree, plan, dp_axis, comm_hook=comm_hook)
+        try:
+            out, _ = reduce_gradients(tree, plan, dp_axis, comm_hook=comm_hook)
+        except NameError as err:  # jax's "unbound axis name": the mesh has no such axis
+            if dp_axis not in str(err):
+                raise
+            raise ValueError(
+                f"bucketed_grad_reducer: dp_axis={dp_axis!r} is not an axis of the pipeline's "
+                f"mesh ({err}). Pass the mesh's data-parallel axis: on a ParallelDims, "
+                f"dp_axis=dims.axis('dp_replicate').") from err
         return out.stages if bare and not isinstance(grads, StagedParams) else out
 
     reducer.plan = plan  # printable: print(reducer.plan)

@@ -37,3 +37,14 @@ def test_hcg_with_a_model_parallel_axis_runs_over_dp_x_pp(world):
     want_loss, want_grads = reference(params, x, t)
     assert_close(loss, want_loss)
     assert_close(grads, want_grads)
+
+
+def test_a_dp_axis_the_mesh_lacks_is_named_with_the_fix(world):
+    # ParallelDims names its data-parallel axis dp_replicate: the default "dp" is not there
+    dims = jaxpg.ParallelDims(dp_replicate=2, pp=4)
+    params = make_params(4)
+    reducer = bucketed_grad_reducer(params, 4)
+    x, t = make_batch(16)
+    with pytest.raises(ValueError, match=r"dp_axis='dp' is not an axis .*dims\.axis"):
+        pipeline_value_and_grad(block, head_loss, params, x, t, mesh=dims, schedule="1f1b",
+                                num_microbatches=4, first_fn=embed, grad_reducer=reducer)
