@@ -185,7 +185,7 @@ def table(path: Path, configuration: str | None = None) -> str:
     configuration): good runs, median seconds per run and (without the launcher) the
     largest fault-to-exit latency, per fault and load."""
     rows = load_result(path, configuration)["rows"]
-    plain = any(r["mode"] == "nolauncher" for r in rows)
+    plain = any(r.get("mode") == "nolauncher" for r in rows)  # older runs: launcher only
     cell = {(r["fault"], r["load"]): r for r in rows}
     extra = " | max latency s" if plain else ""
     lines = [f"| fault | no load: good | median s{extra} | 2 busy loops: good | median s{extra} |",
@@ -198,7 +198,8 @@ def table(path: Path, configuration: str | None = None) -> str:
             if r is None:
                 parts += ["-", "-"] + (["-"] if plain else [])
                 continue
-            parts += [f"{r['good']}/{r['runs']}", f"{float(np.median(r['seconds'])):.0f}"]
+            median = np.median(r["seconds"]) if "seconds" in r else r["median_s"]  # older runs
+            parts += [f"{r['good']}/{r['runs']}", f"{float(median):.0f}"]
             if plain:
                 late = [x for run in r["latency_s"] for x in run if x is not None]
                 parts.append(f"{max(late):.1f}" if late else "-")
