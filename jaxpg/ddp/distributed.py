@@ -183,13 +183,13 @@ class DistributedDataParallel:
                             "names, e.g. expert_axes=('ep',).")
         sequence = None if context_parallel is None else \
             resolve_sequence_split(context_parallel, api)
-        self.layout: StepMesh = step_mesh(self.group, params, rest,
+        self.step_mesh: StepMesh = step_mesh(self.group, params, rest,
                                               expert_axes=tuple(expert_axes),
                                               sequence=sequence)
         signatures = param_sync.gather_param_signatures(params, self.group)
         param_sync.verify_param_shapes(signatures, list(self.group.ranks))
-        local = self.layout.local_struct(params, self.layout.param_specs)
-        dense = dense_leaves(local, self.layout)  # the experts go by their own axes
+        local = self.step_mesh.local_struct(params, self.step_mesh.param_specs)
+        dense = dense_leaves(local, self.step_mesh)  # the experts go by their own axes
         self.bucket_plan: BucketPlan = make_bucket_plan(dense, bucket_cap_mb, first_bucket_mb)
         if shard_optimizer_state and dense is not local:
             raise ValueError(
@@ -197,10 +197,10 @@ class DistributedDataParallel:
                 f"expert parameters (split over expert_axes={tuple(expert_axes)}); leave it "
                 "at 0, or use FullyShardedDataParallel for the dense part.")
         self._opt_specs: Any = None
-        if self.layout.sharded:  # laid out on a larger mesh (tensor parallel)
-            self.params = place_on_step_mesh(params, self.layout.param_specs, self.layout,
+        if self.step_mesh.sharded:  # laid out on a larger mesh (tensor parallel)
+            self.params = place_on_step_mesh(params, self.step_mesh.param_specs, self.step_mesh,
                                           broadcast=broadcast_params)
-            self.rest = place_on_step_mesh(rest, self.layout.rest_specs, self.layout,
+            self.rest = place_on_step_mesh(rest, self.step_mesh.rest_specs, self.step_mesh,
                                         broadcast=broadcast_params)
         else:
             self.params = param_sync.replicate_from_rank0(params, self.group,
@@ -210,7 +210,7 @@ class DistributedDataParallel:
         self._zero: ZeroSharding | None = None
         if shard_optimizer_state:
             self.opt_state, self._zero = self._init_zero_opt_state()
-        elif self.layout.sharded:
+        elif self.step_mesh.sharded:
             self.opt_state, self._opt_specs = self._init_sharded_opt_state()
         else:
             replicated = NamedSharding(self.group.mesh, P())
@@ -230,7 +230,7 @@ class DistributedDataParallel:
     def _init_zero_opt_state(self) -> tuple[Any, ZeroSharding]:
         """ZeRO-1's optimizer state: split on dim 0 over the data-parallel axes, on top of
         any tensor-parallel split of the parameter it follows (:mod:`jaxpg.data_parallel.zero`)."""
-        lay = self.layout
+        lay = self.step_mesh
         axes = lay.dp_axes
         if lay.sharded:
             layouts = make_leaf_splits(self.params, self.group.size(), lay.param_specs,
@@ -244,8 +244,8 @@ class DistributedDataParallel:
 
     def _init_sharded_opt_state(self) -> tuple[Any, Any]:
         """The optimizer state laid out as the parameters it follows (the rest replicated)."""
-        mesh = self.layout.mesh
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.layout.param_specs)
+        mesh = self.step_mesh.mesh
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.step_mesh.param_specs)
         struct = jax.eval_shape(self.optimizer.init, self.params)
         try:
             opt_shardings = optax.tree_map_params(
@@ -279,8 +279,8 @@ class DistributedDataParallel:
             )
         from flax import nnx
 
-        if self.layout.sharded:  # the full arrays, gathered (every process must call this)
-            whole = NamedSharding(self.layout.mesh, P())
+        if self.step_mesh.sharded:  # the full arrays, gathered (every process must call this)
+            whole = NamedSharding(self.step_mesh.mesh, P())
             copy = jax.tree.map(lambda x: jax.device_put(x, whole).copy(),
                                 (self.params, self.rest))
         else:
@@ -302,10 +302,10 @@ class DistributedDataParallel:
             raise TypeError(
                 "DistributedDataParallel: this DDP wraps a parameter pytree (Linen), which has "
                 "no forward of its own; call model.apply({'params': ddp.params}, x).")
-        if self.layout.sharded:  # one device holds only its shard of the model
+        if self.step_mesh.sharded:  # one device holds only its shard of the model
             raise NotImplementedError(
                 "DistributedDataParallel.__call__: this model is split over more axes than the "
-                f"data-parallel group's ({self.layout.mesh.axis_names}, tensor parallelism), "
+                f"data-parallel group's ({self.step_mesh.mesh.axis_names}, tensor parallelism), "
                 "so no one device holds a replica to run the forward on; use ddp.module(x) "
                 "(the whole model, gathered), or run the forward inside your own SPMD code."
             )
@@ -320,13 +320,13 @@ class DistributedDataParallel:
     def _per_rank(self, tree: Any) -> Any:
         if tree is None:
             return None
-        if self.layout.sharded:
-            return place_per_rank(tree, self.layout)
+        if self.step_mesh.sharded:
+            return place_per_rank(tree, self.step_mesh)
         return param_sync.per_rank(tree, self.group)
 
     def _shard_batch(self, batch: Any) -> Any:
-        if self.layout.sharded:
-            return place_step_batch(batch, self.layout)
+        if self.step_mesh.sharded:
+            return place_step_batch(batch, self.step_mesh)
         return param_sync.shard_batch(batch, self.group)
 
     # ------------------------------------------------------------------ configuration
@@ -363,7 +363,7 @@ class DistributedDataParallel:
         throw_on_early_termination: bool = False,
     ) -> Join:
         """The uneven-inputs context (torch's ``ddp.join()``); see :mod:`jaxpg.ddp.join`."""
-        if self.layout.sharded:
+        if self.step_mesh.sharded:
             raise ValueError(
                 "DistributedDataParallel.join: uneven inputs are not supported for a model "
                 "laid out on a tensor-parallel mesh; give every data-parallel replica the same "
@@ -383,8 +383,8 @@ class DistributedDataParallel:
                 loss_fn, graphdef=self._graphdef, optimizer=self.optimizer,
                 plan=self.bucket_plan, comm_hook=self._comm_hook, pg=self.group, mode=mode,
                 reduction=self.reduction, donate=self.donate,
-                layout=self.layout if self.layout.sharded else None, opt_specs=self._opt_specs,
-                zero=self._zero,
+                step_mesh=self.step_mesh if self.step_mesh.sharded else None,
+                opt_specs=self._opt_specs, zero=self._zero,
             )  # fmt: skip
             # a launch is a recorded collective call on the group: numbered, in the flight
             # recorder, and a hang inside names the ranks that never started it

@@ -117,7 +117,7 @@ def build_train_step(
     mode: StepMode,
     reduction: str = "buckets",
     donate: bool = True,
-    layout: Any = None,
+    step_mesh: Any = None,
     opt_specs: Any = None,
     zero: ZeroSharding | None = None,
 ) -> Callable[..., Any]:
@@ -127,7 +127,7 @@ def build_train_step(
     ``(params, rest, opt_state, hook_state, acc, metrics)``. ``params``, ``rest`` and
     ``opt_state`` are replicated (``P()``); ``hook_state``, ``acc`` and ``active`` carry a
     leading rank axis (``P(axis)``); the batch is split on its leading dimension (and on
-    its sequence dimension over cp with ``layout.sequence``). ``acc``
+    its sequence dimension over cp with ``step_mesh.sequence``). ``acc``
     is ``None`` unless ``mode.has_acc``; the returned ``acc`` is ``None`` unless
     ``mode.sync`` is False. ``metrics`` holds ``loss`` (mean over active ranks),
     ``num_active``, ``grad_norm`` (the global L2 norm of the averaged gradients, over every
@@ -150,14 +150,14 @@ def build_train_step(
             with the default analysis XLA:CPU copies every donated parameter the backward
             still reads (80 MB a step for the 25M-parameter benchmark MLP) so that the
             update can write in place (docs/design.md, "CPU all_reduce: where the time goes").
-        layout: a :class:`~jaxpg.ddp.step_mesh.StepMesh` for state laid out on a larger
+        step_mesh: a :class:`~jaxpg.ddp.step_mesh.StepMesh` for state laid out on a larger
             mesh (tensor parallelism): the step runs over that mesh, parameters keep their
             specs, and gradients are reduced over its data-parallel axes (an expert
             parameter's over those that replicate it). None: the group's own mesh,
             everything replicated.
-        opt_specs: the optimizer state's ``PartitionSpec`` tree, with ``layout``.
+        opt_specs: the optimizer state's ``PartitionSpec`` tree, with ``step_mesh``.
         zero: ZeRO-1 (``zero_stage=1``): the optimizer state is split over
-            the group (:mod:`jaxpg.data_parallel.zero`; with ``layout``, over its
+            the group (:mod:`jaxpg.data_parallel.zero`; with ``step_mesh``, over its
             data-parallel axes on top of each parameter's tensor-parallel split) and never
             enters the ``shard_map``; the per-rank function returns the reduced gradients,
             and the update runs on the global arrays after it, each rank stepping its
@@ -165,8 +165,8 @@ def build_train_step(
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"{reduction=} must be one of {REDUCTIONS}.")
-    mesh = pg.mesh if layout is None else layout.mesh
-    axis = pg.axis_name if layout is None else layout.axis
+    mesh = pg.mesh if step_mesh is None else step_mesh.mesh
+    axis = pg.axis_name if step_mesh is None else step_mesh.axis
     n = pg.size()
     # XLA:CPU merges a step's all-reduces into one after the backward anyway (its
     # all-reduce combiner), so flat bucket buffers only add copies there: on CPU the
@@ -208,17 +208,17 @@ def build_train_step(
             expand = jax.tree.map(lambda x: x[None], (hook_state, grads))
             return params, new_rest, opt_state, expand[0], expand[1], metrics
 
-        dense = dense_leaves(grads, layout)  # expert parameters go by their own axes
+        dense = dense_leaves(grads, step_mesh)  # expert parameters go by their own axes
         if reduction == "fused_pmean":
             reduced, new_hook = fused_pmean(dense, axis), hook_state
         else:
             reduced, new_hook = reduce_gradients(dense, plan, axis, comm_hook, hook_state,
                                                  flat_buffers=not on_cpu)
-        reduced = with_experts_reduced(grads, reduced, layout, n)
+        reduced = with_experts_reduced(grads, reduced, step_mesh, n)
         if mode.join and not mode.divide_by_initial_world_size:
             scale = n / denom
             reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
-        specs = None if layout is None else layout.param_specs
+        specs = None if step_mesh is None else step_mesh.param_specs
         metrics["grad_norm"] = global_grad_norm(reduced, specs)
         apply = n_active >= (n if mode.throw_on_early_termination else 1)
         if zero is not None:  # ZeRO-1: the caller steps the sharded state
@@ -242,15 +242,15 @@ def build_train_step(
         with SpmdContext(mesh, pg._world):
             return body(*args)
 
-    rank_axis = P(axis) if layout is None else layout.rank_spec
-    params_spec = P() if layout is None else layout.param_specs
-    rest_spec = P() if layout is None else layout.rest_specs
+    rank_axis = P(axis) if step_mesh is None else step_mesh.rank_spec
+    params_spec = P() if step_mesh is None else step_mesh.param_specs
+    rest_spec = P() if step_mesh is None else step_mesh.rest_specs
     opt_spec = P() if opt_specs is None or zero is not None else opt_specs
 
     def mapped(params, rest, opt_state, hook_state, acc, batch, active):
         # the batch's specs follow its leaves with context parallelism (the sequence
         # dimension over cp), so the shard_map is built when the batch is traced
-        batch_spec = P(axis) if layout is None else layout.batch_specs(batch)
+        batch_spec = P(axis) if step_mesh is None else step_mesh.batch_specs(batch)
         return jax.shard_map(
             body_in_context,
             mesh=mesh,
