@@ -49,7 +49,7 @@ def test_wrapper_with_context_parallel_trains_as_one_device(case):
     else:
         wrapped = FullyShardedDataParallel(model, optimizer, group=group,
                                                  context_parallel=mesh["cp"])
-    axes = wrapped.layout.dp_axes if wrapper == "ddp" else wrapped.group.shard_axes
+    axes = wrapped.step_mesh.dp_axes if wrapper == "ddp" else wrapped.group.shard_axes
     assert axes == flat  # gradients averaged (FSDP: parameters sharded) over dp x cp
     losses = [float(wrapped.train_step(loss_fn, batch)["loss"]) for batch in batches()]
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
