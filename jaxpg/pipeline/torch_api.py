@@ -208,9 +208,10 @@ class _PipelineSchedule:
                                               timeout, self._what)
         factor = self._n_microbatches if self.scale_grads else 1
         for s, st in sorted(self._stages.items()):  # the same order on every replica
-            step_grads = grads[s] if st.dp_group is None else \
-                _data_parallel_mean(grads[s], st.dp_group) if st.tp is None else \
-                st.tp.data_parallel_mean(grads[s], st.dp_group)
+            summed = st.finish_grads(grads[s])
+            step_grads = summed if st.dp_group is None else \
+                _data_parallel_mean(summed, st.dp_group) if st.tp is None else \
+                st.tp.data_parallel_mean(summed, st.dp_group)
             st.grads = _accumulate(st.grads, step_grads, factor)
         if last and losses is not None:
             losses.clear()

@@ -82,9 +82,10 @@ def close(got, want):
 
 def run_pipeline(stages, tokens, labels, split):
     """One step of both stages' programs over ``M`` microbatches (all forwards, then the
-    backwards; ``split``: each backward as ZB's input and weight halves)."""
+    backwards; ``split``: each backward as ZB's input and weight halves), as a schedule's
+    step runs them."""
     progs = [stage_programs(st, ce) for st in stages]
-    params = [st.placed(st.params()) for st in stages]
+    params = [st.program_params() for st in stages]
     rests = [st.placed(st.frozen_state()) for st in stages]
     rows = B // M
     losses, grads, keep = [], [None, None], []
@@ -103,11 +104,13 @@ def run_pipeline(stages, tokens, labels, split):
         else:
             dh, grads[1] = progs[1].backward(vjp1, one, grads[1])
             _, grads[0] = progs[0].backward(vjp0, dh, grads[0])
+    grads = [st.finish_grads(g) for st, g in zip(stages, grads, strict=True)]
     return np.array(losses), [jax.tree.map(lambda g: g / M, g) for g in grads], keep
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_fully_sharded_stages_give_the_un_pipelined_gradients(world, split):
+@pytest.mark.parametrize(("split", "reshard"), [(False, True), (True, True), (False, False)],
+                         ids=["whole", "split", "gathered_once_a_step"])
+def test_fully_sharded_stages_give_the_un_pipelined_gradients(world, split, reshard):
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, V, (B, 4)), jnp.int32)
     labels = jnp.asarray(rng.integers(0, V, (B, 4)), jnp.int32)
@@ -118,12 +121,16 @@ def test_fully_sharded_stages_give_the_un_pipelined_gradients(world, split):
     for s, module in enumerate(modules()):
         with jaxpg.as_rank(4 * s):  # stage s's dp_shard group: devices 4s .. 4s + 3
             stages.append(PipelineStage(module, s, 2, group=mesh["pp"],
-                                        fsdp_group=mesh["dp_shard"]))
+                                        fsdp_group=mesh["dp_shard"],
+                                        reshard_after_forward=reshard))
     for s, st in enumerate(stages):
         assert [d.id for d in st.fsdp.mesh.devices.flat] == [4 * s + i for i in range(4)]
         specs = {str(k): a.sharding.spec for k, a in nnx.to_flat_state(st.params())}
         assert set(specs.values()) == ({P("dp_shard"), P()} if s == 0 else {P("dp_shard")})
 
+    # the programs take the shards, or the parameters gathered once for the step
+    assert {a.sharding.spec for st in stages for a in jax.tree.leaves(st.program_params())
+            if a.ndim} == ({P("dp_shard")} if reshard else {P()})
     losses, grads, keep = run_pipeline(stages, tokens, labels, split)
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-6)
     for s, st in enumerate(stages):
@@ -132,7 +139,7 @@ def test_fully_sharded_stages_give_the_un_pipelined_gradients(world, split):
             assert g.sharding.is_equivalent_to(p.sharding, p.ndim), (g.sharding, p.sharding)
     # the forward kept no gathered parameter for the backward (reshard_after_forward)
     whole = {tuple(a.shape) for st in stages for a in jax.tree.leaves(st.params()) if a.ndim}
-    for vjp0, vjp1, _ in keep:
+    for vjp0, vjp1, _ in keep if reshard else ():
         for vjp in (vjp0, vjp1):
             kept = {tuple(r.shape[1:]) for r in vjp.residuals}
             assert not kept & whole, kept & whole
@@ -167,6 +174,9 @@ def test_fully_sharded_stage_names_what_does_not_split(world):
         dp = jaxpg.init_device_mesh((2, 2, 2), ("dp", "pp", "dp_shard"))
         PipelineStage(NormHead(nnx.Rngs(0)), 0, 2, group=dp["pp"],
                       data_parallel_group=dp["dp"], fsdp_group=dp["dp_shard"])
+    with pytest.raises(ValueError, match="reshard_after_forward=False needs fsdp_group="):
+        PipelineStage(NormHead(nnx.Rngs(0)), 0, 2, group=mesh["pp"],
+                      reshard_after_forward=False)
     stage = PipelineStage(NormHead(nnx.Rngs(0)), 1, 2, group=mesh["pp"],
                           fsdp_group=mesh["dp_shard"])
     progs = stage_programs(stage, ce)

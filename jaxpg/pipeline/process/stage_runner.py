@@ -225,7 +225,7 @@ class _StageActions:
     outputs per microbatch."""
 
     def __init__(self, setup, stages, loss_fn, args, targets) -> None:
-        self.params = {s: st.placed(st.params()) for s, st in stages.items()}
+        self.params = {s: st.program_params() for s, st in stages.items()}
         self.rests = {s: st.placed(st.frozen_state()) for s, st in stages.items()}
         self.progs = {s: stage_programs(st, loss_fn) for s, st in stages.items()}
         self.split = any(op.kind == "W" for op in setup.ops)

@@ -71,6 +71,36 @@ def _summed_gradient(axis: str):
     return same
 
 
+@functools.lru_cache(maxsize=16)
+def _gather_all(layout: StageFSDP):
+    """One program: the shards -> the whole parameters, replicated over the group."""
+    pspecs = layout.shard_specs()[0]
+
+    def body(params):
+        return jax.tree.map(lambda x, spec: x if spec == P() else lax.all_gather(
+            x, layout.axis, axis=0, tiled=True), params, pspecs)
+
+    return jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(pspecs,),
+                                 out_specs=jax.tree.map(lambda _: P(), pspecs),
+                                 check_vma=False))
+
+
+@functools.lru_cache(maxsize=16)
+def _reduce_scatter(layout: StageFSDP):
+    """One program: each rank's whole gradient (a leading axis over the group) -> the
+    sum's shards (a 0-d parameter's sum, replicated)."""
+    pspecs = layout.shard_specs()[0]
+
+    def body(grads):
+        return jax.tree.map(lambda g, spec: lax.psum(g[0], layout.axis) if spec == P() else
+                            lax.psum_scatter(g[0], layout.axis, scatter_dimension=0,
+                                             tiled=True), grads, pspecs)
+
+    return jax.jit(jax.shard_map(body, mesh=layout.mesh,
+                                 in_specs=(jax.tree.map(lambda _: P(layout.axis), pspecs),),
+                                 out_specs=pspecs, check_vma=False), donate_argnums=0)
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class StageFSDP:
     """A stage's full sharding: its dp_shard group as the 1-D mesh ``mesh`` (axis ``axis``),
@@ -84,6 +114,10 @@ class StageFSDP:
         param_specs: ``(treedef, specs)`` of the ``nnx.Param`` state: ``P(axis)`` for a
             split leaf, ``P()`` for a 0-d one.
         rest_specs: the same for the module's other state (all ``P()``).
+        reshard_after_forward: torch's: True gathers the parameters in every microbatch's
+            forward and backward; False once per step (:meth:`step_params`), each rank
+            then summing its own whole gradient until :meth:`finish_grads` reduce-scatters
+            it after the step's last backward.
     """
 
     mesh: Mesh
@@ -92,6 +126,7 @@ class StageFSDP:
     device: Any
     param_specs: tuple[Any, tuple] = dataclasses.field(default=(), repr=False)
     rest_specs: tuple[Any, tuple] = dataclasses.field(default=(), repr=False)
+    reshard_after_forward: bool = True
 
     @property
     def size(self) -> int:
@@ -112,19 +147,57 @@ class StageFSDP:
         """Activations are split over the batch (dimension 0)."""
         return P(self.axis)
 
-    def specs(self) -> tuple[Any, Any]:
-        """``(param specs, rest specs)`` as trees of the state's structure."""
+    def shard_specs(self) -> tuple[Any, Any]:
+        """``(param specs, rest specs)`` of the placed state, as trees of its structure."""
         return tuple(jax.tree.unflatten(*s) for s in (self.param_specs, self.rest_specs))
+
+    def specs(self) -> tuple[Any, Any]:
+        """``(param specs, rest specs)`` of what the programs take: the shards, or with
+        ``reshard_after_forward=False`` the whole parameters (replicated)."""
+        params, rest = self.shard_specs()
+        if not self.reshard_after_forward:
+            params = jax.tree.map(lambda _: P(), params)
+        return params, rest
+
+    def grad_specs(self) -> Any:
+        """The specs of the weight gradients a program gives: the shards', or each rank's
+        whole gradient (a leading axis over the group)."""
+        if self.reshard_after_forward:
+            return self.shard_specs()[0]
+        return jax.tree.map(lambda _: P(self.axis), self.shard_specs()[0])
+
+    def weight_grads(self, grads: Any) -> Any:
+        """A rank's weight gradients as the programs give them (inside an SPMD program)."""
+        if self.reshard_after_forward:
+            return grads
+        return jax.tree.map(lambda g: g[None], grads)
+
+    def step_params(self, params: Any) -> Any:
+        """The parameters a step's programs take: the shards, or with
+        ``reshard_after_forward=False`` the whole parameters, gathered once (one program)."""
+        return params if self.reshard_after_forward else _gather_all(self)(params)
+
+    def finish_grads(self, grads: Any) -> Any:
+        """A step's gradients as ``stage.grads`` holds them, split over the group: with
+        ``reshard_after_forward=False`` each rank's whole sum reduce-scattered (one
+        program)."""
+        if self.reshard_after_forward or grads is None:
+            return grads
+        return _reduce_scatter(self)(grads)
 
     def base_programs(self, graphdef: Any, loss_fn: Any, first: bool) -> Any:
         """The per-rank programs: a plain stage's on the gathered parameters, each rank's
         loss divided by the group's size."""
-        return plain_programs(graphdef, loss_fn, first, self.gather, self.size)
+        gather = self.gather if self.reshard_after_forward else None  # whole already
+        return plain_programs(graphdef, loss_fn, first, gather, self.size)
 
     def gather(self, params: Any) -> Any:
         """Parameter shards -> the whole parameters (inside an SPMD program): split leaves
         all-gathered (their gradient reduce-scattered), replicated ones kept (their gradient
-        summed)."""
+        summed); with ``reshard_after_forward=False`` the parameters come whole and each
+        rank's gradient is its own."""
+        if not self.reshard_after_forward:
+            return params
         same = _summed_gradient(self.axis)
 
         def one(x, spec):
@@ -132,7 +205,7 @@ class StageFSDP:
                 return same(x)
             return checkpoint_name(lax.all_gather(x, self.axis, axis=0, tiled=True), GATHERED)
 
-        return jax.tree.map(one, params, self.specs()[0])
+        return jax.tree.map(one, params, self.shard_specs()[0])
 
     def data_spec(self, x: Any) -> P:
         """The spec of an activation, target or cotangent: rows split over the group (a
@@ -175,7 +248,7 @@ class StageFSDP:
         """``tree`` (the module's ``nnx.Param`` state, or its other state) on the stage's
         mesh with the layout's specs."""
         params = jax.tree.structure(tree) == self.param_specs[0]
-        return jax.tree.map(self._shard, tree, self.specs()[0 if params else 1])
+        return jax.tree.map(self._shard, tree, self.shard_specs()[0 if params else 1])
 
     def to_global(self, tree: Any) -> Any:
         """This process's rows (activations, targets, cotangents) as arrays on the mesh."""
@@ -213,7 +286,8 @@ class StageFSDP:
 
 def stage_fully_shard(module: nnx.Module, given: Any, *, device: Any, me: int,
                       pipeline: ProcessGroup, data_parallel: ProcessGroup | None,
-                      tensor_parallel: Any) -> tuple[ProcessGroup, StageFSDP] | None:
+                      tensor_parallel: Any, reshard_after_forward: bool = True,
+                      ) -> tuple[ProcessGroup, StageFSDP] | None:
     """The stage's dp_shard group and layout (sharding the module's arrays over it), or None.
 
     Args:
@@ -223,6 +297,7 @@ def stage_fully_shard(module: nnx.Module, given: Any, *, device: Any, me: int,
         pipeline, data_parallel: the stage's other groups (the dp_shard group meets the
             pipeline group only at this process).
         tensor_parallel: the stage's tp layout (not offered together with FSDP).
+        reshard_after_forward: torch's ``fully_shard`` argument (see :class:`StageFSDP`).
 
     Raises:
         ValueError: a group without this process, sharing ranks with the pipeline group,
@@ -230,7 +305,13 @@ def stage_fully_shard(module: nnx.Module, given: Any, *, device: Any, me: int,
             only some of the group's devices, or a parameter whose leading dimension the
             group's size does not divide.
     """
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"PipelineStage reshard_after_forward={reshard_after_forward!r} must "
+                        "be True or False.")
     if given is None:
+        if not reshard_after_forward:
+            raise ValueError("PipelineStage reshard_after_forward=False needs fsdp_group= "
+                             "(the dp_shard group the stage is fully sharded over).")
         return None
     group = resolve_group(given, api="PipelineStage", arg="fsdp_group")
     arg = f"fsdp_group={given!r}"
@@ -272,6 +353,7 @@ def stage_fully_shard(module: nnx.Module, given: Any, *, device: Any, me: int,
     layout = StageFSDP(mesh, axis, group, device,
                        param_specs=(treedef, tuple(P(axis) if np.ndim(a) else P()
                                                    for a in leaves)),
-                       rest_specs=(rest_tree, tuple(P() for _ in rest_leaves)))
+                       rest_specs=(rest_tree, tuple(P() for _ in rest_leaves)),
+                       reshard_after_forward=reshard_after_forward)
     nnx.update(module, layout.place(params), layout.place(rest))
     return group, layout

@@ -123,12 +123,18 @@ class PipelineStage:
             ``("pp", "dp_shard")`` mesh), over which the stage is fully sharded (FSDP,
             ZeRO stage 3: ``jaxpg.pipeline.stage.fsdp``); each of its processes passes
             the same module and its own part of the batch. None: no full sharding.
+        reshard_after_forward: with ``fsdp_group``, torch's ``fully_shard`` argument: True
+            (default) gathers the parameters in each microbatch's forward and again in its
+            backward, gradients reduce-scattered per microbatch; False gathers them once a
+            step and keeps them, each rank summing its whole gradient until the step's last
+            backward, then reduce-scatters it once.
     """
 
     def __init__(self, module: nnx.Module, stage_index: int, num_stages: int,
                  device: Any = None, *, input_args: Any = None, output_args: Any = None,
                  group: Any = None, data_parallel_group: Any = None,
-                 tensor_parallel_group: Any = None, fsdp_group: Any = None) -> None:
+                 tensor_parallel_group: Any = None, fsdp_group: Any = None,
+                 reshard_after_forward: bool = True) -> None:
         if not isinstance(module, nnx.Module):
             raise TypeError(f"PipelineStage module must be a flax.nnx.Module, got "
                             f"{type(module).__name__}.")
@@ -160,13 +166,16 @@ class PipelineStage:
         self.output_args = output_args
         self.grads: nnx.State | None = None
         self.dp_group = self._data_parallel_group(data_parallel_group)
-        found = stage_tensor_parallel(module, tensor_parallel_group, device=self.device,
-                                      me=self.group.ranks[self.group_rank], pipeline=self.group,
-                                      data_parallel=self.dp_group)
+        # a fully sharded module's arrays are split over dp_shard: no tp group to infer
+        found = None if fsdp_group is not None and tensor_parallel_group is None else \
+            stage_tensor_parallel(module, tensor_parallel_group, device=self.device,
+                                  me=self.group.ranks[self.group_rank], pipeline=self.group,
+                                  data_parallel=self.dp_group)
         self.tp_group, self.tp = found if found is not None else (None, None)
         sharded = stage_fully_shard(module, fsdp_group, device=self.device,
                                     me=self.group.ranks[self.group_rank], pipeline=self.group,
-                                    data_parallel=self.dp_group, tensor_parallel=self.tp)
+                                    data_parallel=self.dp_group, tensor_parallel=self.tp,
+                                    reshard_after_forward=reshard_after_forward)
         self.fsdp_group, self.fsdp = sharded if sharded is not None else (None, None)
         self.graphdef = nnx.graphdef(module)
 
@@ -217,6 +226,17 @@ class PipelineStage:
         parameters split over dp_shard)."""
         layout = self.layout
         return jax.device_put(state, self.device) if layout is None else layout.place(state)
+
+    def program_params(self) -> nnx.State:
+        """The parameters a step's programs take (placed; with a fully sharded stage's
+        ``reshard_after_forward=False``, gathered for the step)."""
+        params = self.placed(self.params())
+        return params if self.layout is None else self.layout.step_params(params)
+
+    def finish_grads(self, grads: Any) -> Any:
+        """A step's summed gradients as ``grads`` holds them (a fully sharded stage's
+        ``reshard_after_forward=False``: reduce-scattered here, after the last backward)."""
+        return grads if self.layout is None else self.layout.finish_grads(grads)
 
     def zero_grad(self) -> None:
         """Clears ``grads`` (to ``None``, as torch's ``zero_grad(set_to_none=True)``)."""

@@ -111,10 +111,11 @@ def submesh_stage_programs(graphdef: Any, loss_fn: Callable | None, first: bool,
     def pull(tree, residuals, dy, weights, inputs):
         def body(residuals, dy):
             grads = jax.tree.unflatten(tree, [r[0] for r in residuals])(dy)
-            return (grads[0] if weights else None), (tuple(grads[1:]) if inputs else None)
+            return (layout.weight_grads(grads[0]) if weights else None), (
+                tuple(grads[1:]) if inputs else None)
 
         return _smap(layout, body, (P(ax), _data(layout, dy)),
-                     (pspecs if weights else P(), out_spec))(residuals, dy)
+                     (layout.grad_specs() if weights else P(), out_spec))(residuals, dy)
 
     def backward(tree, residuals, dy, g):
         dp, dx = pull(tree, residuals, dy, True, True)

@@ -104,6 +104,22 @@ class StageTP(MeshAxis):
         """The parameters a tp rank's module takes: its own shards."""
         return params
 
+    def grad_specs(self) -> Any:
+        """The specs of the weight gradients a program gives: the parameters'."""
+        return self.specs()[0]
+
+    def weight_grads(self, grads: Any) -> Any:
+        """A rank's weight gradients as the programs give them: its shards'."""
+        return grads
+
+    def step_params(self, params: Any) -> Any:
+        """The parameters a step's programs take: the placed ones."""
+        return params
+
+    def finish_grads(self, grads: Any) -> Any:
+        """A step's summed gradients, as ``stage.grads`` holds them: as they are."""
+        return grads
+
     def data_spec(self, x: Any) -> P:
         """The spec of an activation, target or cotangent: replicated over tp."""
         return P()

@@ -15,8 +15,9 @@ gradients, gathered, must equal the un-pipelined, un-sharded chain's. Prints
 
 Then the same two stages fully sharded (FSDP) on a ``("pp", "dp_shard") = (2, 2)`` mesh
 (``fsdp_group=mesh["dp_shard"]``), each dp_shard process feeding its own half of the batch:
-a ``Schedule1F1B`` step, SGD over the sharded ``stage.grads``, a ``ScheduleGPipe`` step give
-the un-pipelined model's losses, gradients and parameters, which stay split over dp_shard.
+a ``Schedule1F1B`` step, SGD over the sharded ``stage.grads``, a ``ScheduleGPipe`` step
+(``reshard_after_forward=False``: the parameters gathered once for the step) give the
+un-pipelined model's losses, gradients and parameters, which stay split over dp_shard.
 Prints ``FSDP <name> ok`` (a failure raises, failing the launch).
 """
 
@@ -262,3 +263,6 @@ def run_fully_sharded(tokens: np.ndarray, labels: np.ndarray) -> None:
             stage.zero_grad()
             _verify("sgd_params", close(full(stage.params()), after_sgd[s]) and
                     split_over_dp_shard(stage.params()))
+            # the GPipe step gathers the parameters once (torch's reshard_after_forward=False)
+            stage = PipelineStage(stage.submod, s, 2, group=mesh["pp"],
+                                  fsdp_group=mesh["dp_shard"], reshard_after_forward=False)
