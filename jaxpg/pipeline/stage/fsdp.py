@@ -16,6 +16,9 @@ its residuals: each microbatch's forward all-gathers the parameters, its backwar
 them again (the gathered copy is never a residual: torch's ``reshard_after_forward=True``)
 and reduce-scatters the weight gradient (the all-gather's transpose), so each rank
 accumulates only its shard, and an optax update over ``stage.grads`` updates shards.
+With ``reshard_after_forward=False`` the parameters are gathered once a step instead and
+kept for its microbatches; each rank sums its own whole gradient, and one program
+reduce-scatters that sum after the step's last backward.
 
 Data parallelism inside the stage: each process of the group passes its own part of the
 batch to ``step`` (as each torch FSDP rank feeds its own data); microbatch ``i`` of the
