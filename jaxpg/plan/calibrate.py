@@ -6,6 +6,10 @@ It times, on every local device at once (what a layout's devices do in a step):
   1: the measurement already is what matmuls reach), and two narrow ones (widths 16 and
   64), whose slowdown gives ``matmul_half_width``;
 * an elementwise pass over a large array on each device: the memory bandwidth;
+* chains of 33 kernels against one, each kernel a reduction and an elementwise pass, at
+  two sizes 4x apart: the fixed cost of an operation, ``op_overhead`` (the part of a
+  kernel's time its size does not explain: what a step of many kernels pays beyond their
+  work);
 * an all-reduce over all devices at two sizes: its bandwidth, from the alpha-beta model
   (:mod:`jaxpg.plan.links`), as the link within the "node" (this machine), with
   ``collective_efficiency`` 1 for the same reason; and, for each kind a step is made of
@@ -116,6 +120,24 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
     stream = jax.jit(lambda x: x * 1.5 + 1.0, out_shardings=spec)
     bandwidth = 2.0 * words * 4 / seconds(stream, s)
 
+    def kernels(count: int):
+        """``count`` kernels in a row: each a reduction and the elementwise pass after it
+        (one fused kernel), over an activation-sized array."""
+        def chain(v):
+            for _ in range(count):
+                v = jnp.sum(v, axis=0, keepdims=True) * 1e-3 + v
+            return v
+        return jax.jit(chain, out_shardings=spec)
+
+    def per_kernel(rows: int) -> float:
+        """One kernel's seconds over ``rows x 128`` words a device: 33 against one."""
+        v = jax.device_put(jnp.ones((n * rows, 128), jnp.float32), spec)
+        return (seconds(kernels(33), v) - seconds(kernels(1), v)) / 32
+
+    # a kernel's seconds are a fixed cost plus its work, linear in its size: the fixed cost
+    # from two sizes, 4x apart (the step's kernels are of such sizes, where each pays it)
+    op_overhead = max((4 * per_kernel(16) - per_kernel(64)) / 3, 0.0)
+
     def collective_seconds(kind: str, count: int, chain: int = 1) -> float:
         """One program of ``chain`` collectives of ``kind`` in a row (each waits for the
         previous one) over ``count`` float32 words per device (the full buffer)."""
@@ -160,4 +182,4 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
     return Hardware(name=name, flops={dtype: flops}, hbm_bytes=_host_bytes() / n,
                     hbm_bandwidth=bandwidth, intra=link, inter=link, devices_per_node=n,
                     matmul_efficiency=1.0, collective_efficiency=1.0,
-                    matmul_half_width=half_width, overlap=not cpu)
+                    matmul_half_width=half_width, overlap=not cpu, op_overhead=op_overhead)

@@ -72,6 +72,9 @@ class Hardware:
         overlap: whether communication runs alongside compute (GPU streams, TPU async
             collectives). XLA:CPU runs one operation at a time, so a ``local`` CPU profile
             has False: every collective is exposed.
+        op_overhead: seconds each operation (kernel) of a program costs beyond its work
+            (its dispatch and launch). 0 (the presets): not modelled; ``calibrate()``
+            measures it.
     """
 
     name: str
@@ -86,6 +89,7 @@ class Hardware:
     memory_fraction: float = 0.9
     matmul_half_width: float = 0.0
     overlap: bool = True
+    op_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.flops or any(not v > 0 for v in self.flops.values()):
@@ -101,6 +105,9 @@ class Hardware:
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"Hardware {self.name!r}: {field}={getattr(self, field)!r} "
                                  "must be in (0, 1].")
+        if not self.op_overhead >= 0:
+            raise ValueError(f"Hardware {self.name!r}: op_overhead={self.op_overhead!r} "
+                             "must be >= 0 seconds.")
 
     def peak_flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype`` (``bf16`` and ``fp16`` stand in for each other)."""
@@ -167,7 +174,8 @@ def _from_dict(data: Mapping, where: str) -> Hardware:
         fields["inter"] = Link(**fields["inter"])
         fields["flops"] = {k: float(v) for k, v in fields["flops"].items()}
         for key in ("hbm_bytes", "hbm_bandwidth", "matmul_efficiency",
-                    "collective_efficiency", "memory_fraction", "matmul_half_width"):
+                    "collective_efficiency", "memory_fraction", "matmul_half_width",
+                    "op_overhead"):
             if key in fields:
                 fields[key] = float(fields[key])
         fields.setdefault("name", pathlib.Path(where).stem)

@@ -7,6 +7,12 @@ Each pipeline action (one microbatch through one chunk of blocks on one rank) is
   each saved activation byte is written once and read once. The backward costs twice the
   forward; full recomputation adds a forward, selective recomputation attention's core.
   Fused (flash) attention skips the masked half of the causal scores.
+* **operations**: each kernel pays ``Hardware.op_overhead`` beyond its work. A block's
+  forward runs a kernel for each of its matmuls (the weights' and attention's two) and one
+  elementwise kernel after each, two for each norm and four for the mask and softmax (an
+  MoE block six more: the router, its softmax, the top-k, dispatch, combine, the grouped
+  matmul); the backward twice the forward's, recomputation the forward's (selective:
+  attention core's six) again.
 * **tensor parallelism** (exposed, as Megatron-LM runs it): two all-reduces (or all-gather +
   reduce-scatter with sequence parallelism, the same bytes) of the block's activations in the
   forward and two in the backward, two more when the backward recomputes the forward.
@@ -23,7 +29,10 @@ The actions' costs then play through the schedule's timetable with jaxpg's own e
 replay (:func:`jaxpg.pipeline.schedule.costs.timed`): its makespan minus the ranks' work is the
 bubble. After the pipeline: the data-parallel gradient reduction (overlapped with the last
 backward when ``overlap_grad_reduce``: only the excess over it, or one bucket, is exposed),
-ZeRO's parameter all-gather, and the optimizer's pass over its state (HBM bound). On
+ZeRO's parameter all-gather, and the optimizer's pass over its state (HBM bound, three
+kernels a parameter tensor); with several microbatches, the gradients' accumulation: each
+microbatch after the first adds its gradients into the accumulator (read both, write one:
+HBM bound, a kernel a tensor). On
 hardware that runs one operation at a time (``Hardware.overlap`` False: XLA:CPU) nothing
 hides: every collective is exposed.
 """
@@ -38,7 +47,7 @@ from jaxpg.plan.layout import Layout
 from jaxpg.plan.links import axis_link, collective_time
 from jaxpg.plan.memory import block_bytes, microbatch_size, param_split, timetable
 
-__all__ = ["StepTime", "step_time"]
+__all__ = ["StepTime", "block_kernels", "step_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +57,7 @@ class StepTime:
     compute: float
     exposed_comm: float
     bubble: float
-    optimizer: float
+    optimizer: float  # the optimizer's pass and the gradients' accumulation
     comm: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
@@ -64,6 +73,20 @@ class _Action:
     @property
     def total(self) -> float:
         return self.compute + sum(self.comm.values())
+
+
+_CORE_KERNELS = 6  # QK^T, AV, the mask, softmax's max, exp-sum and division
+_HEAD_KERNELS = 9  # the embedding's gather, the final norm, the head's matmul, log-softmax,
+# the labels' gather and the mean
+_OPTIMIZER_KERNELS = 3  # per parameter tensor: two moments and the update
+
+
+def block_kernels(spec, *, moe: bool) -> int:
+    """The kernels of one block's forward: a matmul's and an elementwise one for each weight
+    matrix and each of attention's two matmuls, two per norm, the mask and softmax (and an
+    MoE block's routing)."""
+    matmuls = 4 + (3 if spec.mlp == "swiglu" else 2) + 2
+    return 2 * matmuls + 2 * 2 + 4 + (6 if moe else 0)
 
 
 def _block_compute(job: Job, layout: Layout, *, moe: bool) -> tuple[float, float, float]:
@@ -109,12 +132,16 @@ def _actions(job: Job, layout: Layout) -> tuple[_Action, _Action, _Action | None
     act = job.act_bytes
     # the output head (and the loss) on the last stage, spread over its chunks
     head = 2.0 * tokens * s.vocab * s.dim / layout.tp / (job.peak_flops * hw.matmul_efficiency)
-    f_compute = blocks * fwd + head / layout.chunks
-    recompute = {"none": 0.0, "selective": blocks * core, "full": f_compute}[layout.remat]
+    # each kernel's fixed cost (Hardware.op_overhead): the forward's, the backward's twice
+    kernels = blocks * mix(block_kernels(s, moe=False), block_kernels(s, moe=True))
+    f_launch = (kernels + _HEAD_KERNELS / layout.chunks) * hw.op_overhead
+    f_compute = blocks * fwd + head / layout.chunks + f_launch
+    recompute = {"none": 0.0, "selective": blocks * (core + _CORE_KERNELS * hw.op_overhead),
+                 "full": f_compute}[layout.remat]
     split_bw = layout.schedule in ("zb_h1", "zb_v")
     if split_bw:
         b_compute = f_compute + recompute
-        w_compute = blocks * gemm + head / layout.chunks
+        w_compute = blocks * gemm + head / layout.chunks + f_launch
     else:
         b_compute = 2.0 * f_compute + recompute
         w_compute = 0.0
@@ -262,6 +289,12 @@ def step_time(job: Job, layout: Layout, *, bubble: bool = True) -> StepTime:
     bubble = max(0.0, makespan - work)
     split = param_split(job, layout)
     d = layout.zero_group if layout.zero else 1
+    hw = job.hardware
+    tensors = split.layers_per_stage * job.model.block_tensors + 3  # embedding, norm, head
     optimizer = split.total / d * (4 * (job.optimizer_states + 1) * 2 + 2) / (
-        job.hardware.hbm_bandwidth)
+        hw.hbm_bandwidth) + tensors * _OPTIMIZER_KERNELS * hw.op_overhead
+    if m > 1:  # each later microbatch's gradients added into the accumulator
+        g = layout.zero_group if layout.zero >= 2 else 1
+        optimizer += (m - 1) * (3 * split.total / g * DTYPE_BYTES[job.grad_dtype]
+                                / hw.hbm_bandwidth + tensors * hw.op_overhead)
     return StepTime(compute, exposed_comm, bubble, optimizer, comm)

@@ -12,8 +12,8 @@ under the layout, compiled by XLA over a ``(dp, tp)`` mesh of the local devices:
   sharding constraint: left to itself, XLA would rather gather the activations and keep
   the weights split), ZeRO-1/2 split the Adam state;
 * ``microbatches``: gradient accumulation in a ``lax.scan``;
-* ``remat``: ``jax.checkpoint`` around each block (``selective``: the weight matmuls' outputs
-  kept, attention's core recomputed).
+* ``remat``: ``jax.checkpoint`` around each block (``selective``, Korthikanti et al.'s: all
+  kept but attention's core, the scores and their softmax, which the backward recomputes).
 
 Pipelines, context and expert parallelism are not tried here (:func:`trial_step` says so).
 :func:`trial_times` times each step by wall clock and by the process's CPU time (the local
@@ -82,9 +82,13 @@ def _rms(x, g):
     return x * (1.0 / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)) * g
 
 
+_CORE = "attention_core"  # what selective recomputation recomputes
+
+
 def _block(spec, p, x):
     import jax
     import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
 
     b, s, _ = x.shape
     hd = spec.head_dim
@@ -96,7 +100,8 @@ def _block(spec, p, x):
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(x.dtype)
     mask = jnp.tril(jnp.ones((s, s), bool))
-    probs = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+    scores = checkpoint_name(jnp.where(mask, scores, -1e9), _CORE)
+    probs = checkpoint_name(jax.nn.softmax(scores, axis=-1), _CORE)
     x = x + jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, -1) @ p["o"]
     h = _rms(x, p["ln2"])
     if spec.mlp == "swiglu":
@@ -115,7 +120,7 @@ def _loss(spec, remat, params, tokens, gather=lambda p: p):
         block = jax.checkpoint(block)
     elif remat == "selective":
         block = jax.checkpoint(
-            block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+            block, policy=jax.checkpoint_policies.save_anything_except_these_names(_CORE))
     top = gather({k: v for k, v in params.items() if k != "blocks"})
     x = top["embed"][tokens[:, :-1]]
     for p in params["blocks"]:

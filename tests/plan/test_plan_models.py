@@ -126,10 +126,12 @@ def test_pipeline_and_tensor_parallelism_split_the_parameters():
 
 
 def test_hardware_round_trips_through_toml(tmp_path):
-    hw = get_hardware("h100-80gb").replace(name="mine", devices_per_node=4)
+    hw = get_hardware("h100-80gb").replace(name="mine", devices_per_node=4, op_overhead=2e-6)
     path = save_hardware(hw, tmp_path / "mine.toml")
     assert load_hardware(path) == hw
     assert get_hardware(str(path)).devices_per_node == 4
+    with pytest.raises(ValueError, match="op_overhead"):
+        hw.replace(op_overhead=-1.0)
     (tmp_path / "bad.toml").write_text('name = "x"\nhbm_bytes = 1e9\n')
     with pytest.raises(ValueError, match="bad.toml"):
         load_hardware(tmp_path / "bad.toml")

@@ -22,7 +22,8 @@ from jaxpg.plan import (
 from jaxpg.plan.cli import main
 from jaxpg.plan.hardware import Link, get_hardware
 from jaxpg.plan.links import collective_time, span
-from jaxpg.plan.step_time import _makespan
+from jaxpg.plan.memory import param_split
+from jaxpg.plan.step_time import _makespan, block_kernels
 
 
 def _job(model="llama3-8b", devices=32, **kw):
@@ -128,6 +129,34 @@ def test_time_model_moves_the_right_way():
         intra=Link(bandwidth=serial.hardware.intra.bandwidth, latency=1e-3)))
     tensors = job.model.layers * job.model.block_tensors - 1
     assert step_time(laggy, fsdp).comm["zero3"] > 3 * 2 * tensors * 7 * 1e-3
+
+
+def test_each_kernel_and_the_gradient_accumulation_are_priced():
+    job = _job(devices=8, global_batch=16)
+    spec, hw = job.model, job.hardware
+    assert hw.op_overhead == 0  # the presets leave it out
+    costly = job.replace(hardware=hw.replace(op_overhead=1e-3))
+    t = lambda j, **kw: step_time(j, Layout(dp_replicate=8, **kw)).total  # noqa: E731
+    # a SwiGLU block's forward: 9 matmuls (7 weights', attention's 2), an elementwise
+    # kernel after each, 2 per norm, 4 for the mask and softmax
+    assert block_kernels(spec, moe=False) == 26
+    assert block_kernels(spec, moe=True) == 32
+    tensors = spec.layers * spec.block_tensors + 3
+    actions = spec.layers * 26 + 9  # the blocks' forward kernels and the head's
+    # one microbatch: forward, backward (twice), the optimizer's 3 kernels a tensor
+    one = 3 * actions + 3 * tensors
+    assert t(costly) - t(job) == pytest.approx(one * 1e-3, rel=1e-6)
+    # full recomputation runs the forward's kernels again
+    assert t(costly, remat="full") - t(job, remat="full") == pytest.approx(
+        (one + actions) * 1e-3, rel=1e-6)
+    # two microbatches: each runs the actions' kernels, the second adds its gradients into
+    # the accumulator (a kernel a tensor, and three passes over the fp32 gradients)
+    two = 2 * 3 * actions + 3 * tensors + tensors
+    assert t(costly, microbatches=2) - t(job, microbatches=2) == pytest.approx(
+        two * 1e-3, rel=1e-6)
+    grads = param_split(job, Layout(dp_replicate=8)).total * 4
+    assert t(job, microbatches=2) - t(job) == pytest.approx(3 * grads / hw.hbm_bandwidth,
+                                                             rel=1e-6)
 
 
 def test_cli_ranks_evaluates_and_prints_json(capsys):
