@@ -17,7 +17,10 @@
 * tensor-parallel stages (pp = 2 x tp = 2, ``tensor_parallel_group=``) give the un-pipelined,
   un-sharded model's losses and gradients, in the parameters' tp-sharded layout, and an SGD
   step over them its parameters, also with two stages per process under
-  ``ScheduleInterleaved1F1B`` (4 processes, the same launch).
+  ``ScheduleInterleaved1F1B`` (4 processes, the same launch);
+* fully sharded stages (pp = 2 x dp_shard = 2, ``fsdp_group=``) give the un-pipelined
+  model's losses, gradients and SGD step on the whole batch, their parameters and
+  gradients split over dp_shard (4 processes, the same launch).
 """
 
 from __future__ import annotations
@@ -243,4 +246,20 @@ def test_tensor_parallel_stages_give_the_un_sharded_gradients(results4):
                 "tp_grads_gpipe", "tp_interleaved_grads"}
         if rank >= 2:  # the last stage's processes (pp coordinate 1)
             want |= {"tp_losses_1f1b", "tp_losses_gpipe"}
+        assert checks == want, (rank, checks, text[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fully_sharded_stages_give_the_un_sharded_gradients(results4):
+    """pp = 2 stages, each fully sharded over its 2 processes (``("pp", "dp_shard")`` mesh,
+    ``fsdp_group=mesh["dp_shard"]``, each process its half of the batch): the parameters
+    split over dp_shard, a Schedule1F1B step's losses and gradients (reduce-scattered, kept
+    split) and an SGD step over them give the un-pipelined model's on the whole batch; then
+    a ScheduleGPipe step with ``reshard_after_forward=False`` (pipeline_stage_tp_worker.py)."""
+    for rank, text in enumerate(results4[1]):
+        checks = set(re.findall(r"^FSDP (\w+) ok$", text, re.M))
+        want = {"params_split", "grads_1f1b", "sgd_params", "grads_gpipe"}
+        if rank >= 2:  # the last stage's processes (pp coordinate 1)
+            want |= {"losses_1f1b", "losses_gpipe"}
         assert checks == want, (rank, checks, text[-3000:])
