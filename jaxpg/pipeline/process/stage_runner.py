@@ -38,6 +38,7 @@ from jaxpg.collectives.objects import all_gather_object
 from jaxpg.pipeline.process.action_walk import run_beside_lanes, walk_actions
 from jaxpg.pipeline.process.p2p_lanes import StepMail
 from jaxpg.pipeline.process.rank_plan import RankPlan, rank_plan
+from jaxpg.pipeline.stage.carried import StageOutputError, check_stage_output, grad_leaves
 from jaxpg.pipeline.stage.metadata import format_struct
 from jaxpg.pipeline.stage.programs import StagePrograms, plain_programs
 from jaxpg.pipeline.stage.submesh_programs import submesh_stage_programs
@@ -92,8 +93,9 @@ def exchange_shapes(tt: Any, setup: RankPlan, stages: dict, first_inputs: tuple 
         ValueError: on every rank, when a stage cannot take the previous stage's output (or
             the microbatch), or its ``input_args`` differ from what it receives; the message
             names both stages and the shapes.
-        TypeError: on every rank, when a stage after the first takes a non-float input (it
-            cannot get a gradient).
+        TypeError: on every rank, when a stage returns other than an array or a tuple of
+            arrays (or, to a next stage, one with no floating-point array to carry the
+            gradient, or of other dtypes than floating, integer and bool).
     """
     n = tt.num_model_stages
     inputs, outputs = {}, {}
@@ -141,16 +143,12 @@ def _stage_outputs(tt: Any, stage: Any, got: tuple, what: str) -> tuple:
         raise ValueError(f"{what}: stage {s}'s input_args are {_shown(stage.input_args)} "
                          f"but it receives {_shown(got)}, {source}; fix input_args, "
                          f"the stage before it or the microbatch size.")
-    if s > 0:
-        for a in got:
-            if not jnp.issubdtype(a.dtype, jnp.floating):
-                raise TypeError(f"{what}: stage {s} receives a {a.dtype} input "
-                                f"({_shown(got)}, {source}); inputs of stages after "
-                                "the first must be floating point, to carry a gradient back.")
+    module = type(stage.submod).__name__
     try:
-        return tuple(stage.output_structs(got))
+        out = stage.output_structs(got)
+    except StageOutputError as err:  # raised by the stage's trace: named with the schedule
+        raise StageOutputError(f"{what}: {err}") from err
     except Exception as err:  # noqa: BLE001 (any failure to trace the stage on these shapes)
-        module = type(stage.submod).__name__
         fix = ("make the batch fit stage 0 (it is split into n_microbatches along "
                "dimension 0)" if s == 0 else
                f"make stage {s - 1}'s output fit stage {s}'s input, or state what stage {s} "
@@ -158,6 +156,8 @@ def _stage_outputs(tt: Any, stage: Any, got: tuple, what: str) -> tuple:
         raise ValueError(f"{what}: stage {s} ({module}) cannot take {source}, "
                          f"{_shown(got)}: {type(err).__name__}: {str(err).rstrip('.')}; "
                          f"{fix}.") from err
+    check_stage_output(out, f"{what}: stage {s} ({module})", travels=s < tt.num_model_stages - 1)
+    return tuple(out)
 
 
 def _check_loss(loss_fn: Callable, outputs: tuple, target: Any, s: int, what: str) -> None:
@@ -179,8 +179,9 @@ def _check_loss(loss_fn: Callable, outputs: tuple, target: Any, s: int, what: st
 
 def _agree_on_shapes(group: Any, failure: tuple | None, me: int) -> None:
     """Raises the first failure in model order on every rank of ``group`` (none: returns)."""
-    mine = None if failure is None else [failure[0], type(failure[1]).__name__,
-                                         str(failure[1]), me]
+    mine = None if failure is None else [
+        failure[0], "TypeError" if isinstance(failure[1], TypeError) else "ValueError",
+        str(failure[1]), me]
     found = [f for f in all_gather_object(mine, group=group) if f is not None]
     if not found:
         return
@@ -206,7 +207,7 @@ def run_step(tt: Any, setup: RankPlan, stages: dict, shapes: tuple[dict, dict],
 
     def structs_of(key):
         kind, s, _ = key
-        return inputs[s] if kind == "act" else outputs[s]
+        return inputs[s] if kind == "act" else grad_leaves(outputs[s])
 
     mail = StepMail(setup.me, timeout, what, setup.process_of)
     actions = _StageActions(setup, stages, loss_fn, args, targets)

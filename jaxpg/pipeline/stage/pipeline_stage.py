@@ -66,6 +66,7 @@ from jaxpg.groups import world
 from jaxpg.groups.device_mesh import DeviceMesh
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.resolve import resolve_group
+from jaxpg.pipeline.stage.carried import check_stage_output
 from jaxpg.pipeline.stage.fsdp import stage_fully_shard
 from jaxpg.pipeline.stage.submesh_programs import submesh_output_structs
 from jaxpg.pipeline.stage.tp import stage_tensor_parallel
@@ -101,8 +102,10 @@ class PipelineStage:
 
     Args:
         module: the stage's ``flax.nnx.Module``; ``module(*inputs)`` gives its output (an
-            array or a tuple of arrays), the next stage's inputs. Its ``nnx.Param`` state
-            is trained; other state is read as a constant.
+            array or a tuple of arrays), the next stage's inputs: its floating-point arrays
+            take gradients, its integer and bool arrays (position ids, masks) travel beside
+            them without. Its ``nnx.Param`` state is trained; other state is read as a
+            constant.
         stage_index: the model stage, ``0 .. num_stages - 1``.
         num_stages: the model's stages, a multiple of the pipeline group's size (stage
             ``s`` runs on the process of pipeline rank ``s % size`` or, for
@@ -250,6 +253,8 @@ class PipelineStage:
     def __call__(self, params: nnx.State, *inputs: Any) -> tuple:
         """The stage's forward on ``params`` (traceable); its outputs as a tuple."""
         out = nnx.merge(self.graphdef, params, self.frozen_state())(*inputs)
+        check_stage_output(out, f"stage {self.stage_index} ({type(self.submod).__name__})",
+                           travels=False)
         return _as_tuple(out)
 
     def output_structs(self, inputs: tuple) -> tuple:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpg.data_parallel.loss_check import check_depends
+from jaxpg.pipeline.stage.carried import carries_grad
 from jaxpg.pipeline.stage.trace_tools import add_grads
 
 __all__ = ["StagePrograms", "plain_programs"]
@@ -40,9 +41,9 @@ def _structs(tree: Any) -> Any:
 class StagePrograms(NamedTuple):
     """One stage's jitted programs (see the module docstring)."""
 
-    forward: Callable  # (p, rest, args) -> (out, vjp)
+    forward: Callable  # (p, rest, args) -> (out, vjp); vjp takes out's float leaves' cotangents
     forward_loss: Callable  # (p, rest, args, target) -> (loss, out, vjp)
-    backward: Callable  # (vjp, dy, g) -> (dx, g + dp)
+    backward: Callable  # (vjp, dy, g) -> (dx of the float input leaves, g + dp)
     backward_input: Callable  # (vjp, dy) -> dx
     weight: Callable  # (vjp, dy, g) -> g + dp
 
@@ -71,12 +72,32 @@ def plain_programs(graphdef: Any, loss_fn: Callable | None, first: bool,
     call = merged if gather is None else jax.checkpoint(merged, policy=_unless_gathered)
 
     def pullback(f, p, rest, args, **kw):
-        if first:  # the model's inputs take no gradient (token ids, say)
-            return jax.vjp(lambda p: f(p, rest, *args), p, **kw)
-        return jax.vjp(lambda p, *a: f(p, rest, *a), p, *args, **kw)
+        """``jax.vjp`` of ``f(p, rest, *args)`` in ``p`` and, after the first stage, the
+        floating-point leaves of ``args`` (integer and bool side inputs take none)."""
+        leaves, tree = jax.tree.flatten(args)
+        at = () if first else tuple(i for i, a in enumerate(leaves) if carries_grad(a))
+
+        def g(p, *diff):
+            full = list(leaves)
+            for i, x in zip(at, diff, strict=True):
+                full[i] = x
+            return f(p, rest, *jax.tree.unflatten(tree, full))
+
+        return jax.vjp(g, p, *(leaves[i] for i in at), **kw)
 
     def forward(p, rest, args):
-        return pullback(call, p, rest, args)
+        found = []  # the output's structure, at trace time
+
+        def f(p, rest, *a):
+            leaves, tree = jax.tree.flatten(call(p, rest, *a))
+            found.append(tree)
+            return (tuple(x for x in leaves if carries_grad(x)),
+                    tuple(None if carries_grad(x) else x for x in leaves))
+
+        floats, vjp, side = pullback(f, p, rest, args, has_aux=True)
+        it = iter(floats)
+        out = [next(it) if x is None else x for x in side]
+        return jax.tree.unflatten(found[-1], out), vjp
 
     checked = []  # the loss check runs on the first trace only
 

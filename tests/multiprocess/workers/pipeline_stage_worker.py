@@ -27,6 +27,10 @@ service; one CPU device per process). Writes ``OUT_DIR/rank{RANK}.npz`` with:
   un-pipelined model's microbatch losses and gradients (``hetero/ref/...``, ``jax.grad``).
 * ``mismatch``: two stages that do not fit (16 features out, 12 in), then a target that
   does not fit the loss: each rank's error texts, and an all_reduce after them.
+* ``side``: integer position ids and a bool mask carried from stage 0 to stage 1 beside
+  the activations, under ``Schedule1F1B`` and ``ScheduleGPipe`` (``side/{sched}/losses``,
+  ``side/{sched}/stage{s}/...``), the un-pipelined model's (``side/ref/...``), and the error
+  of a stage returning a dict (``side/error``).
 """
 
 from __future__ import annotations
@@ -566,6 +570,95 @@ def run_mismatched_stages(rank, out):
     out["mismatch/after"] = np.asarray(jaxpg.all_reduce(np.array([rank + 1.0], np.float32)))
 
 
+# side inputs: integer position ids and a bool mask travel from stage 0 to stage 1 beside
+# the activations; both stages use them (a position embedding each, the mask on stage 1)
+class SideFirst(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.pos = nnx.Embed(2 * S, D, rngs=rngs)
+        self.block = Block(D, rngs)
+
+    def __call__(self, tokens, positions, mask):
+        return self.block(self.embed(tokens) + self.pos(positions)), positions, mask
+
+
+class SideLast(nnx.Module):
+    def __init__(self, rngs):
+        self.pos = nnx.Embed(2 * S, D, rngs=rngs)
+        self.block = Block(D, rngs)
+        self.out = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, h, positions, mask):
+        h = jnp.where(mask[..., None], h + self.pos(positions), 0.0)
+        return self.out(self.block(h))
+
+
+class DictOut(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return {"h": self.lin(x)}
+
+
+def run_side_inputs(rank, tokens, labels, out):
+    """Stage 0 returns (h, positions, mask), stage 1 takes them; positions are per-sample
+    offsets (not arange: a stage recomputing them would differ), the mask random. Each
+    schedule's losses and both stages' gradients (``side/{sched}/...``), the un-pipelined
+    model's (``side/ref/...``), the last stage's returned logits; then a stage returning a
+    dict: each rank's error (``side/error``)."""
+    from jaxpg.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rng = np.random.default_rng(7)
+    positions = jnp.asarray(rng.integers(0, S, size=(B, 1)) + np.arange(S), jnp.int32)
+    mask = jnp.asarray(rng.random((B, S)) < 0.7)
+    rows = B // M
+
+    def model(seed):
+        return [SideFirst(nnx.Rngs(seed)), SideLast(nnx.Rngs(seed + 1))]
+
+    if rank == 0:
+        first, last = model(3)
+        (g0, p0), (g1, p1) = nnx.split(first, nnx.Param), nnx.split(last, nnx.Param)
+
+        def mean_loss(p0, p1):
+            per = []
+            for i in range(M):
+                sl = slice(i * rows, (i + 1) * rows)
+                h = nnx.merge(g0, p0)(tokens[sl], positions[sl], mask[sl])
+                per.append(ce_loss(nnx.merge(g1, p1)(*h), labels[sl]))
+            return jnp.mean(jnp.stack(per)), jnp.stack(per)
+
+        (_, per), grads = jax.jit(jax.value_and_grad(mean_loss, argnums=(0, 1),
+                                                     has_aux=True))(p0, p1)
+        out["side/ref/losses"] = np.asarray(per)
+        for s, g in enumerate(grads):
+            for k, v in _flat(nnx.to_pure_dict(g)).items():
+                out[f"side/ref/stage{s}/{k}"] = v
+    for name, cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
+        stage = PipelineStage(model(3)[rank], rank, 2)
+        sched = cls(stage, M, loss_fn=ce_loss)
+        if rank == 0:
+            sched.step(tokens, positions, mask)
+        else:
+            losses = []
+            logits = sched.step(target=labels, losses=losses)
+            assert logits.shape == (B, S, V), logits.shape
+            out[f"side/{name}/losses"] = np.array([float(t) for t in losses])
+        for k, v in _flat(nnx.to_pure_dict(stage.grads)).items():
+            out[f"side/{name}/stage{rank}/{k}"] = v
+    stage = PipelineStage(DictOut() if rank == 0 else Wide(16, 4), rank, 2)
+    sched = Schedule1F1B(stage, 2, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
+    try:
+        if rank == 0:
+            sched.step(jnp.ones((4, 8)))
+        else:
+            sched.step(target=jnp.zeros((4, 4)), losses=[])
+        out["side/error"] = np.array("no error")
+    except TypeError as err:
+        out["side/error"] = np.array(str(err))
+
+
 def _flat(tree, prefix=""):
     out = {}
     for k, v in tree.items():
@@ -637,6 +730,9 @@ def main() -> None:
     run_paddle(rank, world, jnp.asarray(tokens), jnp.asarray(labels), out)
     print(f"jaxpg paddle {time.perf_counter() - start:.1f} s", flush=True)
     run_mismatched_stages(rank, out)
+    start = time.perf_counter()
+    run_side_inputs(rank, jnp.asarray(tokens), jnp.asarray(labels), out)
+    print(f"jaxpg side inputs {time.perf_counter() - start:.1f} s", flush=True)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
     jaxpg.destroy_process_group()
     print("DONE", flush=True)
