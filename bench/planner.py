@@ -10,6 +10,10 @@
    measured best, and the predicted over measured seconds (median, least, most).
 3. Megatron-LM's Table 1: the predicted tokens/s per GPU against the published figure.
 
+``--model moe`` measures a small mixture of experts instead (8 experts, top-2; each block's
+MLP :func:`jaxpg.expert_parallel.moe`) over 12 layouts with ep = 1, 2, 4 and 8, ZeRO 0, 1
+and 3, microbatches and recomputation (store it with ``--configuration moe``).
+
 Writes ``bench/results/planner.json`` (``--quick``: 4 layouts, under the quick folder). XLA
 compiles at optimization level 0, as in the test suite, to keep the compiles short; the
 calibration and the trials run alike.
@@ -56,6 +60,24 @@ LAYOUTS = [
     "dp_shard=4,tp=2,microbatches=1,zero=3",
     "tp=8,microbatches=2,remat=full",
 ]
+MOE = TransformerSpec(layers=2, dim=128, heads=8, ffn=512, vocab=512, mlp="gelu",
+                      flash_attention=False, tied_embeddings=True, experts=8, top_k=2,
+                      expert_ffn=256, name="bench-moe")
+MOE_LAYOUTS = [  # MoE trials run tp = 1; ep borrows its ranks from dp_shard
+    "dp_replicate=8,microbatches=1",
+    "dp_replicate=8,microbatches=2",
+    "dp_replicate=8,microbatches=1,remat=full",
+    "dp_shard=8,microbatches=1,zero=1",
+    "dp_shard=8,microbatches=1,zero=3",
+    "dp_shard=8,ep=2,microbatches=1,zero=1",
+    "dp_shard=8,ep=4,microbatches=1,zero=1",
+    "dp_shard=8,ep=8,microbatches=1,zero=1",
+    "dp_shard=8,ep=8,microbatches=2,zero=1",
+    "dp_shard=8,ep=4,microbatches=1,zero=3",
+    "dp_shard=8,ep=2,microbatches=1,remat=full,zero=1",
+    "dp_replicate=2,dp_shard=4,ep=4,microbatches=1,zero=1",
+]
+MODELS = {"gpt": (GPT, LAYOUTS), "moe": (MOE, MOE_LAYOUTS)}
 
 
 def _ranks(values):
@@ -98,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="4 layouts, results under /tmp")
     p.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     p.add_argument("--out", type=pathlib.Path)
+    p.add_argument("--model", choices=sorted(MODELS), default="gpt",
+                   help="the small GPT (default) or the small MoE")
     add_flag(p)
     args = p.parse_args(argv)
     out = args.out or (pathlib.Path(tempfile.gettempdir()) / "jaxpg-bench-quick" /
@@ -107,10 +131,11 @@ def main(argv=None) -> int:
     began = time.time()
     hw = calibrate(dtype="fp32", repeats=3, matmul_size=256, stream_mib=8)
     print(f"calibrated in {time.time() - began:.0f} s: {hw}", flush=True)
-    job = Job(model=GPT, devices=8, hardware=hw, seq_len=128, global_batch=16, dtype="fp32",
+    model, layouts = MODELS[args.model]
+    job = Job(model=model, devices=8, hardware=hw, seq_len=128, global_batch=16, dtype="fp32",
               param_dtype="fp32")
     rows = []
-    for text in LAYOUTS[:4] if args.quick else LAYOUTS:
+    for text in layouts[:4] if args.quick else layouts:
         lay = Layout.parse(text)
         est = evaluate(lay, job)
         times = trial_times(job, lay, steps=args.steps)
@@ -131,7 +156,7 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "load_before": load_before,
                     "load_after": os.getloadavg(), "python": sys.version.split()[0]},
         "calibrated": hw.to_dict(),
-        "model": GPT.describe(), "seq_len": job.seq_len, "global_batch": job.global_batch,
+        "model": model.describe(), "seq_len": job.seq_len, "global_batch": job.global_batch,
         "layouts": rows,
         "measured": "min over steps of process CPU seconds / devices",
         "spearman": spearman(predicted, measured),

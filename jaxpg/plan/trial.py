@@ -3,7 +3,8 @@
 As Paddle's auto-tuner follows its memory model with real trials, :func:`trial_step` builds
 the transformer of a :class:`~jaxpg.plan.TransformerSpec` (its attention with the spec's
 heads, its MLP, a tied or separate output head, a cross-entropy loss) and one training step
-under the layout, compiled by XLA over a ``(dp, tp)`` mesh of the local devices:
+under the layout, compiled by XLA over a ``(dp, ep, tp)`` mesh of the local devices (the
+batch split over ``dp x ep``):
 
 * ``tp``: Megatron's plan, q/k/v and the MLP's first matrices split by columns, the output
   projections by rows;
@@ -13,9 +14,16 @@ under the layout, compiled by XLA over a ``(dp, tp)`` mesh of the local devices:
   the weights split), ZeRO-1/2 split the Adam state;
 * ``microbatches``: gradient accumulation in a ``lax.scan``;
 * ``remat``: ``jax.checkpoint`` around each block (``selective``, Korthikanti et al.'s: all
-  kept but attention's core, the scores and their softmax, which the backward recomputes).
+  kept but attention's core, the scores and their softmax, which the backward recomputes);
+* ``ep`` (a MoE spec): each MoE block's MLP is :func:`jaxpg.expert_parallel.moe` (the router,
+  dropless dispatch by ``all_to_all``, the experts' grouped matmul) over the ``ep`` group of
+  a jaxpg mesh (:func:`jaxpg.init_device_mesh`, so the process group is initialised if it
+  is not), inside a ``shard_map`` over ``dp x ep``; the routed experts are split over
+  ``ep`` and, under ZeRO, over ``dp`` as well (what is left of the data-parallel ranks
+  after ``ep``). The load-balancing loss is not added to the loss.
 
-Pipelines, context and expert parallelism are not tried here (:func:`trial_step` says so).
+Pipelines and context parallelism are not tried here, nor tensor parallelism with experts
+(:func:`trial_step` says so).
 :func:`trial_times` times each step by wall clock and by the process's CPU time (the local
 devices are threads of this process: CPU time counts their work and not the other programs
 the machine runs); :func:`trial_step` returns one figure. The planner's prediction for the
@@ -41,12 +49,17 @@ def _init(spec, key, dtype):
     d, q, kv, f = spec.dim, spec.q_dim, spec.kv_dim, spec.ffn
     keys = iter(jax.random.split(key, 8 * spec.layers + 2))
     w = lambda *shape: (jax.random.normal(next(keys), shape, dtype)  # noqa: E731
-                        / jnp.sqrt(shape[0]).astype(dtype))
+                        / jnp.sqrt(shape[-2]).astype(dtype))
     blocks = []
-    for _ in range(spec.layers):
-        mlp = {"up": w(d, f), "down": w(f, d)}
-        if spec.mlp == "swiglu":
-            mlp["gate"] = w(d, f)
+    for i in range(spec.layers):
+        if _is_moe_block(spec, i):
+            e, fe = spec.experts, spec.expert_ffn
+            gated = 2 if spec.mlp == "swiglu" else 1  # SwiGLU's [gate | up] in one matrix
+            mlp = {"router": w(d, e), "w1": w(e, d, gated * fe), "w2": w(e, fe, d)}
+        else:
+            mlp = {"up": w(d, f), "down": w(f, d)}
+            if spec.mlp == "swiglu":
+                mlp["gate"] = w(d, f)
         blocks.append({"q": w(d, q), "k": w(d, kv), "v": w(d, kv), "o": w(q, d),
                        "ln1": jnp.ones((d,), dtype), "ln2": jnp.ones((d,), dtype), **mlp})
     params = {"embed": w(spec.vocab, d), "blocks": blocks, "ln_f": jnp.ones((d,), dtype)}
@@ -55,16 +68,28 @@ def _init(spec, key, dtype):
     return params
 
 
+_BATCH = ("dp", "ep")  # the mesh axes the batch is split over
+_EXPERTS = {"w1", "w2"}  # a MoE block's routed experts
+
+
+def _is_moe_block(spec, i: int) -> bool:
+    """Whether block ``i`` has a MoE MLP (the first ``dense_layers`` blocks are dense)."""
+    return spec.is_moe and i >= spec.dense_layers
+
+
 def _specs(params, layout: Layout):
-    """PartitionSpecs: tp's Megatron plan, and ZeRO-3's split of each matrix over dp."""
+    """PartitionSpecs: tp's Megatron plan, the routed experts split over ep, and ZeRO-3's
+    split of each matrix over the data-parallel ranks (the experts' over what ep leaves)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
-    dp = "dp" if layout.zero >= 3 else None
-    column = {"q", "k", "v", "up", "gate", "head"}
+    dp = _BATCH if layout.zero >= 3 else None
+    column = {"q", "k", "v", "up", "gate", "head", "router"}
 
     def spec(path, leaf):
         name = getattr(path[-1], "key", None)
+        if name in _EXPERTS:
+            return P("ep", "dp" if layout.zero >= 3 else None, None)
         if leaf.ndim == 1:
             return P()
         if name == "embed":
@@ -85,7 +110,14 @@ def _rms(x, g):
 _CORE = "attention_core"  # what selective recomputation recomputes
 
 
-def _block(spec, p, x):
+def _expert_mlp(spec, p, h, moe_call):
+    """A MoE block's MLP: :func:`jaxpg.expert_parallel.moe` on the block's tokens."""
+    b, s, d = h.shape
+    y = moe_call(h.reshape(b * s, d), p["router"], p["w1"], p["w2"])
+    return y.reshape(b, s, d)
+
+
+def _block(spec, p, x, moe_call=None):
     import jax
     import jax.numpy as jnp
     from jax.ad_checkpoint import checkpoint_name
@@ -104,6 +136,8 @@ def _block(spec, p, x):
     probs = checkpoint_name(jax.nn.softmax(scores, axis=-1), _CORE)
     x = x + jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, -1) @ p["o"]
     h = _rms(x, p["ln2"])
+    if "router" in p:
+        return x + _expert_mlp(spec, p, h, moe_call)
     if spec.mlp == "swiglu":
         inner = jax.nn.silu(h @ p["gate"]) * (h @ p["up"])
     else:
@@ -111,11 +145,11 @@ def _block(spec, p, x):
     return x + inner @ p["down"]
 
 
-def _loss(spec, remat, params, tokens, gather=lambda p: p):
+def _loss(spec, remat, params, tokens, gather=lambda p: p, moe_call=None):
     import jax
     import jax.numpy as jnp
 
-    block = lambda p, x: _block(spec, gather(p), x)  # noqa: E731
+    block = lambda p, x: _block(spec, gather(p), x, moe_call)  # noqa: E731
     if remat == "full":
         block = jax.checkpoint(block)
     elif remat == "selective":
@@ -164,17 +198,46 @@ class TrialTimes:
         return statistics.median(samples) if statistic == "median" else min(samples)
 
 
+def _mesh(layout: Layout, devices, moe: bool):
+    """The ``(dp, ep, tp)`` mesh, and the expert-parallel group a MoE block runs over.
+
+    A MoE's mesh is a jaxpg one (:func:`jaxpg.init_device_mesh`), its ``ep`` axis a
+    process group; with ``ep = 1`` each rank runs every expert on its own tokens.
+    """
+    import numpy as np
+    from jax.sharding import Mesh
+
+    shape = (layout.dp // layout.ep, layout.ep, layout.tp)
+    if not moe:
+        return Mesh(np.array(devices).reshape(shape), ("dp", "ep", "tp")), None
+    from jaxpg.groups import world
+    from jaxpg.groups.device_mesh import init_device_mesh
+    from jaxpg.groups.subgroups import new_subgroups
+
+    if not world.is_initialized():
+        world.init_process_group()
+    if layout.ep == 1:
+        one, _ = new_subgroups(group_size=1)
+        return Mesh(np.array(devices).reshape(shape), ("dp", "ep", "tp")), one
+    mesh = init_device_mesh(shape, ("dp", "ep", "tp"))
+    if list(mesh.jax_mesh.devices.flat) != list(devices):
+        raise ValueError(f"trial_step: a MoE layout with ep={layout.ep} runs on the world's "
+                         f"devices in rank order; {len(devices)} others were given.")
+    return mesh.jax_mesh, mesh["ep"]
+
+
 def _build(job: Job, layout: Layout, devices, seed: int):
     """The compiled step and its first arguments (parameters, Adam moments, tokens)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from jaxpg.expert_parallel import moe
 
     spec, dt = job.model, {"bf16": jnp.bfloat16, "fp32": jnp.float32,
                            "fp16": jnp.float16}[job.dtype]
-    mesh = Mesh(np.array(devices).reshape(layout.dp, layout.tp), ("dp", "tp"))
+    mesh, ep_group = _mesh(layout, devices, spec.is_moe)
     params = _init(spec, jax.random.key(seed), dt)
     pspecs = _specs(params, layout)
     shard = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs)  # noqa: E731
@@ -186,7 +249,7 @@ def _build(job: Job, layout: Layout, devices, seed: int):
     per = job.global_batch // m
     tokens = jax.random.randint(jax.random.key(seed + 1), (m, per, job.seq_len + 1), 0,
                                 spec.vocab)
-    tokens = jax.device_put(tokens, NamedSharding(mesh, P(None, "dp")))
+    tokens = jax.device_put(tokens, NamedSharding(mesh, P(None, _BATCH)))
 
     def gather(tree):
         """ZeRO-3 (FSDP): each shard gathered where it is used, the batch staying split;
@@ -196,13 +259,31 @@ def _build(job: Job, layout: Layout, devices, seed: int):
         return jax.lax.with_sharding_constraint(
             tree, shard(_specs(tree, layout.replace(zero=0))))
 
-    loss = lambda p, t: _loss(spec, layout.remat, p, t, gather)  # noqa: E731
+    fe = spec.expert_ffn
+    activation = ((lambda h: jax.nn.silu(h[..., :fe]) * h[..., fe:])
+                  if spec.mlp == "swiglu" else jax.nn.gelu)
+
+    # a MoE's (tp = 1) shard_map binds every axis: jaxpg's collectives find each rank there
+    manual = {"dp", "ep", "tp"} if spec.is_moe else set(_BATCH)
+
+    def moe_rank(x, router, w1, w2):
+        """One rank's MoE layer (its tokens, the router, its experts); dropless."""
+        return moe(x, router, w1, w2, group=ep_group, top_k=spec.top_k,
+                   activation=activation)[0]
+
+    def moe_sharded(x, router, w1, w2):
+        """The MoE layer from jit's global arrays: a ``shard_map`` over ``dp x ep`` (at
+        ``ep = 1`` each rank runs every expert on its own tokens, with no exchange)."""
+        return jax.shard_map(moe_rank, mesh=mesh, in_specs=(P(_BATCH), P(), P("ep"), P("ep")),
+                             out_specs=P(_BATCH), axis_names=manual,
+                             check_vma=False)(x, router, w1, w2)
+
     dp = layout.dp
 
-    def sharded_grads(params, tokens):
+    def sharded_grads(params, tokens, moe_call=moe_sharded):
         """The gradients summed over the microbatches (ZeRO 2/3, over the whole mesh: every
         microbatch's reduce-scattered as they are made)."""
-        grad_fn = jax.grad(loss)
+        grad_fn = jax.grad(lambda p, t: _loss(spec, layout.remat, p, t, gather, moe_call))
 
         def accumulate(acc, t):
             return jax.tree.map(jnp.add, acc, grad_fn(params, t)), None
@@ -210,16 +291,26 @@ def _build(job: Job, layout: Layout, devices, seed: int):
         grads, _ = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), tokens)
         return grads
 
+    def expert_leaf(path) -> bool:
+        return getattr(path[-1], "key", None) in _EXPERTS
+
+    rank_specs = jax.tree_util.tree_map_with_path(
+        lambda path, _: P("ep") if expert_leaf(path) else P(), params)
+
     def local_grads(params, tokens):
         """ZeRO 0/1: each dp rank accumulates its own gradients over the microbatches and
-        they are reduced once after them, as DDP's no_sync does (dp manual, tp left to
-        XLA); left to itself, XLA would all-reduce every microbatch's."""
+        they are reduced once after them, as DDP's no_sync does (dp x ep manual, tp left to
+        XLA; each rank holds its experts); left to itself, XLA would all-reduce every
+        microbatch's."""
         def per_rank(params, tokens):
-            acc = sharded_grads(params, tokens)
-            return jax.tree.map(lambda g: jax.lax.psum(g, "dp") / dp, acc)
+            acc = sharded_grads(params, tokens, moe_rank)
+            return jax.tree_util.tree_map_with_path(
+                lambda path, g: jax.lax.psum(g, "dp" if expert_leaf(path) else _BATCH) / dp,
+                acc)
 
-        return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(None, "dp")),
-                             out_specs=P(), axis_names={"dp"}, check_vma=False)(params, tokens)
+        return jax.shard_map(per_rank, mesh=mesh, in_specs=(rank_specs, P(None, _BATCH)),
+                             out_specs=rank_specs, axis_names=manual,
+                             check_vma=False)(params, tokens)
 
     def step(params, opt, tokens):
         grads = (local_grads if layout.zero <= 1 and dp > 1 else sharded_grads)(params, tokens)
@@ -238,9 +329,23 @@ def _build(job: Job, layout: Layout, devices, seed: int):
 def _check(job: Job, layout: Layout, devices):
     import jax
 
-    if layout.pp > 1 or layout.cp > 1 or layout.ep > 1:
-        raise ValueError(f"trial_step: layout {layout} has pp, cp or ep > 1; trials run "
-                         "tp, the data-parallel axes, microbatches and recomputation only.")
+    if layout.pp > 1 or layout.cp > 1:
+        raise ValueError(f"trial_step: layout {layout} has pp or cp > 1; trials run tp, ep, "
+                         "the data-parallel axes, microbatches and recomputation only.")
+    spec = job.model
+    if layout.ep > 1 and not spec.is_moe:
+        raise ValueError(f"trial_step: layout {layout} has ep={layout.ep} but the model has "
+                         "no experts; use ep=1.")
+    if spec.is_moe:
+        if layout.tp > 1:
+            raise ValueError(f"trial_step: layout {layout} splits a MoE over tp={layout.tp}; "
+                             "MoE trials run ep and the data-parallel axes only (tp=1).")
+        if spec.shared_experts:
+            raise ValueError(f"trial_step: shared_experts={spec.shared_experts}; MoE trials "
+                             "run routed experts only (shared_experts=0).")
+        if layout.dp_shard % layout.ep or spec.experts % layout.ep:
+            raise ValueError(f"trial_step: ep={layout.ep} must divide dp_shard="
+                             f"{layout.dp_shard} and experts={spec.experts}.")
     devices = list(devices or jax.devices()[:job.devices])
     if len(devices) != layout.devices or layout.devices != job.devices:
         raise ValueError(f"trial_step: layout {layout} uses {layout.devices} devices; the job "

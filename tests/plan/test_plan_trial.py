@@ -49,3 +49,44 @@ def test_a_layouts_step_is_one_devices_step(layout):
     assert len(jax.tree.leaves(got)) == len(jax.tree.leaves(want))
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+
+
+MOE = TransformerSpec(layers=1, dim=16, heads=2, ffn=32, vocab=32, mlp="gelu",
+                      flash_attention=False, tied_embeddings=True, experts=4, top_k=2,
+                      expert_ffn=16)
+
+
+def _moe_step(layout: Layout, devices: int, batch: np.ndarray | None = None):
+    job = Job(model=MOE, devices=devices, hardware=get_hardware("h100-80gb"), seq_len=8,
+              global_batch=16, dtype="fp32", param_dtype="fp32")
+    fn, (params, opt, tokens) = _build(job, layout, jax.devices()[:devices], seed=0)
+    if batch is not None:
+        tokens = jax.device_put(batch.reshape(tokens.shape), tokens.sharding)
+    taken = np.asarray(tokens).reshape(-1, tokens.shape[-1])
+    _, (mu, _) = fn(params, opt, tokens)
+    return jax.tree.map(np.asarray, mu), taken
+
+
+def test_a_moe_layouts_step_is_one_devices_step(world):
+    # two ep groups of 4 (the tokens exchanged by all_to_all within each, the experts'
+    # gradients reduced over the groups), each rank accumulating two microbatches
+    want, batch = _moe_step(Layout(), 1)
+    got, taken = _moe_step(Layout(dp_shard=8, ep=4, zero=1, microbatches=2), 8, batch)
+    np.testing.assert_array_equal(taken, batch)
+    assert got["blocks"][0]["w1"].shape == (4, 16, 16)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("model,layout,message", [
+    (MOE, Layout(dp_shard=4, tp=2, ep=2), "tp=1"),
+    (GPT, Layout(dp_shard=8, ep=2), "no experts"),
+    (MOE, Layout(dp_shard=8, ep=8), "must divide"),
+], ids=["moe-tp", "dense-ep", "ep-over-experts"])
+def test_trials_refuse_what_they_do_not_run(model, layout, message):
+    from jaxpg.plan.trial import trial_times
+
+    job = Job(model=model, devices=8, hardware=get_hardware("h100-80gb"), seq_len=8,
+              global_batch=16, dtype="fp32", param_dtype="fp32")
+    with pytest.raises(ValueError, match=message):
+        trial_times(job, layout)
