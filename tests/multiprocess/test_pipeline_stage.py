@@ -10,6 +10,9 @@
 * every schedule class gives the un-pipelined model's losses and gradients, with stages of
   different shapes (both legs, 2 processes); stages that do not fit are named on every rank
   before anything runs;
+* integer position ids and a bool mask carried between 2 stages beside the activations give
+  the un-pipelined model's losses and gradients under ``Schedule1F1B`` and ``ScheduleGPipe``,
+  and a stage returning a dict is named on every rank (both legs, 2 processes);
 * data-parallel pipelines (dp = 2 x pp = 2, ``data_parallel_group=``) average their stage
   gradients to the whole batch's, and train with ZeroRedundancyOptimizer (ZeRO-1 and 2) as
   Adam on the whole batch (4 processes); Paddle's PipelineLayer under a
@@ -172,6 +175,32 @@ def test_paddle_pipeline_layer_trains_as_the_un_pipelined_model(results):
         assert len(params) == (1 + 2 * 6 if r == 0 else 2 * 6 + 2), params
         for key in params:
             _close(got[key], got["paddle/ref_params/" + key[len("paddle/params/"):]], key)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sched", ["1f1b", "gpipe"])
+def test_integer_side_inputs_travel_between_stages(results, sched):
+    """Stage 0 returns (h, positions, mask), int32 per-sample position ids and a bool mask
+    that both stages use: the un-pipelined model's microbatch losses and every gradient of
+    both stages (the ids and mask reach stage 1, and only h's gradient comes back)."""
+    ref = results[0]
+    _close(results[1][f"side/{sched}/losses"], ref["side/ref/losses"], "losses")
+    # positions recomputed per stage (arange) would give other losses
+    assert np.abs(ref["side/ref/losses_arange"] - ref["side/ref/losses"]).max() > 1e-3
+    seen = 0
+    for r, got in enumerate(results):
+        for key, value in got.items():
+            if key.startswith(f"side/{sched}/stage{r}/"):
+                _close(value, ref["side/ref/" + key.split("/", 2)[2]], f"rank {r} {key}")
+                seen += 1
+    assert seen == 8 + 9, seen  # embed, pos, block (6) | pos, block (6), out (2)
+    errors = [str(got["side/error"]) for got in results]
+    assert errors[0] == errors[1], errors
+    assert re.search(r"Schedule1F1B \(pipeline rank 0\): stage 0 \(DictOut\) returns a dict "
+                     r"with keys \['h'\], not an array or a tuple of arrays; return an array "
+                     r"or a tuple of arrays.*found by rank 0 before the step ran", errors[0]), \
+        errors[0]
 
 
 @pytest.mark.slow

@@ -1,14 +1,16 @@
 """A plain pipeline stage's programs: forward (with the loss on the last stage) and the
 backward, whole or split into its input and weight halves, each one jitted program.
 
-``F`` runs ``jax.vjp`` of the stage (of stage and loss on the last) and keeps the
-pullback's residuals until the backward; ``B`` applies it (with a split backward, ``B``
-makes only the input gradient and ``W`` only the weight gradient, XLA dropping the other
-half of each). A tensor-parallel or fully sharded stage runs the same programs inside SPMD
-programs over its sub-mesh (``jaxpg.pipeline.stage.submesh_programs``): a fully sharded stage's
-``gather`` all-gathers its parameter shards inside the differentiated function, recomputed
-in the backward rather than kept (``jax.checkpoint``), and its per-rank loss is divided by
-``shards`` so that the ranks' gradients sum to the gradient of the microbatch's mean.
+``F`` runs ``jax.vjp`` of the stage (of stage and loss on the last), in its parameters and
+its floating-point inputs (integer and bool side inputs travel without gradients:
+``jaxpg.pipeline.stage.carried``), and keeps the pullback's residuals until the backward;
+``B`` applies it (with a split backward, ``B`` makes only the input gradient and ``W`` only
+the weight gradient, XLA dropping the other half of each). A tensor-parallel or fully
+sharded stage runs the same programs inside SPMD programs over its sub-mesh
+(``jaxpg.pipeline.stage.submesh_programs``): a fully sharded stage's ``gather`` all-gathers
+its parameter shards inside the differentiated function, recomputed in the backward rather
+than kept (``jax.checkpoint``), and its per-rank loss is divided by ``shards`` so that the
+ranks' gradients sum to the gradient of the microbatch's mean.
 """
 
 from __future__ import annotations

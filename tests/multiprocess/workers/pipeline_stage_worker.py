@@ -621,7 +621,7 @@ def run_side_inputs(rank, tokens, labels, out):
         first, last = model(3)
         (g0, p0), (g1, p1) = nnx.split(first, nnx.Param), nnx.split(last, nnx.Param)
 
-        def mean_loss(p0, p1):
+        def mean_loss(p0, p1, positions):
             per = []
             for i in range(M):
                 sl = slice(i * rows, (i + 1) * rows)
@@ -630,8 +630,11 @@ def run_side_inputs(rank, tokens, labels, out):
             return jnp.mean(jnp.stack(per)), jnp.stack(per)
 
         (_, per), grads = jax.jit(jax.value_and_grad(mean_loss, argnums=(0, 1),
-                                                     has_aux=True))(p0, p1)
+                                                     has_aux=True))(p0, p1, positions)
         out["side/ref/losses"] = np.asarray(per)
+        # what a stage recomputing its positions (arange) would give instead
+        out["side/ref/losses_arange"] = np.asarray(jax.jit(mean_loss)(
+            p0, p1, jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)))[1])
         for s, g in enumerate(grads):
             for k, v in _flat(nnx.to_pure_dict(g)).items():
                 out[f"side/ref/stage{s}/{k}"] = v
