@@ -30,7 +30,8 @@ from jaxpg.collectives.all_to_all import all_to_all_single
 from jaxpg.collectives.gathers import all_gather_into_tensor
 from jaxpg.expert_parallel.grouped_matmul import grouped_matmul
 
-__all__ = ["slot_counts", "keep_mask", "kept_pair_max", "first_try_rows", "dispatch_rows",
+__all__ = ["slot_counts", "keep_mask", "kept_counts", "received_counts", "kept_pair_max",
+           "first_try_rows", "dispatch_rows", "received_rows", "dispatch", "combine",
            "exchange", "expert_ffn"]
 
 
@@ -65,20 +66,35 @@ def keep_mask(experts: jax.Array, counts: jax.Array, rank: Any,
     return position < capacity
 
 
-def kept_pair_max(counts: jax.Array, capacity: int | None) -> jax.Array:
-    """The most kept choices any rank sends to any rank (int32 scalar, the same on every
-    rank: it is computed from the gathered ``(ep, top_k, E)`` counts).
+def kept_counts(counts: jax.Array, capacity: int | None) -> jax.Array:
+    """Every rank's kept choices per expert: ``(ep, E)`` int32, from the gathered
+    ``(ep, top_k, E)`` counts (the same on every rank).
 
     With a capacity, the choices an expert keeps follow :func:`keep_mask`'s order: slot,
-    then rank, then token.
+    then rank, then token. Row ``r`` is what rank ``r`` sends each expert, so the counts a
+    rank receives follow from it without exchanging them.
     """
-    ep, _, num_experts = counts.shape
     kept = counts
     if capacity is not None:
         slots_before = _exclusive_cumsum(jnp.sum(counts, axis=0), axis=0)  # (k, E)
         start = slots_before[None] + _exclusive_cumsum(counts, axis=0)  # (ep, k, E)
         kept = jnp.clip(capacity - start, 0, counts)
-    per_pair = jnp.sum(kept, axis=1).reshape(ep, ep, num_experts // ep).sum(axis=-1)
+    return jnp.sum(kept, axis=1)
+
+
+def received_counts(kept: jax.Array, rank: Any) -> jax.Array:
+    """``(ep, E_local)``: the rows this rank receives from each source for each of its
+    experts, read from :func:`kept_counts` (``rank`` may be traced)."""
+    ep, num_experts = kept.shape
+    local = num_experts // ep
+    return jax.lax.dynamic_slice_in_dim(kept, rank * local, local, axis=1)
+
+
+def kept_pair_max(counts: jax.Array, capacity: int | None) -> jax.Array:
+    """The most kept choices any rank sends to any rank (int32 scalar, the same on every
+    rank: it is computed from the gathered ``(ep, top_k, E)`` counts)."""
+    ep, _, num_experts = counts.shape
+    per_pair = kept_counts(counts, capacity).reshape(ep, ep, num_experts // ep).sum(axis=-1)
     return jnp.max(per_pair)
 
 
@@ -115,7 +131,7 @@ def dispatch_rows(experts: jax.Array, keep: jax.Array, num_experts: int, ep: int
     return row, sent
 
 
-def _received_rows(received_counts: jax.Array, rows_per_rank: int) -> tuple[jax.Array, jax.Array]:
+def received_rows(received_counts: jax.Array, rows_per_rank: int) -> tuple[jax.Array, jax.Array]:
     """For each received row (source-major), its row in the expert-major buffer.
 
     ``received_counts[s, e]``: rows from source ``s`` for local expert ``e`` (in that order
@@ -152,15 +168,44 @@ def expert_ffn(rows: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.A
     return grouped_matmul(activation(hidden), w2, group_sizes, impl=impl)
 
 
-def exchange(x_rows: jax.Array, row: jax.Array, sent: jax.Array, w1: jax.Array, w2: jax.Array,
-             activation: Callable[[jax.Array], jax.Array], group: Any, ep: int,
+def dispatch(x_rows: jax.Array, row: jax.Array, grouped_row: jax.Array, group: Any,
+             ep: int, rows_per_rank: int, grouped_size: int) -> jax.Array:
+    """Sends each choice's token to its expert's rank and regroups what arrived expert by
+    expert: ``(grouped_size, d)``, the rows after the received ones zero. Linear in
+    ``x_rows``; the indices come from :func:`dispatch_rows` and :func:`_received_rows` at
+    ``rows_per_rank``."""
+    size = ep * rows_per_rank
+    send = jnp.zeros((size, x_rows.shape[1]), x_rows.dtype).at[row].set(x_rows, mode="drop")
+    received = _all_to_all(send, group)
+    return jnp.zeros((grouped_size, x_rows.shape[1]), x_rows.dtype).at[grouped_row].set(
+        received, mode="drop")
+
+
+def combine(out: jax.Array, row: jax.Array, grouped_row: jax.Array, group: Any, ep: int,
+            rows_per_rank: int) -> jax.Array:
+    """The inverse of :func:`dispatch` for the experts' output ``out`` (expert-major): each
+    choice's result, ``(tokens · top_k, d)``, zero for a dropped choice."""
+    size = ep * rows_per_rank
+    valid = (grouped_row < out.shape[0])[:, None]
+    back = jnp.where(valid, jnp.take(out, jnp.minimum(grouped_row, out.shape[0] - 1), axis=0),
+                     0)
+    returned = _all_to_all(back, group)
+    kept = (row < size)[:, None]
+    return jnp.where(kept, jnp.take(returned, jnp.minimum(row, size - 1), axis=0), 0)
+
+
+def exchange(x_rows: jax.Array, row: jax.Array, from_source: jax.Array, w1: jax.Array,
+             w2: jax.Array, activation: Callable[[jax.Array], jax.Array], group: Any, ep: int,
              rows_per_rank: int, impl: str = "auto") -> jax.Array:
     """Sends each choice's token to its expert's rank, runs the experts, and brings the
     results back: ``(tokens · top_k, d)``, zero for a dropped choice.
 
     Args:
         x_rows: ``(tokens · top_k, d)`` the token of each choice.
-        row, sent: from :func:`dispatch_rows`.
+        row: from :func:`dispatch_rows`.
+        from_source: ``(ep, E_local)`` the rows this rank receives from each source for each
+            of its experts (:func:`received_counts`; known from the gathered counts, so no
+            exchange of counts runs here).
         w1, w2: this rank's experts.
         group: the expert-parallel ProcessGroup (None: one rank, no SPMD code).
         ep: its size.
@@ -168,14 +213,7 @@ def exchange(x_rows: jax.Array, row: jax.Array, sent: jax.Array, w1: jax.Array, 
         impl: the grouped matmul's implementation.
     """
     size = ep * rows_per_rank
-    send = jnp.zeros((size, x_rows.shape[1]), x_rows.dtype).at[row].set(x_rows, mode="drop")
-    received_counts = _all_to_all(sent.reshape(ep, -1), group)  # counts first
-    received = _all_to_all(send, group)
-    grouped_row, group_sizes = _received_rows(received_counts, rows_per_rank)
-    grouped = jnp.zeros_like(received).at[grouped_row].set(received, mode="drop")
+    grouped_row, group_sizes = received_rows(from_source, rows_per_rank)
+    grouped = dispatch(x_rows, row, grouped_row, group, ep, rows_per_rank, size)
     out = expert_ffn(grouped, w1, w2, group_sizes, activation, impl)
-    valid = (grouped_row < size)[:, None]
-    back = jnp.where(valid, jnp.take(out, jnp.minimum(grouped_row, size - 1), axis=0), 0)
-    returned = _all_to_all(back, group)
-    kept = (row < size)[:, None]
-    return jnp.where(kept, jnp.take(returned, jnp.minimum(row, size - 1), axis=0), 0)
+    return combine(out, row, grouped_row, group, ep, rows_per_rank)

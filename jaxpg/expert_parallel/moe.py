@@ -24,11 +24,16 @@ from jaxpg.collectives.gathers import exchange_sizes
 from jaxpg.collectives.reductions import all_reduce
 from jaxpg.expert_parallel.checks import check_buffer_factor, check_moe_args
 from jaxpg.expert_parallel.dispatch import (
+    combine,
+    dispatch,
     dispatch_rows,
     exchange,
+    expert_ffn,
     first_try_rows,
     keep_mask,
-    kept_pair_max,
+    kept_counts,
+    received_counts,
+    received_rows,
     slot_counts,
 )
 from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
@@ -93,32 +98,25 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
     capacity = expert_capacity(capacity_factor, global_tokens, top_k, num_experts)
     routing = route(x, gate_w, top_k, normalize_topk)
     counts = slot_counts(routing.experts, num_experts, group)  # (ep, k, E): counts first
-    rank = 0 if group is None else _world.get_rank(group)
+    rank = _group_rank(group)
     keep = keep_mask(routing.experts, counts, rank, capacity)
     rows_per_rank = tokens * min(top_k, local)
     if capacity is not None:
         rows_per_rank = min(rows_per_rank, local * capacity)
     x_rows = jnp.repeat(x, top_k, axis=0)  # choice t·k + j carries token t
-
-    def run(rows: int, x_rows: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
-        row, sent = dispatch_rows(routing.experts, keep, num_experts, ep, rows)
-        return exchange(x_rows, row, sent, w1, w2, activation, group, ep, rows,
-                        grouped_matmul)
+    kept = kept_counts(counts, capacity)  # (ep, E): what every rank sends every expert
+    from_source = received_counts(kept, rank)  # so the counts need no exchange of their own
 
     first = None if group is None else first_try_rows(tokens, top_k, ep, rows_per_rank,
                                                       buffer_factor)
     if first is None:
-        out = run(rows_per_rank, x_rows, w1, w2)
+        row, _ = dispatch_rows(routing.experts, keep, num_experts, ep, rows_per_rank)
+        out = exchange(x_rows, row, from_source, w1, w2, activation, group, ep, rows_per_rank,
+                       grouped_matmul)
     else:
-        # Every rank takes the same branch: the predicate is from the gathered counts. Each
-        # branch is rematerialized, so that the backward keeps only the operands: a cond's
-        # residuals are both branches' (the untaken one's as zeros), the worst case's
-        # buffers among them.
-        def branch(rows: int) -> Callable[..., jax.Array]:
-            return jax.checkpoint(lambda *operands: run(rows, *operands))
-
-        out = lax.cond(kept_pair_max(counts, capacity) <= first, branch(first),
-                       branch(rows_per_rank), x_rows, w1, w2)
+        out = _first_try_exchange(x_rows, routing.experts, keep, kept, from_source, w1, w2,
+                                  activation=activation, group=group, ep=ep,
+                                  worst=rows_per_rank, first=first, impl=grouped_matmul)
     weights = routing.weights * keep.astype(routing.weights.dtype)
     y = jnp.einsum("tk,tkd->td", weights, out.reshape(tokens, top_k, -1)).astype(x.dtype)
     expert_counts = jnp.sum(counts, axis=(0, 1))
@@ -136,12 +134,59 @@ def _moe_per_rank(x: jax.Array, gate_w: jax.Array, w1: jax.Array, w2: jax.Array,
     return y, MoEAux(loss, expert_counts.astype(jnp.int32), dropped)
 
 
+def _first_try_exchange(x_rows: jax.Array, experts: jax.Array, keep: jax.Array,
+                        kept: jax.Array, from_source: jax.Array, w1: jax.Array, w2: jax.Array,
+                        *, activation: Callable[[jax.Array], jax.Array], group: Any, ep: int,
+                        worst: int, first: int, impl: str) -> jax.Array:
+    """The exchange at ``first`` rows per pair when every pair's kept choices fit, else at
+    the worst case ``worst``.
+
+    Every rank takes the same branch: the predicate is from the gathered counts. Only the
+    two all_to_alls (and the scatters and gathers around them, linear in the rows) are in
+    the ``lax.cond``s, with their indices computed outside, so the branches keep no
+    residuals and nothing is recomputed in the backward. The experts run once, outside,
+    on a buffer of the worst case's rows: the grouped matmul's cost follows the rows the
+    experts got, not the buffer.
+    """
+    num_experts = kept.shape[1]
+    local = num_experts // ep
+    fits = jnp.max(kept.reshape(ep, ep, local).sum(axis=-1)) <= first
+    grouped_size = ep * worst
+    plans = []
+    for rows in (first, worst):
+        row, _ = dispatch_rows(experts, keep, num_experts, ep, rows)
+        grouped_row, group_sizes = received_rows(from_source, rows)
+        plans.append((rows, row, grouped_row))
+
+    def dispatch_at(plan: tuple[Any, ...]) -> Callable[..., jax.Array]:
+        rows, row, grouped_row = plan
+        return lambda x: dispatch(x, row, grouped_row, group, ep, rows, grouped_size)
+
+    def combine_at(plan: tuple[Any, ...]) -> Callable[..., jax.Array]:
+        rows, row, grouped_row = plan
+        return lambda out: combine(out, row, grouped_row, group, ep, rows)
+
+    grouped = lax.cond(fits, dispatch_at(plans[0]), dispatch_at(plans[1]), x_rows)
+    out = expert_ffn(grouped, w1, w2, group_sizes, activation, impl)
+    return lax.cond(fits, combine_at(plans[0]), combine_at(plans[1]), out)
+
+
 def _global_view(x: Any, gate_w: Any, w1: Any) -> bool:
     """Whether traced code (``jax.jit``, ``jax.eval_shape``) outside SPMD code passes the
     layer's global arrays: ``x`` ``(tokens, d)`` and every expert, ``w1`` ``(E, d, f)``."""
     return (any(isinstance(a, jax.core.Tracer) for a in (x, gate_w, w1))
             and np.ndim(x) == 2 and np.ndim(gate_w) == 2 and np.ndim(w1) == 3
             and np.shape(w1)[0] == np.shape(gate_w)[1])
+
+
+def _group_rank(group: Any) -> Any:
+    """This rank's index in ``group`` inside SPMD code (traced; 0 without a group), from
+    the running SPMD code's lowering, so a plain ``shard_map`` over a larger mesh gets it
+    too."""
+    if group is None:
+        return 0
+    ctx = current_context()
+    return _world.get_rank(group) if ctx is None else ctx.lowering(group).member_index()
 
 
 def _group_axis(group: Any) -> str:
