@@ -8,6 +8,9 @@ dropless against a capacity, and jaxpg against a torch layer built on ``all_to_a
   rank, ep = 2 and 4): jaxpg's ``moe`` and a torch MoE written with ``all_to_all_single`` in
   the same processes on the same inputs, their losses and gradients checked equal first.
 
+``bench/_expert_parallel_profile.py`` (run by hand, one process) times one rank's step part
+by part beside torch's, the exchange made the identity.
+
     flock /tmp/jaxpg-bench.lock python bench/expert_parallel.py                 # ~5 min
     flock /tmp/jaxpg-bench.lock python bench/expert_parallel.py --parts torch --eps 2
 
