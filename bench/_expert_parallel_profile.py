@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import torch.nn.functional as F
+from _expert_parallel_worker import torch_experts, torch_route  # bench/ is sys.path[0]
 
 from jaxpg.expert_parallel import dispatch as D
 from jaxpg.expert_parallel.router import route
@@ -79,22 +79,13 @@ def torch_steps(arrays):
     def step(experts):
         for a in (x, g, w1, w2):
             a.grad = None
-        logits = x @ g
-        probs = logits.softmax(-1)
-        top, chosen = logits.topk(K, dim=-1)
-        weights = top.softmax(-1)
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        probs, weights, flat, order = torch_route(x, g, K)
         rows = x.repeat_interleave(K, dim=0)[order]
         local = flat[order] % LOCAL  # what arrives from the EP sources, expert by expert
         perm = torch.argsort(local, stable=True)
         grouped = rows[perm]
-        outs, at = [], 0
-        for e, n in enumerate(torch.bincount(local, minlength=LOCAL).tolist()):
-            h = grouped[at:at + n]
-            outs.append(F.gelu(h @ w1[e], approximate="tanh") @ w2[e] if experts else h)
-            at += n
-        out = torch.cat(outs)
+        sizes = torch.bincount(local, minlength=LOCAL).tolist()
+        out = torch_experts(grouped, sizes, w1, w2) if experts else grouped
         back = torch.empty_like(out).index_copy(0, perm, out)
         unsorted = torch.empty_like(back).index_copy(0, order, back)
         y = (weights.unsqueeze(-1) * unsorted.view(T, K, DIM)).sum(1)

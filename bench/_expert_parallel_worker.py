@@ -61,17 +61,31 @@ def jaxpg_step(ep, top_k, **moe_kwargs):
     return jaxpg.spmd(per_rank, group=group), sharding
 
 
+def torch_route(x, gate_w, top_k):
+    """torch's router: the probabilities, the chosen experts' weights (softmax over the
+    chosen logits), the choices flattened and their order sorted by expert."""
+    logits = x @ gate_w
+    top_logits, chosen = logits.topk(top_k, dim=-1)
+    flat = chosen.reshape(-1)
+    return logits.softmax(-1), top_logits.softmax(-1), flat, torch.argsort(flat, stable=True)
+
+
+def torch_experts(grouped, sizes, w1, w2):
+    """Each local expert ``gelu_tanh(h @ w1[e]) @ w2[e]`` on its ``sizes[e]`` rows of
+    ``grouped`` (expert-major), concatenated."""
+    outs, at = [], 0
+    for e, n in enumerate(sizes):
+        outs.append(F.gelu(grouped[at:at + n] @ w1[e], approximate="tanh") @ w2[e])
+        at += n
+    return torch.cat(outs)
+
+
 def torch_loss(x, gate_w, w1, w2, cot, top_k, ep):
     """torch's MoE layer over the world (the per-rank program), dropless."""
     tokens, d = x.shape
     experts = gate_w.shape[1]
     local = experts // ep
-    logits = x @ gate_w
-    probs = logits.softmax(-1)
-    top_logits, chosen = logits.topk(top_k, dim=-1)
-    weights = top_logits.softmax(-1)
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    probs, weights, flat, order = torch_route(x, gate_w, top_k)
     counts = torch.bincount(flat, minlength=experts)
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts)  # [source, local expert]: counts first
@@ -87,13 +101,7 @@ def torch_loss(x, gate_w, w1, w2, cot, top_k, ep):
     perm = torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e] + from_source[s, e]))
                       for e in range(local) for s in range(ep)])
     grouped = received[perm]
-    sizes = from_source.sum(0).tolist()
-    outs, at = [], 0
-    for e, n in enumerate(sizes):
-        h = grouped[at:at + n]
-        outs.append(F.gelu(h @ w1[e], approximate="tanh") @ w2[e])
-        at += n
-    out = torch.cat(outs)
+    out = torch_experts(grouped, from_source.sum(0).tolist(), w1, w2)
     back = torch.empty_like(out).index_copy(0, perm, out)
     returned = fc.all_to_all_single_autograd(back, send_splits, recv_splits, dist.group.WORLD)
     unsorted = torch.empty_like(returned).index_copy(0, order, returned)
