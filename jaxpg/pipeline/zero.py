@@ -34,6 +34,7 @@ from jaxpg.data_parallel.leaf_split import LeafSplit
 from jaxpg.data_parallel.zero import (
     abstract_sharded_opt_state,
     init_sharded_opt_state,
+    resolve_zero_stage,
     sharded_update,
 )
 from jaxpg.fsdp.collectives import Comm, reduce_leaf
@@ -152,11 +153,10 @@ def make_zero_train_step(
     Raises:
         ValueError: for a ``zero_stage`` other than 1 or 2, or a mesh without the axes.
     """
-    if isinstance(zero_stage, bool) or zero_stage not in (1, 2):
-        raise ValueError(
-            f"make_zero_train_step: {zero_stage=} must be 1 or 2; stage 3 (sharded "
-            "parameters) is not offered inside a pipeline."
-        )
+    zero_stage = resolve_zero_stage(
+        "make_zero_train_step", (1, 2), 1, zero_stage,
+        hint=" Stage 3 (sharded parameters) is not offered inside a pipeline; stage 0 "
+             "(replicated) is jaxpg.pipeline.make_train_step.")
     if "grad_reducer" in pipeline_kwargs:
         raise ValueError("make_zero_train_step reduces the gradients itself; drop grad_reducer.")
     if pipeline_kwargs.get("param_specs") is not None:
