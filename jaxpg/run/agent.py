@@ -31,6 +31,8 @@ __all__ = ["main"]
 
 _POLL_S = 0.05
 _REMOTE_POLL_S = 0.5
+_PORT_WATCH_S = 60.0  # how long rank 0's port is checked every remote poll
+_PORT_POLL_LATE_S = 5.0  # and how often after that
 
 
 class _Terminated(Exception):
@@ -121,7 +123,8 @@ def _watch(group: WorkerGroup, nodes, attempt: int, lobby: str,
     exit code and the ranks that failed here. ``own_service_port``: the port of the
     launcher's coordination service, which rank 0 (here) must not listen on."""
     reported = False
-    next_remote = 0.0
+    next_remote = next_port = 0.0
+    started = time.monotonic()
     while True:
         failed = group.failed()
         if failed:
@@ -137,13 +140,18 @@ def _watch(group: WorkerGroup, nodes, attempt: int, lobby: str,
             nodes.report_success(attempt)
             reported = True
         now = time.monotonic()
-        if now >= next_remote:
-            next_remote = now + _REMOTE_POLL_S
-            if own_service_port is not None and listens(group.pid(0), own_service_port):
+        if own_service_port is not None and now >= next_port:
+            # a script starts its service while it sets up: checked every poll at first,
+            # then seldom (each check parses the host's TCP table, large on a busy host)
+            next_port = now + (_REMOTE_POLL_S if now - started < _PORT_WATCH_S
+                               else _PORT_POLL_LATE_S)
+            if listens(group.pid(0), own_service_port):
                 group.filter.quiet = True
                 message = _own_service_message(own_service_port)
                 nodes.report_failure(attempt, message)
                 return message, 1, []
+        if now >= next_remote:
+            next_remote = now + _REMOTE_POLL_S
             nodes.share_lobby(attempt, lobby)
             if (remote := nodes.failure(attempt)) is not None:
                 group.filter.quiet = True
