@@ -6,7 +6,10 @@ Each pipeline action (one microbatch through one chunk of blocks on one rank) is
   elementwise work (norms, activations, softmax, dropout), which is bound by HBM bandwidth:
   each saved activation byte is written once and read once. The backward costs twice the
   forward; full recomputation adds a forward, selective recomputation attention's core.
-  Fused (flash) attention skips the masked half of the causal scores.
+  Fused (flash) attention skips the masked half of the causal scores. An MoE block also
+  moves its dispatch buffers, sized as ``jaxpg.expert_parallel.moe`` sizes them (the
+  worst case's rows for the experts, the first try's for the exchange), through HBM
+  (:func:`moe_buffer_bytes`).
 * **operations**: each kernel pays ``Hardware.op_overhead`` beyond its work. A block's
   forward runs a kernel for each of its matmuls (the weights' and attention's two) and one
   elementwise kernel after each, two for each norm and four for the mask and softmax (an
@@ -47,7 +50,7 @@ from jaxpg.plan.layout import Layout
 from jaxpg.plan.links import axis_link, collective_time
 from jaxpg.plan.memory import block_bytes, microbatch_size, param_split, timetable
 
-__all__ = ["StepTime", "block_kernels", "step_time"]
+__all__ = ["StepTime", "block_kernels", "moe_buffer_bytes", "moe_buffer_rows", "step_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,37 @@ def block_kernels(spec, *, moe: bool) -> int:
     return 2 * matmuls + 2 * 2 + 4 + (6 if moe else 0)
 
 
+def moe_buffer_rows(job: Job, layout: Layout, tokens: float) -> tuple[float, float]:
+    """``(grouped, per_pair)``: the rows of the buffer one MoE block's experts run on, and
+    of each pair's part of the exchange's buffers, for ``tokens`` tokens on a device, as
+    :func:`jaxpg.expert_parallel.moe` sizes them (its static shapes, dropless).
+
+    The experts' buffer holds the worst case, ``ep · tokens · min(top_k, E / ep)`` rows;
+    the exchange first tries ``ceil(1.25 · tokens · top_k / ep)`` rows per pair (the
+    worst case's ``tokens · min(top_k, E / ep)`` where that is not smaller, and at ep = 1).
+    """
+    s = job.model
+    worst = tokens * min(s.top_k, s.experts // layout.ep)
+    first = -(-1.25 * tokens * s.top_k // layout.ep)
+    return layout.ep * worst, (first if layout.ep > 1 and first < worst else worst)
+
+
+def moe_buffer_bytes(job: Job, layout: Layout, tokens: float) -> float:
+    """HBM bytes one MoE block's forward moves through the dispatch buffers
+    (:func:`moe_buffer_rows`) beyond its tokens' own activations: the experts' buffer's
+    zero fill, the scatter into it and the combine's gather out of it (four passes of
+    ``dim``-wide rows), its rows past the routed ``tokens · top_k`` through the hidden
+    layer (the first matmul's output, the activation read and written, the second matmul's
+    read: four passes of ``expert_ffn``-wide rows), and the send and receive buffers of
+    each direction, ``ep · per_pair`` rows, filled, exchanged and read (eight passes).
+    """
+    s = job.model
+    grouped, per_pair = moe_buffer_rows(job, layout, tokens)
+    padded = max(0.0, grouped - tokens * s.top_k)
+    return job.act_bytes * (4.0 * padded * s.expert_ffn / layout.tp + 4.0 * grouped * s.dim
+                            + 8.0 * layout.ep * per_pair * s.dim)
+
+
 def _block_compute(job: Job, layout: Layout, *, moe: bool) -> tuple[float, float, float]:
     """(forward seconds, attention-core forward seconds, gemm seconds) of one block."""
     s, hw = job.model, job.hardware
@@ -103,7 +137,8 @@ def _block_compute(job: Job, layout: Layout, *, moe: bool) -> tuple[float, float
     attn = attn_flops / rate
     saved = block_bytes(job, layout, "none", moe=moe)
     core_saved = saved - block_bytes(job, layout, "selective", moe=moe)
-    traffic = 2.0 * saved / hw.hbm_bandwidth
+    traffic = (2.0 * saved + (moe_buffer_bytes(job, layout, tokens) if moe else 0.0)
+               ) / hw.hbm_bandwidth
     core = attn + 2.0 * core_saved / hw.hbm_bandwidth
     return gemm + attn + traffic, core, gemm
 

@@ -90,3 +90,34 @@ def test_trials_refuse_what_they_do_not_run(model, layout, message):
               global_batch=16, dtype="fp32", param_dtype="fp32")
     with pytest.raises(ValueError, match=message):
         trial_times(job, layout)
+
+
+WIDE_MOE = TransformerSpec(layers=1, dim=16, heads=2, ffn=32, vocab=32, mlp="gelu",
+                           flash_attention=False, tied_embeddings=True, experts=8, top_k=2,
+                           expert_ffn=24)
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_the_planners_moe_buffers_are_the_layers(world, ep):
+    # the step time prices the dispatch buffers' traffic from their rows: they must be the
+    # rows of the buffers the MoE layer's program holds (its experts' hidden layer, the
+    # exchange's buffers), read from the trial step's lowered program
+    import re
+
+    from jaxpg.expert_parallel.grouped_matmul import TILE_ROWS
+    from jaxpg.plan.step_time import moe_buffer_rows
+
+    layout = Layout(dp_shard=8, ep=ep, zero=1)
+    job = Job(model=WIDE_MOE, devices=8, hardware=get_hardware("h100-80gb"), seq_len=8,
+              global_batch=16, dtype="fp32", param_dtype="fp32")
+    fn, args = _build(job, layout, jax.devices()[:8], seed=0)
+    shapes = {tuple(map(int, m)) for m in re.findall(r"tensor<(\d+)x(\d+)xf32>",
+                                                      fn.lower(*args).as_text())}
+    grouped, per_pair = moe_buffer_rows(job, layout, tokens=16)  # 2 sequences of 8 a device
+    # the experts' hidden layer holds the worst case's rows (CPU's tiled grouped matmul
+    # pads them to whole tiles inside its loop, and nothing is larger)
+    assert (grouped, WIDE_MOE.expert_ffn) in shapes, sorted(shapes)
+    tiles = -(-grouped // TILE_ROWS) * TILE_ROWS
+    assert max(rows for rows, cols in shapes if cols == WIDE_MOE.expert_ffn) <= tiles
+    assert (ep * per_pair, WIDE_MOE.dim) in shapes, sorted(shapes)
+    assert per_pair < grouped // ep  # the first try is smaller than the worst case
