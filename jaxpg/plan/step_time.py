@@ -99,7 +99,11 @@ def moe_buffer_rows(job: Job, layout: Layout, tokens: float) -> tuple[float, flo
 
     The experts' buffer holds the worst case, ``ep · tokens · min(top_k, E / ep)`` rows;
     the exchange first tries ``ceil(1.25 · tokens · top_k / ep)`` rows per pair (the
-    worst case's ``tokens · min(top_k, E / ep)`` where that is not smaller, and at ep = 1).
+    worst case's ``tokens · min(top_k, E / ep)`` where that is not smaller, and at ep = 1),
+    the rule of ``jaxpg.expert_parallel.dispatch.first_try_rows`` at ``moe``'s default
+    ``buffer_factor``. It is written here rather than imported, because that module needs jax,
+    and the planner plans specs without it. ``tests/plan/test_plan_trial.py`` reads both
+    sizes back from a trial step's program.
     """
     s = job.model
     worst = tokens * min(s.top_k, s.experts // layout.ep)

@@ -105,6 +105,7 @@ def test_the_planners_moe_buffers_are_the_layers(world, ep):
     import re
 
     from jaxpg.expert_parallel.grouped_matmul import TILE_ROWS
+    from jaxpg.plan.memory import microbatch_size
     from jaxpg.plan.step_time import moe_buffer_rows
 
     layout = Layout(dp_shard=8, ep=ep, zero=1)
@@ -113,7 +114,8 @@ def test_the_planners_moe_buffers_are_the_layers(world, ep):
     fn, args = _build(job, layout, jax.devices()[:8], seed=0)
     shapes = {tuple(map(int, m)) for m in re.findall(r"tensor<(\d+)x(\d+)xf32>",
                                                       fn.lower(*args).as_text())}
-    grouped, per_pair = moe_buffer_rows(job, layout, tokens=16)  # 2 sequences of 8 a device
+    tokens = microbatch_size(job, layout) * job.seq_len  # a device's tokens
+    grouped, per_pair = moe_buffer_rows(job, layout, tokens)
     # the experts' hidden layer holds the worst case's rows (CPU's tiled grouped matmul
     # pads them to whole tiles inside its loop, and nothing is larger)
     assert (grouped, WIDE_MOE.expert_ffn) in shapes, sorted(shapes)
