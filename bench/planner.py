@@ -14,6 +14,11 @@
 MLP :func:`jaxpg.expert_parallel.moe`) over 12 layouts with ep = 1, 2, 4 and 8, ZeRO 0, 1
 and 3, microbatches and recomputation (store it with ``--configuration moe``).
 
+Each measured layout also records its step's memory on one device as XLA compiles it
+(:func:`jaxpg.plan.trial.trial_memory`) beside the planner's prediction. ``--memory`` does
+only that, for both models' layouts, compiling and running nothing else (figures that do
+not depend on the machine's load; store it with ``--configuration memory``).
+
 Writes ``bench/results/planner.json`` (``--quick``: 4 layouts, under the quick folder). XLA
 compiles at optimization level 0, as in the test suite, to keep the compiles short; the
 calibration and the trials run alike.
@@ -40,8 +45,9 @@ from _results import add_flag, save  # noqa: E402  (bench/ is sys.path[0])
 
 from jaxpg.plan import Job, Layout, TransformerSpec, evaluate, get_model  # noqa: E402
 from jaxpg.plan.calibrate import calibrate  # noqa: E402
+from jaxpg.plan.hardware import get_hardware  # noqa: E402
 from jaxpg.plan.published import MEGATRON_TABLE1, megatron_tokens_per_s  # noqa: E402
-from jaxpg.plan.trial import trial_times  # noqa: E402
+from jaxpg.plan.trial import trial_memory, trial_times  # noqa: E402
 
 QUICK_ARGS: list[str] = ["--quick"]
 GPT = TransformerSpec(layers=2, dim=128, heads=8, ffn=512, vocab=512, mlp="gelu",
@@ -115,6 +121,45 @@ def megatron_rows() -> list[dict]:
     return rows
 
 
+MIB = 2.0**20
+
+
+def memory_row(est, compiled) -> dict:
+    """One layout's predicted and compiled bytes on a device, in MiB."""
+    return {"predicted_mib": {k: v * 1024 for k, v in est.memory.as_gib().items()},
+            "compiled_mib": {"arguments": compiled.arguments / MIB,
+                             "outputs": compiled.outputs / MIB,
+                             "aliased": compiled.aliased / MIB,
+                             "temporaries": compiled.temporaries / MIB,
+                             "peak": compiled.peak / MIB},
+            "predicted_over_compiled": est.memory.total / compiled.peak}
+
+
+def memory_main(out: pathlib.Path, configuration: str | None) -> int:
+    """Predicted against compiled memory for every layout of both models."""
+    result = {"compiled": "XLA memory_analysis() of the trial step, one device",
+              "seq_len": 128, "global_batch": 16, "models": {}}
+    for name, (model, layouts) in MODELS.items():
+        job = Job(model=model, devices=8, hardware=get_hardware("h100-80gb"), seq_len=128,
+                  global_batch=16, dtype="fp32", param_dtype="fp32")
+        rows = []
+        for text in layouts:
+            lay = Layout.parse(text)
+            row = {"layout": str(lay), **memory_row(evaluate(lay, job),
+                                                     trial_memory(job, lay))}
+            rows.append(row)
+            print(f"{name} {str(lay):<56} predicted {row['predicted_mib']['total']:6.2f} "
+                  f"MiB  compiled {row['compiled_mib']['peak']:6.2f} MiB", flush=True)
+        ratios = [r["predicted_over_compiled"] for r in rows]
+        result["models"][name] = {"model": model.describe(), "layouts": rows,
+                                  "predicted_over_compiled": {
+                                      "median": float(np.median(ratios)),
+                                      "min": min(ratios), "max": max(ratios)}}
+    save(out, result, configuration)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="4 layouts, results under /tmp")
@@ -122,11 +167,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=pathlib.Path)
     p.add_argument("--model", choices=sorted(MODELS), default="gpt",
                    help="the small GPT (default) or the small MoE")
+    p.add_argument("--memory", action="store_true",
+                   help="only predicted against compiled memory, for both models")
     add_flag(p)
     args = p.parse_args(argv)
     out = args.out or (pathlib.Path(tempfile.gettempdir()) / "jaxpg-bench-quick" /
                        "planner.json" if args.quick else
                        pathlib.Path(__file__).parent / "results" / "planner.json")
+    if args.memory:
+        return memory_main(out, args.configuration)
     load_before = os.getloadavg()
     began = time.time()
     hw = calibrate(dtype="fp32", repeats=3, matmul_size=256, stream_mib=8)
@@ -145,6 +194,7 @@ def main(argv=None) -> int:
         rows.append({"layout": str(lay), "predicted_s": est.step_s, "measured_s": measured,
                      "measured_cpu_s": list(times.cpu), "measured_wall_s": list(times.wall),
                      "predicted_memory_gib": est.memory.total_gib,
+                     **memory_row(est, times.memory),
                      "comm_s": dict(est.time.comm)})
         print(f"{str(lay):<60} predicted {est.step_s:7.3f} s  measured {measured:7.3f} s",
               flush=True)

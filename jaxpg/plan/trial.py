@@ -26,8 +26,9 @@ Pipelines and context parallelism are not tried here, nor tensor parallelism wit
 (:func:`trial_step` says so).
 :func:`trial_times` times each step by wall clock and by the process's CPU time (the local
 devices are threads of this process: CPU time counts their work and not the other programs
-the machine runs); :func:`trial_step` returns one figure. The planner's prediction for the
-same layout is :func:`jaxpg.plan.evaluate`'s.
+the machine runs), and reads the compiled step's per-device memory from XLA
+(:class:`CompiledMemory`, from ``memory_analysis()``); :func:`trial_step` returns one figure.
+The planner's prediction for the same layout is :func:`jaxpg.plan.evaluate`'s.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 from jaxpg.plan.job import Job
 from jaxpg.plan.layout import Layout
 
-__all__ = ["TrialTimes", "trial_step", "trial_times"]
+__all__ = ["CompiledMemory", "TrialTimes", "trial_memory", "trial_step", "trial_times"]
 
 
 def _init(spec, key, dtype):
@@ -177,6 +178,37 @@ def _check_figure(caller: str, clock: str, statistic: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """A compiled step's memory on one device, in bytes, as XLA's ``memory_analysis()``
+    gives it.
+
+    Attributes:
+        arguments: the step's inputs on the device (parameters, Adam moments, tokens).
+        outputs: its outputs (the new parameters and moments).
+        aliased: the outputs written in place of donated inputs.
+        temporaries: the program's working buffers (activations, gradients, gathered
+            parameters, collectives' buffers).
+    """
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+
+    @property
+    def peak(self) -> int:
+        """Inputs, outputs not written in place, and temporaries: the device's peak."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @classmethod
+    def of(cls, compiled) -> CompiledMemory:
+        """Reads a ``jax.stages.Compiled``'s ``memory_analysis()``."""
+        m = compiled.memory_analysis()
+        return cls(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                   int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
 class TrialTimes:
     """The timed steps of one trial, by two clocks.
 
@@ -185,10 +217,12 @@ class TrialTimes:
         cpu: each step's CPU seconds of this process, all its threads together. The local
             devices run in this process, so this is their work, whatever else the machine
             runs; wall time also holds the waits for cores other work took.
+        memory: the compiled step's memory on one device.
     """
 
     wall: tuple[float, ...]
     cpu: tuple[float, ...]
+    memory: CompiledMemory | None = None
 
     def seconds(self, clock: str = "cpu", statistic: str = "min") -> float:
         """One figure: ``clock`` ``"cpu"`` or ``"wall"``, ``statistic`` ``"min"`` or
@@ -356,11 +390,12 @@ def _check(job: Job, layout: Layout, devices):
 def trial_times(job: Job, layout: Layout, *, steps: int = 3, devices=None,
                 seed: int = 0) -> TrialTimes:
     """Runs ``steps`` real training steps of ``job`` (after one warm-up, compiling, step)
-    and times each by wall clock and by this process's CPU time.
+    and times each by wall clock and by this process's CPU time; the step's compiled
+    memory comes with the times.
 
     Args:
         job: the job (its devices are this machine's, ``job.devices`` of them).
-        layout: a layout without pipeline, context or expert parallelism.
+        layout: a layout without pipeline or context parallelism.
         steps: timed steps after the warm-up.
         devices: the devices (default: the first ``job.devices`` local ones).
         seed: the parameters' and tokens' seed.
@@ -371,6 +406,7 @@ def trial_times(job: Job, layout: Layout, *, steps: int = 3, devices=None,
         raise ValueError(f"trial_times: steps={steps!r} must be an int >= 1.")
     devices = _check(job, layout, devices)
     fn, (params, opt, tokens) = _build(job, layout, devices, seed)
+    fn = fn.lower(params, opt, tokens).compile()
     params, opt = jax.block_until_ready(fn(params, opt, tokens))
     wall, cpu = [], []
     for _ in range(steps):
@@ -378,7 +414,22 @@ def trial_times(job: Job, layout: Layout, *, steps: int = 3, devices=None,
         params, opt = jax.block_until_ready(fn(params, opt, tokens))
         wall.append(time.perf_counter() - begin)
         cpu.append(time.process_time() - begin_cpu)
-    return TrialTimes(tuple(wall), tuple(cpu))
+    return TrialTimes(tuple(wall), tuple(cpu), CompiledMemory.of(fn))
+
+
+def trial_memory(job: Job, layout: Layout, *, devices=None, seed: int = 0) -> CompiledMemory:
+    """The per-device memory of ``job``'s training step under ``layout``, as XLA compiles it
+    (compiled only, not run).
+
+    Args:
+        job: the job (its devices are this machine's, ``job.devices`` of them).
+        layout: a layout without pipeline or context parallelism.
+        devices: the devices (default: the first ``job.devices`` local ones).
+        seed: the parameters' and tokens' seed.
+    """
+    devices = _check(job, layout, devices)
+    fn, args = _build(job, layout, devices, seed)
+    return CompiledMemory.of(fn.lower(*args).compile())
 
 
 def trial_step(job: Job, layout: Layout, *, steps: int = 3, devices=None, seed: int = 0,
@@ -387,7 +438,7 @@ def trial_step(job: Job, layout: Layout, *, steps: int = 3, devices=None, seed: 
 
     Args:
         job: the job (its devices are this machine's, ``job.devices`` of them).
-        layout: a layout without pipeline, context or expert parallelism.
+        layout: a layout without pipeline or context parallelism.
         steps: timed steps after one warm-up (compile) step.
         devices: the devices (default: the first ``job.devices`` local ones).
         seed: the parameters' and tokens' seed.

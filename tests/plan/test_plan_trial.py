@@ -123,3 +123,34 @@ def test_the_planners_moe_buffers_are_the_layers(world, ep):
     assert max(rows for rows, cols in shapes if cols == WIDE_MOE.expert_ffn) <= tiles
     assert (ep * per_pair, WIDE_MOE.dim) in shapes, sorted(shapes)
     assert per_pair < grouped // ep  # the first try is smaller than the worst case
+
+
+@pytest.mark.parametrize("layout", [
+    Layout(dp_replicate=8),
+    Layout(dp_shard=8, zero=1),
+    Layout(dp_shard=4, tp=2, zero=3, microbatches=2),
+], ids=str)
+def test_a_trials_compiled_memory_holds_its_state_as_the_shardings_place_it(layout):
+    # XLA's arguments on device 0 are the bytes of device 0's shards of the parameters,
+    # Adam moments and tokens; the new parameters and moments are written over the donated
+    # ones (all aliased but the output tuple's table, a pointer a leaf); trial_times
+    # reports the program trial_memory compiles
+    from jaxpg.plan.trial import trial_memory, trial_times
+
+    job = Job(model=GPT, devices=8, hardware=get_hardware("h100-80gb"), seq_len=16,
+              global_batch=16, dtype="fp32", param_dtype="fp32")
+    devices = jax.devices()[:8]
+    _, (params, opt, tokens) = _build(job, layout, devices, seed=0)
+
+    def on_device0(tree):
+        return sum(s.data.nbytes for leaf in jax.tree.leaves(tree)
+                   for s in leaf.addressable_shards if s.device == devices[0])
+
+    state = on_device0((params, opt))
+    memory = trial_memory(job, layout)
+    assert memory.arguments == state + on_device0(tokens)
+    assert memory.aliased == state
+    assert 0 <= memory.outputs - state <= 8 * len(jax.tree.leaves((params, opt)))
+    assert memory.temporaries > 0
+    assert memory.peak == memory.arguments + memory.outputs - state + memory.temporaries
+    assert trial_times(job, layout, steps=1).memory == memory
