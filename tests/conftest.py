@@ -116,11 +116,86 @@ def pytest_make_collect_report(collector):
 _EIGHT_DEVICE_FIXTURES = {"world", "mesh"}
 
 
+# CI's two legs (.ci/run sets ``JAXPG_CI_LEG``) share two cores. Each of these costly
+# multi-process files runs on one leg only; every other file, the in-process tests of the
+# same features and the multi-process collectives, launcher, hang and supervision tests
+# among them, runs on both. The torch comparisons are on the leg that has torch.
+# docs/development.md ("One leg") says how the files were chosen.
+ONE_LEG_FILES = {
+    "oldest": (
+        "tests/multiprocess/test_pipeline_stage.py",
+        "tests/tensor_parallel/test_multiprocess.py",
+        "tests/fsdp/test_fsdp_multiprocess.py",
+        "tests/multiprocess/test_c10d_conformance.py",
+        "tests/train/test_recipe_multiprocess.py",
+        "tests/train/test_recipe_pipeline.py",
+        "tests/multiprocess/test_ddp_fsdp_two_devices_mp.py",
+        "tests/multiprocess/test_pipeline_mp.py",
+        "tests/multiprocess/test_elastic.py",
+    ),
+    "newest": (
+        "tests/test_docs_code.py",
+        "tests/expert_parallel/test_ep_multiprocess.py",
+        "tests/context_parallel/test_cp_multiprocess.py",
+        "tests/multiprocess/test_mpirun.py",
+        "tests/multiprocess/test_pipeline_mpmd.py",
+        "tests/multiprocess/test_elastic_nodes.py",
+        "tests/multiprocess/test_elastic_etcd.py",
+    ),
+}
+
+
+def other_legs_files(leg: str, root) -> set:
+    """The files ``ONE_LEG_FILES`` gives to CI legs other than ``leg``, as paths.
+
+    Raises:
+        pytest.UsageError: ``leg`` is not a leg, a listed file is missing or listed twice,
+            or a file of a leg without torch compares with torch.
+    """
+    if leg not in ONE_LEG_FILES:
+        raise pytest.UsageError(
+            f"JAXPG_CI_LEG={leg!r} is not a CI leg: use one of {sorted(ONE_LEG_FILES)}, or "
+            "unset it to run every file")
+    named = [f for files in ONE_LEG_FILES.values() for f in files]
+    twice = sorted({f for f in named if named.count(f) > 1})
+    missing = [f for f in named if not (root / f).is_file()]
+    with_torch = [f for f in ONE_LEG_FILES["newest"] if f not in missing
+                  and 'import_or_skip("torch"' in (root / f).read_text()]
+    for problem, files in (("is listed for two legs", twice), ("does not exist", missing),
+                           ("compares with torch, which the newest leg lacks", with_torch)):
+        if files:
+            raise pytest.UsageError(
+                f"tests/conftest.py ONE_LEG_FILES: {', '.join(files)} {problem}; "
+                "correct the table")
+    return {root / f for other, files in ONE_LEG_FILES.items() if other != leg
+            for f in files}
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Under ``JAXPG_CI_LEG``, names the leg and the files left to the other one."""
+    leg = os.environ.get("JAXPG_CI_LEG", "")
+    if leg:
+        elsewhere = sorted(str(p.relative_to(config.rootpath))
+                           for p in other_legs_files(leg, config.rootpath))
+        terminalreporter.write_line(
+            f"CI leg {leg}: the other leg runs {', '.join(elsewhere)} "
+            "(tests/conftest.py ONE_LEG_FILES)")
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks ``cpu_only`` the tests that need 8 simulated CPU devices or CPU worker processes
-    (tests/multiprocess/, the fixtures above, ``@pytest.mark.slow``)."""
+    (tests/multiprocess/, the fixtures above, ``@pytest.mark.slow``); under
+    ``JAXPG_CI_LEG``, deselects the files ``ONE_LEG_FILES`` gives to the other leg."""
     for item in items:
         needs = set(getattr(item, "fixturenames", ())) & _EIGHT_DEVICE_FIXTURES
         if needs or "multiprocess" in item.path.parts or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.cpu_only)
+    leg = os.environ.get("JAXPG_CI_LEG", "")
+    if not leg:
+        return
+    elsewhere = other_legs_files(leg, config.rootpath)
+    deselected = [item for item in items if item.path in elsewhere]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.path not in elsewhere]
 
