@@ -3,16 +3,24 @@
 1. Calibrates the ``local`` hardware profile on 8 simulated CPU devices
    (:func:`jaxpg.plan.calibrate.calibrate`, timed by the process's CPU time over the
    devices).
-2. For a small GPT, predicts and measures (:func:`jaxpg.plan.trial.trial_times`, its CPU
+2. For a small GPT, predicts and measures (:func:`jaxpg.plan.trial.compile_trial`, its CPU
    time over the devices: one device's CPU seconds, as the profile predicts) the step time
    of at least 10 layouts over tp, dp_replicate / dp_shard with ZeRO 1 and 3, microbatches
    and recomputation: Spearman's rank correlation, how far the predicted best is from the
-   measured best, and the predicted over measured seconds (median, least, most).
+   measured best, and the predicted over measured seconds (median, least, most). Every
+   layout is compiled first; then each of ``--rounds`` rounds times one step of each
+   layout in turn, so that the machine's drift over the run falls on every layout alike,
+   and a layout's figure is its fastest round.
 3. Megatron-LM's Table 1: the predicted tokens/s per GPU against the published figure.
 
 ``--model moe`` measures a small mixture of experts instead (8 experts, top-2; each block's
 MLP :func:`jaxpg.expert_parallel.moe`) over 12 layouts with ep = 1, 2, 4 and 8, ZeRO 0, 1
 and 3, microbatches and recomputation (store it with ``--configuration moe``).
+
+``--processes 2`` (or 4) splits the 8 devices over that many processes under the launcher,
+which the planner sees as nodes (bench/_planner_mp_worker.py: the link between processes
+calibrated, the steps timed by each process's CPU time, the slowest process's per round);
+its result goes under ``configurations.processes<N>_<model>``.
 
 Each measured layout also records its step's memory on one device as XLA compiles it
 (:func:`jaxpg.plan.trial.trial_memory`) beside the planner's prediction. ``--memory`` does
@@ -35,68 +43,24 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+from _launch import launch  # noqa: E402
+from _planner_cases import MODELS, spearman, summary, time_in_rounds  # noqa: E402
 from _results import add_flag, save  # noqa: E402  (bench/ is sys.path[0])
 
-from jaxpg.plan import Job, Layout, TransformerSpec, evaluate, get_model  # noqa: E402
+from jaxpg.plan import Job, Layout, evaluate, get_model  # noqa: E402
 from jaxpg.plan.calibrate import calibrate  # noqa: E402
 from jaxpg.plan.hardware import get_hardware  # noqa: E402
 from jaxpg.plan.published import MEGATRON_TABLE1, megatron_tokens_per_s  # noqa: E402
-from jaxpg.plan.trial import trial_memory, trial_times  # noqa: E402
+from jaxpg.plan.trial import compile_trial, trial_memory  # noqa: E402
 
 QUICK_ARGS: list[str] = ["--quick"]
-GPT = TransformerSpec(layers=2, dim=128, heads=8, ffn=512, vocab=512, mlp="gelu",
-                      flash_attention=False, tied_embeddings=True, name="bench-gpt")
-LAYOUTS = [
-    "dp_replicate=8,microbatches=1",
-    "dp_replicate=8,microbatches=1,remat=full",
-    "dp_replicate=8,microbatches=2",
-    "dp_replicate=8,microbatches=1,remat=selective",
-    "dp_shard=8,microbatches=1,zero=1",
-    "dp_shard=8,microbatches=1,zero=3",
-    "dp_replicate=4,tp=2,microbatches=1",
-    "dp_replicate=2,tp=4,microbatches=1",
-    "tp=8,microbatches=1",
-    "dp_replicate=2,tp=4,microbatches=1,remat=full",
-    "dp_shard=4,tp=2,microbatches=1,zero=3",
-    "tp=8,microbatches=2,remat=full",
-]
-MOE = TransformerSpec(layers=2, dim=128, heads=8, ffn=512, vocab=512, mlp="gelu",
-                      flash_attention=False, tied_embeddings=True, experts=8, top_k=2,
-                      expert_ffn=256, name="bench-moe")
-MOE_LAYOUTS = [  # MoE trials run tp = 1; ep borrows its ranks from dp_shard
-    "dp_replicate=8,microbatches=1",
-    "dp_replicate=8,microbatches=2",
-    "dp_replicate=8,microbatches=1,remat=full",
-    "dp_shard=8,microbatches=1,zero=1",
-    "dp_shard=8,microbatches=1,zero=3",
-    "dp_shard=8,ep=2,microbatches=1,zero=1",
-    "dp_shard=8,ep=4,microbatches=1,zero=1",
-    "dp_shard=8,ep=8,microbatches=1,zero=1",
-    "dp_shard=8,ep=8,microbatches=2,zero=1",
-    "dp_shard=8,ep=4,microbatches=1,zero=3",
-    "dp_shard=8,ep=2,microbatches=1,remat=full,zero=1",
-    "dp_replicate=2,dp_shard=4,ep=4,microbatches=1,zero=1",
-]
-MODELS = {"gpt": (GPT, LAYOUTS), "moe": (MOE, MOE_LAYOUTS)}
-
-
-def _ranks(values):
-    order = np.argsort(values, kind="stable")
-    ranks = np.empty(len(values))
-    ranks[order] = np.arange(len(values))
-    return ranks
-
-
-def spearman(a, b) -> float:
-    """Spearman's rank correlation (no ties expected)."""
-    ra, rb = _ranks(np.asarray(a)), _ranks(np.asarray(b))
-    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def megatron_rows() -> list[dict]:
@@ -160,15 +124,44 @@ def memory_main(out: pathlib.Path, configuration: str | None) -> int:
     return 0
 
 
+def processes_main(args, out: pathlib.Path) -> int:
+    """The same validation across ``args.processes`` processes (their devices are the
+    planner's nodes), by bench/_planner_mp_worker.py under the launcher."""
+    load_before = os.getloadavg()
+    began = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = pathlib.Path(tmp) / "planner_mp.json"
+        launch(pathlib.Path(__file__).parent / "_planner_mp_worker.py",
+               ["--model", args.model, "--rounds", args.rounds, "--out", rows,
+                *(["--quick"] if args.quick else [])],
+               nproc=args.processes, launcher_args=["--devices-per-proc", 8 // args.processes],
+               echo=print, expect=[rows])
+        result = json.loads(rows.read_text())
+    result["machine"] = {"cpus": os.cpu_count(), "load_before": load_before,
+                         "load_after": os.getloadavg(), "python": sys.version.split()[0]}
+    result["seconds"] = time.time() - began
+    # beside the single-process runs, never over them
+    configuration = args.configuration or f"processes{args.processes}_{args.model}"
+    save(out, result, configuration)
+    print(f"spearman {result['spearman']:.3f}, top pick {result['top_pick']} at "
+          f"{result['top_pick_over_best_measured']:.3f} x the best measured; predicted / "
+          f"measured {result['predicted_over_measured']['median']:.2f} (median); wrote {out} "
+          f"(configurations.{configuration})")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="4 layouts, results under /tmp")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per layout")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="timed steps per layout, one of each layout a round")
     p.add_argument("--out", type=pathlib.Path)
     p.add_argument("--model", choices=sorted(MODELS), default="gpt",
                    help="the small GPT (default) or the small MoE")
     p.add_argument("--memory", action="store_true",
                    help="only predicted against compiled memory, for both models")
+    p.add_argument("--processes", type=int, choices=(2, 4),
+                   help="the 8 devices split over 2 or 4 processes (bench/_planner_mp_worker.py)")
     add_flag(p)
     args = p.parse_args(argv)
     out = args.out or (pathlib.Path(tempfile.gettempdir()) / "jaxpg-bench-quick" /
@@ -176,6 +169,8 @@ def main(argv=None) -> int:
                        pathlib.Path(__file__).parent / "results" / "planner.json")
     if args.memory:
         return memory_main(out, args.configuration)
+    if args.processes:
+        return processes_main(args, out)
     load_before = os.getloadavg()
     began = time.time()
     hw = calibrate(dtype="fp32", repeats=3, matmul_size=256, stream_mib=8)
@@ -183,38 +178,35 @@ def main(argv=None) -> int:
     model, layouts = MODELS[args.model]
     job = Job(model=model, devices=8, hardware=hw, seq_len=128, global_batch=16, dtype="fp32",
               param_dtype="fp32")
+    chosen = [Layout.parse(text) for text in (layouts[:4] if args.quick else layouts)]
+    trials = [compile_trial(job, lay) for lay in chosen]
+    samples = time_in_rounds(trials, args.rounds)
     rows = []
-    for text in layouts[:4] if args.quick else layouts:
-        lay = Layout.parse(text)
+    for lay, trial, taken in zip(chosen, trials, samples):
         est = evaluate(lay, job)
-        times = trial_times(job, lay, steps=args.steps)
+        wall, cpu = zip(*taken)
         # the devices are this process's threads: its CPU time over the devices is one
         # device's work, whatever else the machine runs (wall time kept beside it)
-        measured = times.seconds("cpu", "min") / job.devices
+        measured = min(cpu) / job.devices
         rows.append({"layout": str(lay), "predicted_s": est.step_s, "measured_s": measured,
-                     "measured_cpu_s": list(times.cpu), "measured_wall_s": list(times.wall),
+                     "measured_cpu_s": list(cpu), "measured_wall_s": list(wall),
                      "predicted_memory_gib": est.memory.total_gib,
-                     **memory_row(est, times.memory),
+                     **memory_row(est, trial.memory),
                      "comm_s": dict(est.time.comm)})
         print(f"{str(lay):<60} predicted {est.step_s:7.3f} s  measured {measured:7.3f} s",
               flush=True)
-    predicted = [r["predicted_s"] for r in rows]
-    measured = [r["measured_s"] for r in rows]
-    best_predicted = int(np.argmin(predicted))
-    ratios = [p / m for p, m in zip(predicted, measured)]
     result = {
         "machine": {"cpus": os.cpu_count(), "load_before": load_before,
                     "load_after": os.getloadavg(), "python": sys.version.split()[0]},
         "calibrated": hw.to_dict(),
         "model": model.describe(), "seq_len": job.seq_len, "global_batch": job.global_batch,
         "layouts": rows,
-        "measured": "min over steps of process CPU seconds / devices",
-        "spearman": spearman(predicted, measured),
-        "spearman_wall": spearman(predicted, [min(r["measured_wall_s"]) for r in rows]),
-        "top_pick": rows[best_predicted]["layout"],
-        "top_pick_over_best_measured": measured[best_predicted] / min(measured),
-        "predicted_over_measured": {"median": float(np.median(ratios)),
-                                    "min": min(ratios), "max": max(ratios)},
+        "measured": "min over rounds of process CPU seconds / devices; each round one "
+                    "step of every layout, in turn",
+        "rounds": args.rounds,
+        **summary(rows),
+        "spearman_wall": spearman([r["predicted_s"] for r in rows],
+                                  [min(r["measured_wall_s"]) for r in rows]),
         "megatron_table1": megatron_rows(),
         "seconds": time.time() - began,
     }
@@ -222,8 +214,7 @@ def main(argv=None) -> int:
     save(out, result, args.configuration)
     print(f"spearman {result['spearman']:.3f}, top pick {result['top_pick']} at "
           f"{result['top_pick_over_best_measured']:.3f} x the best measured; predicted / "
-          f"measured {np.median(ratios):.2f} (median, {min(ratios):.2f} to "
-          f"{max(ratios):.2f}); wrote {out}")
+          f"measured {result['predicted_over_measured']['median']:.2f} (median); wrote {out}")
     return 0
 
 

@@ -37,7 +37,7 @@ import time
 
 from jaxpg.plan.hardware import Hardware, Link
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "calibrate_link"]
 
 
 def _best_seconds(fn, *args, repeats: int, cpu: bool) -> float:
@@ -138,6 +138,45 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
     # from two sizes, 4x apart (the step's kernels are of such sizes, where each pays it)
     op_overhead = max((4 * per_kernel(16) - per_kernel(64)) / 3, 0.0)
 
+    if n > 1:
+        link = calibrate_link(devices=devices, repeats=repeats)
+    else:
+        link = Link(bandwidth=bandwidth, latency=1e-6)
+    return Hardware(name=name, flops={dtype: flops}, hbm_bytes=_host_bytes() / n,
+                    hbm_bandwidth=bandwidth, intra=link, inter=link, devices_per_node=n,
+                    matmul_efficiency=1.0, collective_efficiency=1.0,
+                    matmul_half_width=half_width, overlap=not cpu, op_overhead=op_overhead)
+
+
+def calibrate_link(*, devices=None, repeats: int = 5) -> Link:
+    """Measures the link between ``devices`` (default: all local ones; all of them must
+    join, each process calling it with the same list): an all-reduce at two sizes for the
+    bandwidth, chains of small all-gathers, reduce-scatters and all-reduces for the
+    latency (the module's docstring).
+
+    Over the devices of several processes this is the link between them, which a profile
+    of several processes keeps as ``inter`` (its ``devices_per_node`` a process's
+    devices). On CPU devices each process times its own CPU seconds over its own devices
+    among ``devices``.
+
+    Args:
+        devices: two or more devices, in the same order on every process.
+        repeats: timed runs per measurement (the fastest is kept).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = list(devices or jax.local_devices())
+    n = len(devices)
+    if n < 2:
+        raise ValueError(f"calibrate_link: {n} device(s) given; a link needs two or more.")
+    cpu = devices[0].platform == "cpu"
+    share = sum(d.process_index == jax.process_index() for d in devices) if cpu else 1
+    mesh = Mesh(np.array(devices), ("d",))
+    spec = NamedSharding(mesh, PartitionSpec("d"))
+
     def collective_seconds(kind: str, count: int, chain: int = 1) -> float:
         """One program of ``chain`` collectives of ``kind`` in a row (each waits for the
         previous one) over ``count`` float32 words per device (the full buffer)."""
@@ -157,29 +196,21 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
         x = jax.device_put(jnp.ones((n, count), jnp.float32), spec)
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("d"),
                                    out_specs=PartitionSpec("d")))
-        return seconds(fn, x)
+        return _best_seconds(fn, x, repeats=repeats, cpu=cpu) / share
 
-    if n > 1:
-        small, large = 1024 * n, 4 * 2**20 // 4
-        t_small = collective_seconds("all_reduce", small)
-        t_large = collective_seconds("all_reduce", large)
-        per_byte = max(t_large - t_small, 1e-9) / ((large - small) * 4)
-        beta = 2 * (n - 1) / n / per_byte
-        # the latency inside a program, from the collectives a layout's step is made of
-        # (ZeRO-3's parameter all-gathers and gradient reduce-scatters, tp's all-reduces):
-        # 16 small ones of each kind in a row, less one program's, per op and rank step
-        alphas = []
-        for kind, steps in (("all_gather", n - 1), ("reduce_scatter", n - 1),
-                            ("all_reduce", 2 * (n - 1))):
-            chained = (collective_seconds(kind, small, chain=17)
-                       - collective_seconds(kind, small))
-            wire = steps / n * small * 4 / beta
-            alphas.append(max(chained / 16 - wire, 1e-7) / steps)
-        alpha = sum(alphas) / len(alphas)
-    else:
-        beta, alpha = bandwidth, 1e-6
-    link = Link(bandwidth=beta, latency=alpha)
-    return Hardware(name=name, flops={dtype: flops}, hbm_bytes=_host_bytes() / n,
-                    hbm_bandwidth=bandwidth, intra=link, inter=link, devices_per_node=n,
-                    matmul_efficiency=1.0, collective_efficiency=1.0,
-                    matmul_half_width=half_width, overlap=not cpu, op_overhead=op_overhead)
+    small, large = 1024 * n, 4 * 2**20 // 4
+    t_small = collective_seconds("all_reduce", small)
+    t_large = collective_seconds("all_reduce", large)
+    per_byte = max(t_large - t_small, 1e-9) / ((large - small) * 4)
+    beta = 2 * (n - 1) / n / per_byte
+    # the latency inside a program, from the collectives a layout's step is made of
+    # (ZeRO-3's parameter all-gathers and gradient reduce-scatters, tp's all-reduces): 16
+    # small ones of each kind in a row, less one program's, per op and rank step
+    alphas = []
+    for kind, steps in (("all_gather", n - 1), ("reduce_scatter", n - 1),
+                        ("all_reduce", 2 * (n - 1))):
+        chained = (collective_seconds(kind, small, chain=17)
+                   - collective_seconds(kind, small))
+        wire = steps / n * small * 4 / beta
+        alphas.append(max(chained / 16 - wire, 1e-7) / steps)
+    return Link(bandwidth=beta, latency=sum(alphas) / len(alphas))

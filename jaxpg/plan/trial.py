@@ -28,6 +28,8 @@ Pipelines and context parallelism are not tried here, nor tensor parallelism wit
 devices are threads of this process: CPU time counts their work and not the other programs
 the machine runs), and reads the compiled step's per-device memory from XLA
 (:class:`CompiledMemory`, from ``memory_analysis()``); :func:`trial_step` returns one figure.
+:func:`compile_trial` keeps a compiled step (:class:`Trial`) so that several layouts can be
+timed in turns.
 The planner's prediction for the same layout is :func:`jaxpg.plan.evaluate`'s.
 """
 
@@ -40,7 +42,8 @@ import time
 from jaxpg.plan.job import Job
 from jaxpg.plan.layout import Layout
 
-__all__ = ["CompiledMemory", "TrialTimes", "trial_memory", "trial_step", "trial_times"]
+__all__ = ["CompiledMemory", "Trial", "TrialTimes", "compile_trial", "trial_memory", "trial_step",
+           "trial_times"]
 
 
 def _init(spec, key, dtype):
@@ -387,11 +390,49 @@ def _check(job: Job, layout: Layout, devices):
     return devices
 
 
+class Trial:
+    """One layout's training step, compiled for the devices with its first arguments placed:
+    what :func:`trial_times` times, kept so that several layouts' steps can be timed in
+    turns (each round one step of each, so that the machine's drift falls on all alike).
+
+    Attributes:
+        memory: the compiled step's memory on one device.
+    """
+
+    def __init__(self, compiled, args) -> None:
+        self._fn = compiled
+        self._params, self._opt, self._tokens = args
+        self.memory = CompiledMemory.of(compiled)
+
+    def step(self) -> tuple[float, float]:
+        """Runs one training step; its wall-clock and CPU seconds (this process's)."""
+        import jax
+
+        begin, begin_cpu = time.perf_counter(), time.process_time()
+        self._params, self._opt = jax.block_until_ready(
+            self._fn(self._params, self._opt, self._tokens))
+        return time.perf_counter() - begin, time.process_time() - begin_cpu
+
+
+def compile_trial(job: Job, layout: Layout, *, devices=None, seed: int = 0) -> Trial:
+    """``job``'s training step under ``layout``, compiled, its arguments on the devices.
+
+    Args:
+        job: the job (its devices are this machine's, ``job.devices`` of them).
+        layout: a layout without pipeline or context parallelism.
+        devices: the devices (default: the first ``job.devices`` local ones).
+        seed: the parameters' and tokens' seed.
+    """
+    devices = _check(job, layout, devices)
+    fn, args = _build(job, layout, devices, seed)
+    return Trial(fn.lower(*args).compile(), args)
+
+
 def trial_times(job: Job, layout: Layout, *, steps: int = 3, devices=None,
                 seed: int = 0) -> TrialTimes:
-    """Runs ``steps`` real training steps of ``job`` (after one warm-up, compiling, step)
-    and times each by wall clock and by this process's CPU time; the step's compiled
-    memory comes with the times.
+    """Runs ``steps`` real training steps of ``job`` (after one warm-up step) and times each
+    by wall clock and by this process's CPU time; the step's compiled memory comes with
+    the times.
 
     Args:
         job: the job (its devices are this machine's, ``job.devices`` of them).
@@ -400,21 +441,12 @@ def trial_times(job: Job, layout: Layout, *, steps: int = 3, devices=None,
         devices: the devices (default: the first ``job.devices`` local ones).
         seed: the parameters' and tokens' seed.
     """
-    import jax
-
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"trial_times: steps={steps!r} must be an int >= 1.")
-    devices = _check(job, layout, devices)
-    fn, (params, opt, tokens) = _build(job, layout, devices, seed)
-    fn = fn.lower(params, opt, tokens).compile()
-    params, opt = jax.block_until_ready(fn(params, opt, tokens))
-    wall, cpu = [], []
-    for _ in range(steps):
-        begin, begin_cpu = time.perf_counter(), time.process_time()
-        params, opt = jax.block_until_ready(fn(params, opt, tokens))
-        wall.append(time.perf_counter() - begin)
-        cpu.append(time.process_time() - begin_cpu)
-    return TrialTimes(tuple(wall), tuple(cpu), CompiledMemory.of(fn))
+    trial = compile_trial(job, layout, devices=devices, seed=seed)
+    trial.step()
+    wall, cpu = zip(*(trial.step() for _ in range(steps)))
+    return TrialTimes(wall, cpu, trial.memory)
 
 
 def trial_memory(job: Job, layout: Layout, *, devices=None, seed: int = 0) -> CompiledMemory:

@@ -59,8 +59,11 @@ def test_async_saves_hold_their_step_while_training_goes_on(world, tmp_path, tra
         assert_trees_close(params, trajectory[step])
         for batch in BATCHES[step:]:  # and trains on to the uninterrupted run's parameters
             back.train_step(loss_fn, batch)
+        # float32 rounding of the 2-rank gradient mean against one device's, amplified by
+        # steps of 0.5 with momentum: up to 1.7e-5 relative (jax 0.12); a lost momentum or
+        # a wrong average moves the parameters by orders of magnitude more
         assert_trees_close(back.full_params() if kind == "fsdp" else back.params,
-                           trajectory[-1])
+                           trajectory[-1], rtol=5e-5, atol=5e-5)
 
 
 def test_async_save_rejects_a_non_bool(world, tmp_path):

@@ -45,3 +45,45 @@ def test_calibrated_prediction_ranks_and_sizes_measured_steps():
     assert measured[0] <= 1.1 * min(measured), measured
     for p, m in zip(predicted, measured):
         assert 1 / 2.5 < p / m < 2.5, (predicted, measured)
+
+
+def test_a_calibrated_link_predicts_an_all_reduce_of_another_size():
+    # the alpha-beta fit from two sizes (4 KiB x devices and 4 MiB) and the chained small
+    # collectives predicts a 1 MiB all-reduce, timed the same way (CPU seconds over the
+    # devices), within a factor 2
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxpg.plan.calibrate import calibrate_link
+    from jaxpg.plan.links import collective_time
+
+    devices = jax.devices()[:4]
+    link = calibrate_link(devices=devices, repeats=3)
+    assert link.bandwidth > 0 and link.latency > 0
+    mesh = Mesh(np.array(devices), ("d",))
+    words = 2**20 // 4
+    x = jax.device_put(jnp.ones((4, words), jnp.float32),
+                       NamedSharding(mesh, PartitionSpec("d")))
+    fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "d") * 0.5, mesh=mesh,
+                               in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d")))
+    jax.block_until_ready(fn(x))
+    samples = []
+    for _ in range(5):
+        begin = time.process_time()
+        jax.block_until_ready(fn(x))
+        samples.append((time.process_time() - begin) / 4)
+    predicted = collective_time("all_reduce", words * 4, 4, link, 1.0)
+    assert 0.5 < predicted / min(samples) < 2.0, (predicted, samples, link)
+
+
+def test_a_link_needs_two_devices():
+    import jax
+
+    from jaxpg.plan.calibrate import calibrate_link
+
+    with pytest.raises(ValueError, match="1 device"):
+        calibrate_link(devices=jax.devices()[:1])
