@@ -5,10 +5,14 @@ The 8 devices of the job are split over N processes (``--devices-per-proc 8 / N`
 the planner sees as N nodes: ``devices_per_node`` is a process's devices, the link between
 processes (gloo over loopback) the ``inter`` link. Every process:
 
-1. calibrates its own devices (:func:`jaxpg.plan.calibrate.calibrate`: the compute rates
-   and the link within a process), and all of them together the link between processes
-   (:func:`jaxpg.plan.calibrate.calibrate_link` over the world's devices); rank 0's
-   profile is every process's;
+1. reads the devices' profile the launching process calibrated on as many of its own
+   devices as a worker has (``--hardware``: compute rates and a kernel's fixed cost, which
+   a process inside a multi-process CPU world measures far above what its steps pay:
+   docs/planner.md, "Across processes"), and measures inside the world the link within a
+   process (:func:`jaxpg.plan.calibrate.calibrate_link` over its own devices, every
+   process at once: such a collective costs more there than in a lone process) and, with
+   the other processes, the link between them (over the world's devices); the first
+   process's figures are every process's;
 2. compiles each layout's training step over the world's devices
    (:func:`jaxpg.plan.trial.compile_trial`) and times them in rounds, one step of each
    layout a round, each process by its own CPU seconds over its devices;
@@ -30,7 +34,8 @@ from _planner_cases import MODELS, MP_LAYOUTS, summary, time_in_rounds
 
 import jaxpg
 from jaxpg.plan import Job, Layout, evaluate
-from jaxpg.plan.calibrate import calibrate, calibrate_link
+from jaxpg.plan.calibrate import calibrate_link
+from jaxpg.plan.hardware import load_hardware
 from jaxpg.plan.trial import compile_trial
 
 
@@ -40,14 +45,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=pathlib.Path, required=True)
+    p.add_argument("--hardware", type=pathlib.Path, required=True,
+                   help="the devices' profile, calibrated by the launching process")
     args = p.parse_args()
     jaxpg.init_process_group()
     local = jax.local_devices()
-    hw = calibrate(devices=local, dtype="fp32", repeats=3, matmul_size=256, stream_mib=8)
+    # the devices' rates come from the launching process (--hardware); both links are
+    # measured here, inside the world (a process's own devices pay more per collective
+    # there than alone), by every process at once, the first process's figures kept
+    hw = load_hardware(args.hardware)
+    intra = calibrate_link(devices=local, repeats=3)
     inter = calibrate_link(devices=jax.devices(), repeats=3)
-    hw = dataclasses.replace(hw, inter=inter, devices_per_node=len(local))
-    # rank 0's profile on every process, so that every process predicts alike
-    hw = jaxpg.broadcast_object_list([hw], src=0, allow_pickle=True)[0]
+    intra, inter = jaxpg.broadcast_object_list([intra, inter], src=0, allow_pickle=True)
+    hw = dataclasses.replace(hw, intra=intra, inter=inter, devices_per_node=len(local))
     model, _ = MODELS[args.model]
     layouts = MP_LAYOUTS[args.model][:4] if args.quick else MP_LAYOUTS[args.model]
     job = Job(model=model, devices=len(jax.devices()), hardware=hw, seq_len=128,

@@ -27,6 +27,10 @@ Each measured layout also records its step's memory on one device as XLA compile
 only that, for both models' layouts, compiling and running nothing else (figures that do
 not depend on the machine's load; store it with ``--configuration memory``).
 
+``--repredict`` prices every stored run's layouts again with the planner as it now is, from
+each run's own calibrated profile, and rewrites their predictions and summaries (the
+measurements are kept): what the docs' tables show after a change to the time model.
+
 Writes ``bench/results/planner.json`` (``--quick``: 4 layouts, under the quick folder). XLA
 compiles at optimization level 0, as in the test suite, to keep the compiles short; the
 calibration and the trials run alike.
@@ -56,7 +60,7 @@ from _results import add_flag, save  # noqa: E402  (bench/ is sys.path[0])
 
 from jaxpg.plan import Job, Layout, evaluate, get_model  # noqa: E402
 from jaxpg.plan.calibrate import calibrate  # noqa: E402
-from jaxpg.plan.hardware import get_hardware  # noqa: E402
+from jaxpg.plan.hardware import Hardware, get_hardware, save_hardware  # noqa: E402
 from jaxpg.plan.published import MEGATRON_TABLE1, megatron_tokens_per_s  # noqa: E402
 from jaxpg.plan.trial import compile_trial, trial_memory  # noqa: E402
 
@@ -124,18 +128,57 @@ def memory_main(out: pathlib.Path, configuration: str | None) -> int:
     return 0
 
 
+def repredict_main(out: pathlib.Path) -> int:
+    """Every stored run's predictions and summary again, under the current time model."""
+    data = json.loads(out.read_text())
+    runs = {"(top level)": data, **data.get("configurations", {})}
+    specs = {model.describe(): model for model, _ in MODELS.values()}
+    for name, run in runs.items():
+        rows = run.get("layouts")
+        if not rows or "predicted_s" not in rows[0] or run.get("model") not in specs:
+            continue
+        job = Job(model=specs[run["model"]], devices=8,
+                  hardware=Hardware.from_dict(run["calibrated"]), seq_len=run["seq_len"],
+                  global_batch=run["global_batch"], dtype="fp32", param_dtype="fp32")
+        before = run["spearman"]
+        for row in rows:
+            est = evaluate(Layout.parse(row["layout"]), job)
+            row["predicted_s"], row["comm_s"] = est.step_s, dict(est.time.comm)
+        run.update(summary(rows))
+        if "spearman_wall" in run:
+            run["spearman_wall"] = spearman([r["predicted_s"] for r in rows],
+                                            [min(r["measured_wall_s"]) for r in rows])
+        print(f"{name:<20} spearman {before:.3f} -> {run['spearman']:.3f}, pick "
+              f"{run['top_pick_over_best_measured']:.3f}, predicted / measured "
+              f"{run['predicted_over_measured']['median']:.2f}")
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def processes_main(args, out: pathlib.Path) -> int:
     """The same validation across ``args.processes`` processes (their devices are the
     planner's nodes), by bench/_planner_mp_worker.py under the launcher."""
     load_before = os.getloadavg()
     began = time.time()
+    import jax
+
+    per_process = 8 // args.processes
+    hw = calibrate(devices=jax.local_devices()[:per_process], dtype="fp32", repeats=3,
+                   matmul_size=256, stream_mib=8)
+    print(f"calibrated on {per_process} devices in {time.time() - began:.0f} s: {hw}",
+          flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows = pathlib.Path(tmp) / "planner_mp.json"
+        profile = save_hardware(hw, pathlib.Path(tmp) / "local.toml")
         launch(pathlib.Path(__file__).parent / "_planner_mp_worker.py",
                ["--model", args.model, "--rounds", args.rounds, "--out", rows,
-                *(["--quick"] if args.quick else [])],
-               nproc=args.processes, launcher_args=["--devices-per-proc", 8 // args.processes],
-               echo=print, expect=[rows])
+                "--hardware", profile, *(["--quick"] if args.quick else [])],
+               nproc=args.processes, launcher_args=["--devices-per-proc", per_process],
+               # unpinned, as the single-process run: pinned to one core each, a process's
+               # simulated devices hand kernels to each other through that core (a kernel's
+               # fixed cost measured about 40 times the single process's)
+               env={"JAXPG_CPU_AFFINITY": "none"}, echo=print, expect=[rows])
         result = json.loads(rows.read_text())
     result["machine"] = {"cpus": os.cpu_count(), "load_before": load_before,
                          "load_after": os.getloadavg(), "python": sys.version.split()[0]}
@@ -162,11 +205,15 @@ def main(argv=None) -> int:
                    help="only predicted against compiled memory, for both models")
     p.add_argument("--processes", type=int, choices=(2, 4),
                    help="the 8 devices split over 2 or 4 processes (bench/_planner_mp_worker.py)")
+    p.add_argument("--repredict", action="store_true",
+                   help="price the stored runs' layouts again with the current planner")
     add_flag(p)
     args = p.parse_args(argv)
     out = args.out or (pathlib.Path(tempfile.gettempdir()) / "jaxpg-bench-quick" /
                        "planner.json" if args.quick else
                        pathlib.Path(__file__).parent / "results" / "planner.json")
+    if args.repredict:
+        return repredict_main(out)
     if args.memory:
         return memory_main(out, args.configuration)
     if args.processes:

@@ -121,3 +121,34 @@ def test_fault_stress_quick_writes_elsewhere():
     assert suite.default_out == "fault_stress.json"
     assert cli.command(suite, ["--quick"])[-2:] == [
         "--out", str(cli.QUICK_RESULTS / "fault_stress.json")]
+
+
+def test_planner_repredict_prices_the_stored_measurements_with_the_current_model(tmp_path):
+    # a stored run from the stored results (its calibrated profile and measured steps), its
+    # predictions spoiled: --repredict must give back the planner's own, measurements kept
+    from jaxpg.plan import Job, Layout, evaluate
+    from jaxpg.plan.hardware import Hardware
+
+    stored = json.loads((ROOT / "bench" / "results" / "planner.json").read_text())
+    run = stored["configurations"]["processes2_moe"]
+    measured = [r["measured_s"] for r in run["layouts"]]
+    for r in run["layouts"]:
+        r["predicted_s"] = 1.0
+    run["spearman"] = 0.0
+    path = tmp_path / "planner.json"
+    path.write_text(json.dumps({"configurations": {"processes2_moe": run}}))
+    subprocess.run([sys.executable, str(ROOT / "bench" / "planner.py"), "--repredict",
+                    "--out", str(path)], cwd=ROOT, capture_output=True, text=True,
+                   timeout=120, check=True)
+    again = json.loads(path.read_text())["configurations"]["processes2_moe"]
+    assert [r["measured_s"] for r in again["layouts"]] == measured
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _planner_cases import MOE, spearman
+
+    job = Job(model=MOE, devices=8, hardware=Hardware.from_dict(run["calibrated"]),
+              seq_len=run["seq_len"], global_batch=run["global_batch"], dtype="fp32",
+              param_dtype="fp32")
+    expect = [evaluate(Layout.parse(r["layout"]), job).step_s for r in again["layouts"]]
+    assert [r["predicted_s"] for r in again["layouts"]] == pytest.approx(expect)
+    assert again["spearman"] == pytest.approx(spearman(expect, measured))
+    assert again["spearman"] != 0.0

@@ -136,6 +136,11 @@ class Hardware:
         out["flops"] = dict(self.flops)
         return out
 
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Hardware:
+        """The profile :meth:`to_dict` wrote (a stored result's ``calibrated``, say)."""
+        return _from_dict(data, str(data.get("name", "a profile")))
+
 
 _NVLINK_A100 = Link(bandwidth=300e9, latency=5e-6)
 _NVLINK_H100 = Link(bandwidth=450e9, latency=4e-6)

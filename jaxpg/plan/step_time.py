@@ -215,15 +215,17 @@ def _actions(job: Job, layout: Layout) -> tuple[_Action, _Action, _Action | None
         link = axis_link(layout, ("dp_shard", "cp"), hw, dpn)
         n = layout.zero_group
         chunk_params = split.total / layout.chunks
-        # one collective per parameter tensor: the latency of all but one comes on top
-        tensors = blocks * (s.block_tensors) - 1
+        # one collective per FSDP unit, as torch's fully_shard per block issues them (and
+        # as XLA's combiners merge a step's per-tensor collectives): the blocks and the
+        # root (embedding, norm, head), the latency of all but one on top
+        units = blocks
         rs = collective_time("reduce_scatter", chunk_params * DTYPE_BYTES[job.grad_dtype], n,
-                             link, eff) + tensors * (n - 1) * link.latency
+                             link, eff) + units * (n - 1) * link.latency
         gather = 0.0
         if layout.zero == 3:
             keep = DTYPE_BYTES[job.dtype]
             gather = collective_time("all_gather", chunk_params * keep, n, link, eff) + (
-                tensors * (n - 1) * link.latency)
+                units * (n - 1) * link.latency)
             f_comm["zero3"] = _prefetched(gather, f_compute, blocks, hw.overlap)
         b_comm[f"zero{layout.zero}"] = _prefetched(gather + rs, b_compute + w_compute,
                                                    blocks, hw.overlap)
@@ -298,8 +300,10 @@ def _after_pipeline(job: Job, layout: Layout, b_last: float) -> dict[str, float]
                                 rlink, eff)
     if sync:
         out["dp"] = tail(sync)
-    if layout.zero in (1, 2) and n > 1:  # the updated working copy back to every rank
-        out["zero_gather"] = collective_time("all_gather", split.total * keep_b, n, link, eff)
+    if layout.zero in (1, 2) and n > 1:  # the updated working copy back to every rank,
+        # one gather per FSDP unit as ZeRO-3's (the compiled steps hold the same gathers)
+        out["zero_gather"] = collective_time("all_gather", split.total * keep_b, n, link,
+                                             eff) + bucket * (n - 1) * link.latency
     return out
 
 

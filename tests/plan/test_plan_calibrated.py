@@ -23,15 +23,22 @@ GPT = TransformerSpec(layers=1, dim=128, heads=8, ffn=512, vocab=256, mlp="gelu"
                       flash_attention=False, tied_embeddings=True)
 
 
-def test_calibrated_prediction_ranks_and_sizes_measured_steps():
-    hw = calibrate(dtype="fp32", repeats=3, matmul_size=128, stream_mib=2)
+def _predicted(layouts):
+    # the bench's calibration sizes: a 128-wide matmul is too short to time its FLOP/s
+    # steadily (13 to 98 GFLOP/s over runs here)
+    hw = calibrate(dtype="fp32", repeats=3, matmul_size=256, stream_mib=8)
     assert hw.overlap is False and hw.devices_per_node == 8
     job = Job(model=GPT, devices=8, hardware=hw, seq_len=64, global_batch=16, dtype="fp32",
               param_dtype="fp32")
-    layouts = [Layout(dp_replicate=8), Layout(dp_replicate=8, remat="full")]
     predicted = [evaluate(lay, job).step_s for lay in layouts]
     # recomputation's extra forward; tensor parallelism's narrow matmuls and all-reduces
     assert predicted[0] < min(predicted[1], evaluate(Layout(tp=8, remat="full"), job).step_s)
+    return job, predicted
+
+
+def test_calibrated_prediction_ranks_and_sizes_measured_steps():
+    layouts = [Layout(dp_replicate=8), Layout(dp_replicate=8, remat="full")]
+    job, predicted = _predicted(layouts)
     # one device's CPU seconds: the fastest step's, all devices' work over their number.
     # The pick within 10% of the best measured (the planner's goal): the two are about 15%
     # apart, which a loaded machine can narrow, so a failed round is measured again (up to
@@ -43,8 +50,14 @@ def test_calibrated_prediction_ranks_and_sizes_measured_steps():
         if measured[0] <= 1.1 * min(measured):
             break
     assert measured[0] <= 1.1 * min(measured), measured
-    for p, m in zip(predicted, measured):
-        assert 1 / 2.5 < p / m < 2.5, (predicted, measured)
+
+    def within(pred):
+        return all(1 / 2.5 < p / m < 2.5 for p, m in zip(pred, measured))
+
+    # the calibration is a measurement too: one that a busy moment skewed is taken again
+    if not within(predicted):
+        _, predicted = _predicted(layouts)
+    assert within(predicted), (predicted, measured)
 
 
 def test_a_calibrated_link_predicts_an_all_reduce_of_another_size():

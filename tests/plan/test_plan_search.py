@@ -124,11 +124,14 @@ def test_time_model_moves_the_right_way():
     fsdp = Layout(dp_shard=8, microbatches=2, zero=3)
     serial = job.replace(hardware=job.hardware.replace(overlap=False))
     assert step_time(serial, fsdp).comm["zero3"] > 3 * step_time(job, fsdp).comm["zero3"]
-    # each parameter tensor is its own collective: 3 per microbatch (2 gathers, 1 scatter)
+    # each FSDP unit (a block, the root) is one collective: 3 per microbatch (2 gathers,
+    # 1 scatter), each paying the latency at each of its 7 ring steps
+    latency = 1e-3
     laggy = serial.replace(hardware=serial.hardware.replace(
-        intra=Link(bandwidth=serial.hardware.intra.bandwidth, latency=1e-3)))
-    tensors = job.model.layers * job.model.block_tensors - 1
-    assert step_time(laggy, fsdp).comm["zero3"] > 3 * 2 * tensors * 7 * 1e-3
+        intra=Link(bandwidth=serial.hardware.intra.bandwidth, latency=latency)))
+    extra = step_time(laggy, fsdp).comm["zero3"] - step_time(serial, fsdp).comm["zero3"]
+    units = job.model.layers + 1
+    assert extra == pytest.approx(3 * 2 * units * 7 * (latency - job.hardware.intra.latency))
 
 
 def test_each_kernel_and_the_gradient_accumulation_are_priced():
