@@ -1,7 +1,10 @@
 """Writes the benchmark page's generated tables from bench/results/*.json.
 
 Run after the benchmarks: ``python bench/report.py`` replaces the text between the
-``<!-- BENCHMARKS -->`` and ``<!-- /BENCHMARKS -->`` markers in docs/benchmarks.md.
+``<!-- BENCHMARKS -->`` and ``<!-- /BENCHMARKS -->`` markers in docs/benchmarks.md, and in
+docs/planner.md each block between ``<!-- planner: RUN -->`` and ``<!-- /planner -->`` with
+that stored run's table of layouts (``RUN``: ``default`` or a configuration of
+bench/results/planner.json).
 """
 
 from __future__ import annotations
@@ -146,6 +149,48 @@ def pipeline_vs_torch() -> list[str]:
     return out + ["", "![pipeline vs torch](../bench/results/pipeline_vs_torch.png)", ""]
 
 
+def _ranks(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0] * len(values)
+    for rank, i in enumerate(order, 1):
+        ranks[i] = rank
+    return ranks
+
+
+def planner_run(name: str) -> list[str]:
+    """One stored planner run's layouts, predicted against measured, and its summary."""
+    data = _load("planner.json") or {}
+    run = data if name == "default" else data.get("configurations", {}).get(name)
+    if not run:
+        return [f"(no planner run {name!r} in bench/results/planner.json)"]
+    rows = run["layouts"]
+    moe = any("ep" in r["comm_s"] for r in rows)
+    out = ["| layout | predicted s | measured CPU s / device | predicted / measured | "
+           "measured wall s |" + (" ep ms |" if moe else "") + " predicted rank | measured "
+           "rank |", "|---|---|---|---|---|" + ("---|" if moe else "") + "---|---|"]
+    predicted = [r["predicted_s"] for r in rows]
+    measured = [r["measured_s"] for r in rows]
+    for r, rp, rm in zip(rows, _ranks(predicted), _ranks(measured)):
+        ep = f" {r['comm_s'].get('ep', 0.0) * 1e3:.1f} |" if moe else ""
+        out.append(f"| `{r['layout']}` | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
+                   f"{r['predicted_s'] / r['measured_s']:.2f} | "
+                   f"{min(r['measured_wall_s']):.3f} |{ep} {rp} | {rm} |")
+    ratio = run["predicted_over_measured"]
+    where = "the default run" if name == "default" else f"`configurations.{name}`"
+    return out + ["", f"Spearman {run['spearman']:.2f}; the pick (`{run['top_pick']}`) at "
+                  f"{run['top_pick_over_best_measured']:.2f}x the best measured; predicted / "
+                  f"measured {ratio['median']:.2f} (median, {ratio['min']:.2f} to "
+                  f"{ratio['max']:.2f}); {where} of `bench/results/planner.json`."]
+
+
+def fill_planner(text: str) -> str:
+    """``text`` with each ``<!-- planner: RUN -->`` block holding that run's table."""
+    return re.sub(r"<!-- planner: (\S+) -->\n.*?<!-- /planner -->",
+                  lambda m: (f"<!-- planner: {m.group(1)} -->\n"
+                             + "\n".join(planner_run(m.group(1))) + "\n<!-- /planner -->"),
+                  text, flags=re.S)
+
+
 def main() -> None:
     body = "\n".join(collectives() + collectives_mp() + ddp() + pipeline()
                      + pipeline_vs_torch())
@@ -156,6 +201,8 @@ def main() -> None:
                   count=1, flags=re.S)
     page.write_text(text)
     print(body)
+    planner = ROOT / "docs" / "planner.md"
+    planner.write_text(fill_planner(planner.read_text()))
 
 
 if __name__ == "__main__":

@@ -152,3 +152,17 @@ def test_planner_repredict_prices_the_stored_measurements_with_the_current_model
     assert [r["predicted_s"] for r in again["layouts"]] == pytest.approx(expect)
     assert again["spearman"] == pytest.approx(spearman(expect, measured))
     assert again["spearman"] != 0.0
+
+
+def test_the_planner_page_s_tables_are_the_stored_results():
+    # docs/planner.md's layout tables are report.py's, from bench/results/planner.json: a
+    # page edited by hand, or results stored without running report.py, fails here
+    sys.path.insert(0, str(ROOT / "bench"))
+    rspec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
+    report = importlib.util.module_from_spec(rspec)
+    rspec.loader.exec_module(report)
+    page = (ROOT / "docs" / "planner.md").read_text()
+    blocks = page.count("<!-- planner: ")
+    assert blocks >= 3 and page.count("<!-- /planner -->") == blocks
+    assert report.fill_planner(page) == page, "run: python bench/report.py"
+    assert "(no planner run" not in page

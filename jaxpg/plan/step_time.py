@@ -215,9 +215,10 @@ def _actions(job: Job, layout: Layout) -> tuple[_Action, _Action, _Action | None
         link = axis_link(layout, ("dp_shard", "cp"), hw, dpn)
         n = layout.zero_group
         chunk_params = split.total / layout.chunks
-        # one collective per FSDP unit, as torch's fully_shard per block issues them (and
-        # as XLA's combiners merge a step's per-tensor collectives): the blocks and the
-        # root (embedding, norm, head), the latency of all but one on top
+        # one collective per FSDP unit, as torch's fully_shard per block issues them and
+        # XLA's GPU and TPU combiners merge per-tensor ones (XLA:CPU does not: it issues
+        # one per tensor, docs/planner.md): the blocks and the root (embedding, norm,
+        # head), the latency of all but one on top
         units = blocks
         rs = collective_time("reduce_scatter", chunk_params * DTYPE_BYTES[job.grad_dtype], n,
                              link, eff) + units * (n - 1) * link.latency
@@ -292,16 +293,19 @@ def _after_pipeline(job: Job, layout: Layout, b_last: float) -> dict[str, float]
     n = layout.zero_group
     link = axis_link(layout, ("dp_shard", "cp"), hw, dpn)
     sync = 0.0
-    if layout.zero == 1 and n > 1:
-        sync += collective_time("reduce_scatter", split.total * grad_b, n, link, eff)
-    if layout.dp_replicate > 1:  # HSDP: the shards' replicas all-reduce
+    if layout.zero == 1 and n_all > 1:  # ZeRO-1 all-reduces the whole gradient, as torch's
+        # ZeroRedundancyOptimizer under DDP and jaxpg's stage 1 do; each rank then updates
+        # its shard (ZeRO-2 reduce-scatters instead: priced with the backward)
+        alink = axis_link(layout, ("dp_replicate", "dp_shard", "cp"), hw, dpn)
+        sync += collective_time("all_reduce", split.total * grad_b, n_all, alink, eff)
+    elif layout.dp_replicate > 1:  # HSDP: the shards' replicas all-reduce
         rlink = axis_link(layout, ("dp_replicate",), hw, dpn)
         sync += collective_time("all_reduce", split.total / n * grad_b, layout.dp_replicate,
                                 rlink, eff)
     if sync:
         out["dp"] = tail(sync)
     if layout.zero in (1, 2) and n > 1:  # the updated working copy back to every rank,
-        # one gather per FSDP unit as ZeRO-3's (the compiled steps hold the same gathers)
+        # one gather per FSDP unit, as ZeRO-3's
         out["zero_gather"] = collective_time("all_gather", split.total * keep_b, n, link,
                                              eff) + bucket * (n - 1) * link.latency
     return out

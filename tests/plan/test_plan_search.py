@@ -21,6 +21,7 @@ from jaxpg.plan import (
 )
 from jaxpg.plan.cli import main
 from jaxpg.plan.hardware import Link, get_hardware
+from jaxpg.plan.job import DTYPE_BYTES
 from jaxpg.plan.links import collective_time, span
 from jaxpg.plan.memory import param_split
 from jaxpg.plan.step_time import _makespan, block_kernels
@@ -132,6 +133,24 @@ def test_time_model_moves_the_right_way():
     extra = step_time(laggy, fsdp).comm["zero3"] - step_time(serial, fsdp).comm["zero3"]
     units = job.model.layers + 1
     assert extra == pytest.approx(3 * 2 * units * 7 * (latency - job.hardware.intra.latency))
+
+
+def test_each_zero_stage_prices_the_collectives_its_step_runs():
+    # ZeRO-1 all-reduces the whole gradient as DDP does (jaxpg's stage 1, torch's
+    # ZeroRedundancyOptimizer), then gathers the updated parameters back; ZeRO-2 reduce-
+    # scatters the gradients with the backward instead
+    job = _job(devices=8, global_batch=16)
+    job = job.replace(hardware=job.hardware.replace(overlap=False))  # every second exposed
+    hw = job.hardware
+    ddp = step_time(job, Layout(dp_replicate=8)).comm
+    zero1 = step_time(job, Layout(dp_shard=8, zero=1)).comm
+    zero2 = step_time(job, Layout(dp_shard=8, zero=2)).comm
+    nbytes = param_split(job, Layout(dp_shard=8, zero=1)).total * DTYPE_BYTES[job.grad_dtype]
+    assert zero1["dp"] == pytest.approx(ddp["dp"])
+    assert zero1["dp"] == pytest.approx(collective_time("all_reduce", nbytes, 8, hw.intra,
+                                                        hw.collective_efficiency))
+    assert "dp" not in zero2 and zero2["zero2"] > 0
+    assert zero1["zero_gather"] == pytest.approx(zero2["zero_gather"])
 
 
 def test_each_kernel_and_the_gradient_accumulation_are_priced():
