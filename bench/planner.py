@@ -128,11 +128,33 @@ def memory_main(out: pathlib.Path, configuration: str | None) -> int:
     return 0
 
 
+def repredict_memory(run: dict) -> None:
+    """A stored ``--memory`` run's predictions again, against its compiled figures."""
+    for name, stored in run["models"].items():
+        model = MODELS[name][0]
+        job = Job(model=model, devices=8, hardware=get_hardware("h100-80gb"),
+                  seq_len=run["seq_len"], global_batch=run["global_batch"], dtype="fp32",
+                  param_dtype="fp32")
+        for row in stored["layouts"]:
+            est = evaluate(Layout.parse(row["layout"]), job)
+            row["predicted_mib"] = {k: v * 1024 for k, v in est.memory.as_gib().items()}
+            row["predicted_over_compiled"] = est.memory.total / (
+                row["compiled_mib"]["peak"] * MIB)
+        ratios = [r["predicted_over_compiled"] for r in stored["layouts"]]
+        stored["predicted_over_compiled"] = {"median": float(np.median(ratios)),
+                                             "min": min(ratios), "max": max(ratios)}
+        print(f"memory {name:<13} predicted / compiled {np.median(ratios):.2f} (median, "
+              f"{min(ratios):.2f} to {max(ratios):.2f})")
+
+
 def repredict_main(out: pathlib.Path) -> int:
     """Every stored run's predictions and summary again, under the current time model."""
     data = json.loads(out.read_text())
     runs = {"(top level)": data, **data.get("configurations", {})}
     specs = {model.describe(): model for model, _ in MODELS.values()}
+    memory_run = data.get("configurations", {}).get("memory")
+    if memory_run:
+        repredict_memory(memory_run)
     for name, run in runs.items():
         rows = run.get("layouts")
         if not rows or "predicted_s" not in rows[0] or run.get("model") not in specs:

@@ -4,7 +4,8 @@ Run after the benchmarks: ``python bench/report.py`` replaces the text between t
 ``<!-- BENCHMARKS -->`` and ``<!-- /BENCHMARKS -->`` markers in docs/benchmarks.md, and in
 docs/planner.md each block between ``<!-- planner: RUN -->`` and ``<!-- /planner -->`` with
 that stored run's table of layouts (``RUN``: ``default`` or a configuration of
-bench/results/planner.json).
+bench/results/planner.json), and each ``<!-- planner-memory: MODEL -->`` block with the
+stored ``--memory`` run's table for that model.
 """
 
 from __future__ import annotations
@@ -183,12 +184,37 @@ def planner_run(name: str) -> list[str]:
                   f"{ratio['max']:.2f}); {where} of `bench/results/planner.json`."]
 
 
+def planner_memory(model: str) -> list[str]:
+    """The stored ``--memory`` run's table for ``model``: predicted against compiled MiB."""
+    data = _load("planner.json") or {}
+    run = data.get("configurations", {}).get("memory", {}).get("models", {}).get(model)
+    if not run:
+        return [f"(no planner memory run for {model!r} in bench/results/planner.json)"]
+    out = ["| layout | predicted state | predicted activations + temporaries | predicted total "
+           "| compiled state (arguments) | compiled temporaries | compiled peak | predicted / "
+           "compiled |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in run["layouts"]:
+        p, c = r["predicted_mib"], r["compiled_mib"]
+        state = p["params"] + p["grads"] + p["optimizer"]
+        out.append(f"| {r['layout']} | {state:.2f} | {p['activations'] + p['temporaries']:.2f} "
+                   f"| {p['total']:.2f} | {c['arguments']:.2f} | {c['temporaries']:.2f} | "
+                   f"{c['peak']:.2f} | {r['predicted_over_compiled']:.2f} |")
+    ratio = run["predicted_over_compiled"]
+    return out + ["", f"Predicted / compiled: median {ratio['median']:.2f}, {ratio['min']:.2f} "
+                  f"to {ratio['max']:.2f} (`configurations.memory` of "
+                  "`bench/results/planner.json`)."]
+
+
 def fill_planner(text: str) -> str:
     """``text`` with each ``<!-- planner: RUN -->`` block holding that run's table."""
-    return re.sub(r"<!-- planner: (\S+) -->\n.*?<!-- /planner -->",
+    text = re.sub(r"<!-- planner: (\S+) -->\n.*?<!-- /planner -->",
                   lambda m: (f"<!-- planner: {m.group(1)} -->\n"
                              + "\n".join(planner_run(m.group(1))) + "\n<!-- /planner -->"),
                   text, flags=re.S)
+    return re.sub(r"<!-- planner-memory: (\S+) -->\n.*?<!-- /planner-memory -->",
+                  lambda m: (f"<!-- planner-memory: {m.group(1)} -->\n"
+                             + "\n".join(planner_memory(m.group(1)))
+                             + "\n<!-- /planner-memory -->"), text, flags=re.S)
 
 
 def main() -> None:

@@ -36,9 +36,12 @@ def attention_core_bytes(spec, *, tokens: float, seq_len: int, tp: int, act: int
     return scores * act  # the softmax output
 
 
-def block_parts(spec, *, moe: bool, tokens: float, seq_len: int, tp: int, act: int
-                ) -> tuple[float, float, float]:
+def block_parts(spec, *, moe: bool, tokens: float, seq_len: int, tp: int, act: int,
+                expert_rows: float | None = None) -> tuple[float, float, float]:
     """One block's saved bytes as (outside tp, inside tp, attention core), per device.
+
+    ``expert_rows``: the rows an MoE block's experts run on (a dispatch buffer's, padded
+    past the routed ones); None: the routed ``tokens · top_k``.
 
     "Outside" are the tensors tensor parallelism leaves whole (norm inputs, the inputs of the
     column-parallel matmuls, dropout masks after the row-parallel ones): sequence parallelism
@@ -55,9 +58,11 @@ def block_parts(spec, *, moe: bool, tokens: float, seq_len: int, tp: int, act: i
     per_ffn = 3 if spec.mlp == "swiglu" else 2                  # gate, up, product | in, out
     if moe:
         routed = tokens * spec.top_k
-        inside_mlp = ((routed + tokens * spec.shared_experts) * per_ffn * act
+        rows = routed if expert_rows is None else expert_rows
+        inside_mlp = ((rows + tokens * spec.shared_experts) * per_ffn * act
                       * spec.expert_ffn / tp)
-        inside_mlp += routed * 2 * act * h / tp + tokens * spec.experts * 4 / tp  # dispatch
+        # the experts' inputs, the routed outputs the combine weighs, the router's scores
+        inside_mlp += (rows + routed) * act * h / tp + tokens * spec.experts * 4 / tp
     else:
         inside_mlp = tokens * per_ffn * act * spec.ffn / tp
     core = attention_core_bytes(spec, tokens=tokens, seq_len=seq_len, tp=tp, act=act)
@@ -65,7 +70,8 @@ def block_parts(spec, *, moe: bool, tokens: float, seq_len: int, tp: int, act: i
 
 
 def block_activation_bytes(spec, *, moe: bool, tokens: float, seq_len: int, tp: int,
-                           sp: bool, remat: str, act: int = 2) -> float:
+                           sp: bool, remat: str, act: int = 2,
+                           expert_rows: float | None = None) -> float:
     """The bytes one block saves for its backward on one device.
 
     Args:
@@ -77,9 +83,10 @@ def block_activation_bytes(spec, *, moe: bool, tokens: float, seq_len: int, tp: 
         sp: sequence parallelism (splits the "outside" tensors over tp).
         remat: ``"none"``, ``"selective"`` or ``"full"``.
         act: bytes per activation element.
+        expert_rows: the rows an MoE block's experts run on (see :func:`block_parts`).
     """
     outside, inside, core = block_parts(spec, moe=moe, tokens=tokens, seq_len=seq_len, tp=tp,
-                                        act=act)
+                                        act=act, expert_rows=expert_rows)
     if sp:
         outside /= tp
     if remat == "full":

@@ -29,7 +29,8 @@ from jaxpg.plan.activations import attention_core_bytes, block_activation_bytes
 from jaxpg.plan.job import DTYPE_BYTES, Job
 from jaxpg.plan.layout import Layout
 
-__all__ = ["Memory", "ParamSplit", "in_flight_chunks", "memory", "param_split", "timetable"]
+__all__ = ["Memory", "ParamSplit", "in_flight_chunks", "memory", "moe_buffer_rows", "param_split",
+           "timetable"]
 
 GIB = 2.0**30
 
@@ -135,11 +136,35 @@ def microbatch_size(job: Job, layout: Layout) -> float:
     return job.global_batch / (layout.dp * layout.microbatches)
 
 
-def block_bytes(job: Job, layout: Layout, remat: str, *, moe: bool) -> float:
-    """One block's saved activation bytes per microbatch on one device."""
+def moe_buffer_rows(job: Job, layout: Layout, tokens: float) -> tuple[float, float]:
+    """``(grouped, per_pair)``: the rows of the buffer one MoE block's experts run on, and
+    of each pair's part of the exchange's buffers, for ``tokens`` tokens on a device, as
+    :func:`jaxpg.expert_parallel.moe` sizes them (its static shapes, dropless).
+
+    The experts' buffer holds the worst case, ``ep · tokens · min(top_k, E / ep)`` rows;
+    the exchange first tries ``ceil(1.25 · tokens · top_k / ep)`` rows per pair (the
+    worst case's ``tokens · min(top_k, E / ep)`` where that is not smaller, and at ep = 1),
+    the rule of ``jaxpg.expert_parallel.dispatch.first_try_rows`` at ``moe``'s default
+    ``buffer_factor``. It is written here rather than imported, because that module needs jax,
+    and the planner plans specs without it. ``tests/plan/test_plan_trial.py`` reads both
+    sizes back from a trial step's program.
+    """
+    s = job.model
+    worst = tokens * min(s.top_k, s.experts // layout.ep)
+    first = -(-1.25 * tokens * s.top_k // layout.ep)
+    return layout.ep * worst, (first if layout.ep > 1 and first < worst else worst)
+
+
+def block_bytes(job: Job, layout: Layout, remat: str, *, moe: bool,
+                buffers: bool = True) -> float:
+    """One block's saved activation bytes per microbatch on one device; an MoE block's
+    experts on the rows of their dispatch buffer (:func:`moe_buffer_rows`), or with
+    ``buffers=False`` on the routed ``tokens · top_k`` only."""
     tokens = microbatch_size(job, layout) * job.seq_len / layout.cp
+    rows = moe_buffer_rows(job, layout, tokens)[0] if moe and buffers else None
     return block_activation_bytes(job.model, moe=moe, tokens=tokens, seq_len=job.seq_len,
-                                  tp=layout.tp, sp=layout.sp, remat=remat, act=job.act_bytes)
+                                  tp=layout.tp, sp=layout.sp, remat=remat, act=job.act_bytes,
+                                  expert_rows=rows)
 
 
 def _mean_block_bytes(job: Job, layout: Layout, remat: str, moe_fraction: float) -> float:

@@ -48,9 +48,15 @@ import functools
 from jaxpg.plan.job import DTYPE_BYTES, Job
 from jaxpg.plan.layout import Layout
 from jaxpg.plan.links import axis_link, collective_time
-from jaxpg.plan.memory import block_bytes, microbatch_size, param_split, timetable
+from jaxpg.plan.memory import (
+    block_bytes,
+    microbatch_size,
+    moe_buffer_rows,
+    param_split,
+    timetable,
+)
 
-__all__ = ["StepTime", "block_kernels", "moe_buffer_bytes", "moe_buffer_rows", "step_time"]
+__all__ = ["StepTime", "block_kernels", "moe_buffer_bytes", "step_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,25 +98,6 @@ def block_kernels(spec, *, moe: bool) -> int:
     return 2 * matmuls + 2 * 2 + 4 + (6 if moe else 0)
 
 
-def moe_buffer_rows(job: Job, layout: Layout, tokens: float) -> tuple[float, float]:
-    """``(grouped, per_pair)``: the rows of the buffer one MoE block's experts run on, and
-    of each pair's part of the exchange's buffers, for ``tokens`` tokens on a device, as
-    :func:`jaxpg.expert_parallel.moe` sizes them (its static shapes, dropless).
-
-    The experts' buffer holds the worst case, ``ep · tokens · min(top_k, E / ep)`` rows;
-    the exchange first tries ``ceil(1.25 · tokens · top_k / ep)`` rows per pair (the
-    worst case's ``tokens · min(top_k, E / ep)`` where that is not smaller, and at ep = 1),
-    the rule of ``jaxpg.expert_parallel.dispatch.first_try_rows`` at ``moe``'s default
-    ``buffer_factor``. It is written here rather than imported, because that module needs jax,
-    and the planner plans specs without it. ``tests/plan/test_plan_trial.py`` reads both
-    sizes back from a trial step's program.
-    """
-    s = job.model
-    worst = tokens * min(s.top_k, s.experts // layout.ep)
-    first = -(-1.25 * tokens * s.top_k // layout.ep)
-    return layout.ep * worst, (first if layout.ep > 1 and first < worst else worst)
-
-
 def moe_buffer_bytes(job: Job, layout: Layout, tokens: float) -> float:
     """HBM bytes one MoE block's forward moves through the dispatch buffers
     (:func:`moe_buffer_rows`) beyond its tokens' own activations: the experts' buffer's
@@ -139,8 +126,9 @@ def _block_compute(job: Job, layout: Layout, *, moe: bool) -> tuple[float, float
     if s.flash_attention:
         attn_flops *= 0.5  # causal: the fused kernel skips the masked blocks
     attn = attn_flops / rate
-    saved = block_bytes(job, layout, "none", moe=moe)
-    core_saved = saved - block_bytes(job, layout, "selective", moe=moe)
+    # the tokens' own activations (the buffers' rows past them: moe_buffer_bytes)
+    saved = block_bytes(job, layout, "none", moe=moe, buffers=False)
+    core_saved = saved - block_bytes(job, layout, "selective", moe=moe, buffers=False)
     traffic = (2.0 * saved + (moe_buffer_bytes(job, layout, tokens) if moe else 0.0)
                ) / hw.hbm_bandwidth
     core = attn + 2.0 * core_saved / hw.hbm_bandwidth

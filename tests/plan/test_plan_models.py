@@ -135,3 +135,24 @@ def test_hardware_round_trips_through_toml(tmp_path):
     (tmp_path / "bad.toml").write_text('name = "x"\nhbm_bytes = 1e9\n')
     with pytest.raises(ValueError, match="bad.toml"):
         load_hardware(tmp_path / "bad.toml")
+
+
+def test_an_moe_block_s_experts_are_counted_on_their_dispatch_buffer_s_rows():
+    # jaxpg's moe runs the experts on a buffer of ep * tokens * min(top_k, E / ep) rows:
+    # each row past the routed tokens * top_k keeps the experts' input (dim) and hidden
+    # layer (two ffn-wide tensors for GeLU) for the backward
+    from jaxpg.plan.memory import block_bytes, microbatch_size
+
+    spec = TransformerSpec(layers=2, dim=128, heads=8, ffn=512, vocab=512, mlp="gelu",
+                           experts=8, top_k=2, expert_ffn=256, flash_attention=False)
+    job = Job(model=spec, devices=8, hardware="h100-80gb", seq_len=128, global_batch=16,
+              dtype="fp32", param_dtype="fp32")
+    for ep, factor in [(1, 2), (2, 4), (4, 8), (8, 8)]:
+        layout = Layout(dp_shard=8, ep=ep, zero=1)
+        tokens = microbatch_size(job, layout) * job.seq_len
+        padded = (factor - spec.top_k) * tokens
+        extra = (block_bytes(job, layout, "none", moe=True)
+                 - block_bytes(job, layout, "none", moe=True, buffers=False))
+        assert extra == pytest.approx(padded * (2 * spec.expert_ffn + spec.dim) * 4), ep
+    small, large = (memory(job, Layout(dp_shard=8, ep=ep, zero=1)) for ep in (1, 4))
+    assert large.activations > small.activations

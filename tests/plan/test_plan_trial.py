@@ -105,8 +105,7 @@ def test_the_planners_moe_buffers_are_the_layers(world, ep):
     import re
 
     from jaxpg.expert_parallel.grouped_matmul import TILE_ROWS
-    from jaxpg.plan.memory import microbatch_size
-    from jaxpg.plan.step_time import moe_buffer_rows
+    from jaxpg.plan.memory import microbatch_size, moe_buffer_rows
 
     layout = Layout(dp_shard=8, ep=ep, zero=1)
     job = Job(model=WIDE_MOE, devices=8, hardware=get_hardware("h100-80gb"), seq_len=8,
