@@ -59,7 +59,7 @@ from _planner_cases import MODELS, spearman, summary, time_in_rounds  # noqa: E4
 from _results import add_flag, save  # noqa: E402  (bench/ is sys.path[0])
 
 from jaxpg.plan import Job, Layout, evaluate, get_model  # noqa: E402
-from jaxpg.plan.calibrate import calibrate  # noqa: E402
+from jaxpg.plan.calibrate import calibrate, collectives_per_tensor  # noqa: E402
 from jaxpg.plan.hardware import Hardware, get_hardware, save_hardware  # noqa: E402
 from jaxpg.plan.published import MEGATRON_TABLE1, megatron_tokens_per_s  # noqa: E402
 from jaxpg.plan.trial import compile_trial, trial_memory  # noqa: E402
@@ -155,10 +155,16 @@ def repredict_main(out: pathlib.Path) -> int:
     memory_run = data.get("configurations", {}).get("memory")
     if memory_run:
         repredict_memory(memory_run)
+    per_tensor = None
     for name, run in runs.items():
         rows = run.get("layouts")
         if not rows or "predicted_s" not in rows[0] or run.get("model") not in specs:
             continue
+        if "per_tensor_collectives" not in run["calibrated"]:  # a profile stored before
+            # the field: what this machine's XLA does (every stored run is XLA:CPU's)
+            if per_tensor is None:
+                per_tensor = collectives_per_tensor()
+            run["calibrated"]["per_tensor_collectives"] = per_tensor
         job = Job(model=specs[run["model"]], devices=8,
                   hardware=Hardware.from_dict(run["calibrated"]), seq_len=run["seq_len"],
                   global_batch=run["global_batch"], dtype="fp32", param_dtype="fp32")

@@ -15,7 +15,9 @@ It times, on every local device at once (what a layout's devices do in a step):
   ``collective_efficiency`` 1 for the same reason; and, for each kind a step is made of
   (all-gather, reduce-scatter, all-reduce), 16 small ones in a row in one program: the
   link's latency (what each collective of a program pays, not a program's launch);
-* on CPU devices, ``overlap=False``: XLA:CPU runs one operation at a time.
+* on CPU devices, ``overlap=False``: XLA:CPU runs one operation at a time;
+* whether the compiler merges two parameters' all-gathers into one
+  (:func:`collectives_per_tensor`, read from a compiled program, not timed).
 
 The clock depends on the devices. GPU and TPU devices are each their own hardware: they are
 timed by wall clock, each rate is one device's. Simulated CPU devices
@@ -37,7 +39,7 @@ import time
 
 from jaxpg.plan.hardware import Hardware, Link
 
-__all__ = ["calibrate", "calibrate_link"]
+__all__ = ["calibrate", "calibrate_link", "collectives_per_tensor"]
 
 
 def _best_seconds(fn, *args, repeats: int, cpu: bool) -> float:
@@ -145,7 +147,39 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
     return Hardware(name=name, flops={dtype: flops}, hbm_bytes=_host_bytes() / n,
                     hbm_bandwidth=bandwidth, intra=link, inter=link, devices_per_node=n,
                     matmul_efficiency=1.0, collective_efficiency=1.0,
-                    matmul_half_width=half_width, overlap=not cpu, op_overhead=op_overhead)
+                    matmul_half_width=half_width, overlap=not cpu, op_overhead=op_overhead,
+                    per_tensor_collectives=collectives_per_tensor(devices=devices))
+
+
+def collectives_per_tensor(*, devices=None) -> bool:
+    """Whether XLA leaves one all-gather per parameter on ``devices``: compiles a program
+    that gathers two independent parameters sharded over them (as FSDP gathers a unit's)
+    and counts the all-gathers in it. XLA:CPU keeps both; XLA's GPU and TPU combiners
+    merge them into one. False on one device (nothing to gather).
+    """
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = list(devices or jax.local_devices())
+    if len(devices) < 2:
+        return False
+    mesh = Mesh(np.array(devices), ("d",))
+    split, whole = NamedSharding(mesh, PartitionSpec("d")), NamedSharding(mesh, PartitionSpec())
+    rows = 8 * len(devices)
+
+    def use(a, b, x):
+        a, b = (jax.lax.with_sharding_constraint(w, whole) for w in (a, b))
+        return (x @ a) @ b
+
+    w = jax.ShapeDtypeStruct((rows, rows), jnp.float32, sharding=split)
+    x = jax.ShapeDtypeStruct((4, rows), jnp.float32, sharding=whole)
+    text = jax.jit(use, out_shardings=whole).lower(w, w, x).compile().as_text()
+    # the instructions (an op, or an async op's start), not their names or uses
+    return len(re.findall(r"\sall-gather(?:-start)?\(", text)) > 1
 
 
 def calibrate_link(*, devices=None, repeats: int = 5) -> Link:

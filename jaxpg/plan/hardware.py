@@ -75,6 +75,11 @@ class Hardware:
         op_overhead: seconds each operation (kernel) of a program costs beyond its work
             (its dispatch and launch). 0 (the presets): not modelled; ``calibrate()``
             measures it.
+        per_tensor_collectives: whether the compiler leaves FSDP/ZeRO's collectives one
+            per parameter tensor (XLA:CPU), each paying the link's latency, rather than
+            merging them into one per FSDP unit (XLA's GPU and TPU combiners, as torch's
+            ``fully_shard`` issues them). False on the presets; ``calibrate()`` reads it
+            from a compiled program (:func:`jaxpg.plan.calibrate.collectives_per_tensor`).
     """
 
     name: str
@@ -90,6 +95,7 @@ class Hardware:
     matmul_half_width: float = 0.0
     overlap: bool = True
     op_overhead: float = 0.0
+    per_tensor_collectives: bool = False
 
     def __post_init__(self) -> None:
         if not self.flops or any(not v > 0 for v in self.flops.values()):
@@ -184,8 +190,9 @@ def _from_dict(data: Mapping, where: str) -> Hardware:
             if key in fields:
                 fields[key] = float(fields[key])
         fields.setdefault("name", pathlib.Path(where).stem)
-        if "overlap" in fields:
-            fields["overlap"] = bool(fields["overlap"])
+        for key in ("overlap", "per_tensor_collectives"):
+            if key in fields:
+                fields[key] = bool(fields[key])
         return Hardware(**fields)
     except (KeyError, TypeError) as error:
         raise ValueError(

@@ -203,11 +203,7 @@ def _actions(job: Job, layout: Layout) -> tuple[_Action, _Action, _Action | None
         link = axis_link(layout, ("dp_shard", "cp"), hw, dpn)
         n = layout.zero_group
         chunk_params = split.total / layout.chunks
-        # one collective per FSDP unit, as torch's fully_shard per block issues them and
-        # XLA's GPU and TPU combiners merge per-tensor ones (XLA:CPU does not: it issues
-        # one per tensor, docs/planner.md): the blocks and the root (embedding, norm,
-        # head), the latency of all but one on top
-        units = blocks
+        units = _sharded_collectives(job, blocks) - 1  # the latency of all but one on top
         rs = collective_time("reduce_scatter", chunk_params * DTYPE_BYTES[job.grad_dtype], n,
                              link, eff) + units * (n - 1) * link.latency
         gather = 0.0
@@ -259,6 +255,18 @@ def _makespan(schedule: str, pp: int, m: int, chunks: int, b: float, w: float
     return makespan, work
 
 
+def _sharded_collectives(job: Job, blocks: float) -> float:
+    """The collectives one FSDP/ZeRO pass (a gather or a reduce-scatter) over ``blocks``
+    blocks and the root (embedding, final norm, head) issues: one per FSDP unit, as torch's
+    ``fully_shard`` issues them and XLA's GPU and TPU combiners merge per-tensor ones, or,
+    where the compiler leaves them apart (``Hardware.per_tensor_collectives``: XLA:CPU),
+    one per parameter tensor."""
+    if job.hardware.per_tensor_collectives:
+        root = 2 if job.model.tied_embeddings else 3
+        return blocks * job.model.block_tensors + root
+    return blocks + 1
+
+
 def _after_pipeline(job: Job, layout: Layout, b_last: float) -> dict[str, float]:
     """Exposed seconds of the data-parallel synchronisation at the step's end."""
     hw, dpn, eff = job.hardware, job.devices_per_node, job.hardware.collective_efficiency
@@ -292,10 +300,10 @@ def _after_pipeline(job: Job, layout: Layout, b_last: float) -> dict[str, float]
                                 rlink, eff)
     if sync:
         out["dp"] = tail(sync)
-    if layout.zero in (1, 2) and n > 1:  # the updated working copy back to every rank,
-        # one gather per FSDP unit, as ZeRO-3's
+    if layout.zero in (1, 2) and n > 1:  # the updated working copy back to every rank
         out["zero_gather"] = collective_time("all_gather", split.total * keep_b, n, link,
-                                             eff) + bucket * (n - 1) * link.latency
+                                             eff) + (_sharded_collectives(job, bucket) - 1) * (
+            n - 1) * link.latency
     return out
 
 

@@ -153,3 +153,27 @@ def test_a_trials_compiled_memory_holds_its_state_as_the_shardings_place_it(layo
     assert memory.temporaries > 0
     assert memory.peak == memory.arguments + memory.outputs - state + memory.temporaries
     assert trial_times(job, layout, steps=1).memory == memory
+
+
+def test_the_profile_s_collective_count_is_the_compiled_fsdp_step_s():
+    # calibrate()'s reading of the compiler (two parameters' gathers kept apart or merged)
+    # against the gathers of a ZeRO-3 trial step as XLA compiles it: one per parameter
+    # tensor where it keeps them apart, at most one per FSDP unit where it merges them
+    import re
+
+    from jaxpg.plan.calibrate import collectives_per_tensor
+    from jaxpg.plan.trial import compile_trial
+
+    spec = TransformerSpec(layers=2, dim=32, heads=4, ffn=64, vocab=64, mlp="gelu",
+                           flash_attention=False, tied_embeddings=True)
+    job = Job(model=spec, devices=8, hardware=get_hardware("h100-80gb"), seq_len=16,
+              global_batch=16, dtype="fp32", param_dtype="fp32")
+    text = compile_trial(job, Layout(dp_shard=8, zero=3))._fn.as_text()
+    gathers = len(re.findall(r"\sall-gather(?:-start)?\(", text))
+    units = spec.layers + 1
+    if collectives_per_tensor(devices=jax.devices()[:8]):
+        # each block's matrices (q, k, v, o and the MLP's two) and the embedding, at least
+        assert gathers >= spec.layers * 6 + 1, gathers
+    else:
+        assert gathers <= units, gathers
+    assert collectives_per_tensor(devices=jax.devices()[:1]) is False
