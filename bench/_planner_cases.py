@@ -49,16 +49,22 @@ MP_LAYOUTS = {name: [text for text in layouts
               for name, (_, layouts) in MODELS.items()}
 
 
-def _ranks(values):
-    order = np.argsort(values, kind="stable")
-    ranks = np.empty(len(values))
-    ranks[order] = np.arange(len(values))
-    return ranks
+def ranks(values) -> list[int]:
+    """Each value's rank, 1 for the smallest (ties in order of appearance)."""
+    order = np.argsort(np.asarray(values), kind="stable")
+    out = np.empty(len(values), dtype=int)
+    out[order] = np.arange(1, len(values) + 1)
+    return out.tolist()
+
+
+def spread(values) -> dict:
+    """The median, least and most of ``values``."""
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
 
 
 def spearman(a, b) -> float:
     """Spearman's rank correlation (no ties expected)."""
-    ra, rb = _ranks(np.asarray(a)), _ranks(np.asarray(b))
+    ra, rb = ranks(a), ranks(b)
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
@@ -84,5 +90,4 @@ def summary(rows: list[dict]) -> dict:
     ratios = [p / m for p, m in zip(predicted, measured)]
     return {"spearman": spearman(predicted, measured), "top_pick": rows[pick]["layout"],
             "top_pick_over_best_measured": measured[pick] / min(measured),
-            "predicted_over_measured": {"median": float(np.median(ratios)),
-                                        "min": min(ratios), "max": max(ratios)}}
+            "predicted_over_measured": spread(ratios)}

@@ -53,9 +53,8 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-import numpy as np  # noqa: E402
 from _launch import launch  # noqa: E402
-from _planner_cases import MODELS, spearman, summary, time_in_rounds  # noqa: E402
+from _planner_cases import MODELS, spearman, spread, summary, time_in_rounds  # noqa: E402
 from _results import add_flag, save  # noqa: E402  (bench/ is sys.path[0])
 
 from jaxpg.plan import Job, Layout, evaluate, get_model  # noqa: E402
@@ -92,15 +91,26 @@ def megatron_rows() -> list[dict]:
 MIB = 2.0**20
 
 
+def predicted_memory(est, peak_bytes: float) -> dict:
+    """One layout's predicted bytes on a device, in MiB, and over the compiled peak."""
+    return {"predicted_mib": {k: v * 1024 for k, v in est.memory.as_gib().items()},
+            "predicted_over_compiled": est.memory.total / peak_bytes}
+
+
 def memory_row(est, compiled) -> dict:
     """One layout's predicted and compiled bytes on a device, in MiB."""
-    return {"predicted_mib": {k: v * 1024 for k, v in est.memory.as_gib().items()},
-            "compiled_mib": {"arguments": compiled.arguments / MIB,
+    return {"compiled_mib": {"arguments": compiled.arguments / MIB,
                              "outputs": compiled.outputs / MIB,
                              "aliased": compiled.aliased / MIB,
                              "temporaries": compiled.temporaries / MIB,
                              "peak": compiled.peak / MIB},
-            "predicted_over_compiled": est.memory.total / compiled.peak}
+            **predicted_memory(est, compiled.peak)}
+
+
+def memory_job(model, seq_len: int = 128, global_batch: int = 16) -> Job:
+    """The job the memory comparison plans (memory does not depend on the rates)."""
+    return Job(model=model, devices=8, hardware=get_hardware("h100-80gb"), seq_len=seq_len,
+               global_batch=global_batch, dtype="fp32", param_dtype="fp32")
 
 
 def memory_main(out: pathlib.Path, configuration: str | None) -> int:
@@ -108,8 +118,7 @@ def memory_main(out: pathlib.Path, configuration: str | None) -> int:
     result = {"compiled": "XLA memory_analysis() of the trial step, one device",
               "seq_len": 128, "global_batch": 16, "models": {}}
     for name, (model, layouts) in MODELS.items():
-        job = Job(model=model, devices=8, hardware=get_hardware("h100-80gb"), seq_len=128,
-                  global_batch=16, dtype="fp32", param_dtype="fp32")
+        job = memory_job(model)
         rows = []
         for text in layouts:
             lay = Layout.parse(text)
@@ -120,9 +129,7 @@ def memory_main(out: pathlib.Path, configuration: str | None) -> int:
                   f"MiB  compiled {row['compiled_mib']['peak']:6.2f} MiB", flush=True)
         ratios = [r["predicted_over_compiled"] for r in rows]
         result["models"][name] = {"model": model.describe(), "layouts": rows,
-                                  "predicted_over_compiled": {
-                                      "median": float(np.median(ratios)),
-                                      "min": min(ratios), "max": max(ratios)}}
+                                  "predicted_over_compiled": spread(ratios)}
     save(out, result, configuration)
     print(f"wrote {out}")
     return 0
@@ -131,20 +138,14 @@ def memory_main(out: pathlib.Path, configuration: str | None) -> int:
 def repredict_memory(run: dict) -> None:
     """A stored ``--memory`` run's predictions again, against its compiled figures."""
     for name, stored in run["models"].items():
-        model = MODELS[name][0]
-        job = Job(model=model, devices=8, hardware=get_hardware("h100-80gb"),
-                  seq_len=run["seq_len"], global_batch=run["global_batch"], dtype="fp32",
-                  param_dtype="fp32")
+        job = memory_job(MODELS[name][0], run["seq_len"], run["global_batch"])
         for row in stored["layouts"]:
-            est = evaluate(Layout.parse(row["layout"]), job)
-            row["predicted_mib"] = {k: v * 1024 for k, v in est.memory.as_gib().items()}
-            row["predicted_over_compiled"] = est.memory.total / (
-                row["compiled_mib"]["peak"] * MIB)
-        ratios = [r["predicted_over_compiled"] for r in stored["layouts"]]
-        stored["predicted_over_compiled"] = {"median": float(np.median(ratios)),
-                                             "min": min(ratios), "max": max(ratios)}
-        print(f"memory {name:<13} predicted / compiled {np.median(ratios):.2f} (median, "
-              f"{min(ratios):.2f} to {max(ratios):.2f})")
+            row.update(predicted_memory(evaluate(Layout.parse(row["layout"]), job),
+                                        row["compiled_mib"]["peak"] * MIB))
+        ratio = spread([r["predicted_over_compiled"] for r in stored["layouts"]])
+        stored["predicted_over_compiled"] = ratio
+        print(f"memory {name:<13} predicted / compiled {ratio['median']:.2f} (median, "
+              f"{ratio['min']:.2f} to {ratio['max']:.2f})")
 
 
 def repredict_main(out: pathlib.Path) -> int:

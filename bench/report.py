@@ -14,6 +14,7 @@ import json
 import re
 
 from _launch import RESULTS, ROOT  # bench/ is sys.path[0]
+from _planner_cases import ranks
 from _sizes import fmt_size
 
 
@@ -150,14 +151,6 @@ def pipeline_vs_torch() -> list[str]:
     return out + ["", "![pipeline vs torch](../bench/results/pipeline_vs_torch.png)", ""]
 
 
-def _ranks(values: list[float]) -> list[int]:
-    order = sorted(range(len(values)), key=values.__getitem__)
-    ranks = [0] * len(values)
-    for rank, i in enumerate(order, 1):
-        ranks[i] = rank
-    return ranks
-
-
 def planner_run(name: str) -> list[str]:
     """One stored planner run's layouts, predicted against measured, and its summary."""
     data = _load("planner.json") or {}
@@ -171,7 +164,7 @@ def planner_run(name: str) -> list[str]:
            "rank |", "|---|---|---|---|---|" + ("---|" if moe else "") + "---|---|"]
     predicted = [r["predicted_s"] for r in rows]
     measured = [r["measured_s"] for r in rows]
-    for r, rp, rm in zip(rows, _ranks(predicted), _ranks(measured)):
+    for r, rp, rm in zip(rows, ranks(predicted), ranks(measured)):
         ep = f" {r['comm_s'].get('ep', 0.0) * 1e3:.1f} |" if moe else ""
         out.append(f"| `{r['layout']}` | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
                    f"{r['predicted_s'] / r['measured_s']:.2f} | "

@@ -23,6 +23,9 @@ A TOML file gives the same fields::
     [inter]
     bandwidth = 25e9
     latency = 1e-5
+
+and, optionally, the :class:`Hardware` fields with defaults (``matmul_efficiency``,
+``overlap``, ``op_overhead``, ``per_tensor_collectives``, ...) at the top level.
 """
 
 from __future__ import annotations
