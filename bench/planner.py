@@ -130,8 +130,9 @@ def memory_main(out: pathlib.Path, configuration: str | None) -> int:
         ratios = [r["predicted_over_compiled"] for r in rows]
         result["models"][name] = {"model": model.describe(), "layouts": rows,
                                   "predicted_over_compiled": spread(ratios)}
-    save(out, result, configuration)
-    print(f"wrote {out}")
+    # beside the timed runs, never over the default one
+    save(out, result, configuration or "memory")
+    print(f"wrote {out} (configurations.{configuration or 'memory'})")
     return 0
 
 

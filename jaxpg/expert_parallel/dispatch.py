@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxpg.collectives.all_to_all import all_to_all_single
 from jaxpg.collectives.gathers import all_gather_into_tensor
-from jaxpg.expert_parallel.grouped_matmul import grouped_matmul
+from jaxpg.expert_parallel.grouped_mlp import grouped_mlp
 
 __all__ = ["slot_counts", "keep_mask", "kept_counts", "received_counts", "kept_pair_max",
            "first_try_rows", "dispatch_rows", "received_rows", "dispatch", "combine",
@@ -163,9 +163,9 @@ def expert_ffn(rows: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.A
                activation: Callable[[jax.Array], jax.Array], impl: str = "auto") -> jax.Array:
     """``activation(rows @ w1[e]) @ w2[e]`` for the rows of each local expert ``e``, grouped
     in expert order (``group_sizes`` rows each; the rows after them come out zero).
-    ``impl`` names the grouped matmul (:func:`.grouped_matmul.grouped_matmul`)."""
-    hidden = grouped_matmul(rows, w1, group_sizes, impl=impl)
-    return grouped_matmul(activation(hidden), w2, group_sizes, impl=impl)
+    ``impl`` names the grouped matmul (:func:`.grouped_matmul.grouped_matmul`); with the
+    tiled one the MLP is one loop over the routed rows (:mod:`.grouped_mlp`)."""
+    return grouped_mlp(rows, w1, w2, group_sizes, activation, impl)
 
 
 def dispatch(x_rows: jax.Array, row: jax.Array, grouped_row: jax.Array, group: Any,

@@ -37,11 +37,14 @@ def attention_core_bytes(spec, *, tokens: float, seq_len: int, tp: int, act: int
 
 
 def block_parts(spec, *, moe: bool, tokens: float, seq_len: int, tp: int, act: int,
-                expert_rows: float | None = None) -> tuple[float, float, float]:
+                expert_rows: float | None = None,
+                fused_experts: bool = False) -> tuple[float, float, float]:
     """One block's saved bytes as (outside tp, inside tp, attention core), per device.
 
     ``expert_rows``: the rows an MoE block's experts run on (a dispatch buffer's, padded
-    past the routed ones); None: the routed ``tokens · top_k``.
+    past the routed ones); None: the routed ``tokens · top_k``. ``fused_experts``: the
+    experts' MLP is one loop that keeps only its pre-activations (one ``expert_ffn``-wide
+    tensor fewer than the two matmuls keep: not the activation's output).
 
     "Outside" are the tensors tensor parallelism leaves whole (norm inputs, the inputs of the
     column-parallel matmuls, dropout masks after the row-parallel ones): sequence parallelism
@@ -59,8 +62,9 @@ def block_parts(spec, *, moe: bool, tokens: float, seq_len: int, tp: int, act: i
     if moe:
         routed = tokens * spec.top_k
         rows = routed if expert_rows is None else expert_rows
-        inside_mlp = ((rows + tokens * spec.shared_experts) * per_ffn * act
-                      * spec.expert_ffn / tp)
+        kept = per_ffn - 1 if fused_experts else per_ffn
+        inside_mlp = (rows * kept + tokens * spec.shared_experts * per_ffn) * act \
+            * spec.expert_ffn / tp
         # the experts' inputs, the routed outputs the combine weighs, the router's scores
         inside_mlp += (rows + routed) * act * h / tp + tokens * spec.experts * 4 / tp
     else:
@@ -71,7 +75,8 @@ def block_parts(spec, *, moe: bool, tokens: float, seq_len: int, tp: int, act: i
 
 def block_activation_bytes(spec, *, moe: bool, tokens: float, seq_len: int, tp: int,
                            sp: bool, remat: str, act: int = 2,
-                           expert_rows: float | None = None) -> float:
+                           expert_rows: float | None = None,
+                           fused_experts: bool = False) -> float:
     """The bytes one block saves for its backward on one device.
 
     Args:
@@ -84,9 +89,11 @@ def block_activation_bytes(spec, *, moe: bool, tokens: float, seq_len: int, tp: 
         remat: ``"none"``, ``"selective"`` or ``"full"``.
         act: bytes per activation element.
         expert_rows: the rows an MoE block's experts run on (see :func:`block_parts`).
+        fused_experts: their MLP is one tiled loop (see :func:`block_parts`).
     """
     outside, inside, core = block_parts(spec, moe=moe, tokens=tokens, seq_len=seq_len, tp=tp,
-                                        act=act, expert_rows=expert_rows)
+                                        act=act, expert_rows=expert_rows,
+                                        fused_experts=fused_experts)
     if sp:
         outside /= tp
     if remat == "full":

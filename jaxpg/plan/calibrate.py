@@ -17,7 +17,8 @@ It times, on every local device at once (what a layout's devices do in a step):
   link's latency (what each collective of a program pays, not a program's launch);
 * on CPU devices, ``overlap=False``: XLA:CPU runs one operation at a time;
 * whether the compiler merges two parameters' all-gathers into one
-  (:func:`collectives_per_tensor`, read from a compiled program, not timed).
+  (:func:`collectives_per_tensor`, read from a compiled program, not timed);
+* whether jaxpg runs an MoE's experts as one tiled loop there (:func:`experts_fused`).
 
 The clock depends on the devices. GPU and TPU devices are each their own hardware: they are
 timed by wall clock, each rate is one device's. Simulated CPU devices
@@ -148,7 +149,20 @@ def calibrate(*, devices=None, dtype: str = "bf16", matmul_size: int = 512,
                     hbm_bandwidth=bandwidth, intra=link, inter=link, devices_per_node=n,
                     matmul_efficiency=1.0, collective_efficiency=1.0,
                     matmul_half_width=half_width, overlap=not cpu, op_overhead=op_overhead,
-                    per_tensor_collectives=collectives_per_tensor(devices=devices))
+                    per_tensor_collectives=collectives_per_tensor(devices=devices),
+                    fused_expert_mlp=experts_fused())
+
+
+def experts_fused() -> bool:
+    """Whether ``jaxpg.expert_parallel.moe`` runs its experts' MLP as one tiled loop on
+    the default backend (``grouped_matmul="auto"`` resolving to ``"tiled"``), as
+    :attr:`Hardware.fused_expert_mlp` records."""
+    import jax
+
+    from jaxpg.expert_parallel.grouped_matmul import resolve_grouped_matmul
+
+    rows, experts = (jax.ShapeDtypeStruct(s, "float32") for s in ((8, 128), (2, 128, 128)))
+    return resolve_grouped_matmul("auto", rows, experts) == "tiled"
 
 
 def collectives_per_tensor(*, devices=None) -> bool:

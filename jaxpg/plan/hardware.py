@@ -25,7 +25,8 @@ A TOML file gives the same fields::
     latency = 1e-5
 
 and, optionally, the :class:`Hardware` fields with defaults (``matmul_efficiency``,
-``overlap``, ``op_overhead``, ``per_tensor_collectives``, ...) at the top level.
+``overlap``, ``op_overhead``, ``per_tensor_collectives``, ``fused_expert_mlp``, ...) at the
+top level.
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ class Hardware:
             merging them into one per FSDP unit (XLA's GPU and TPU combiners, as torch's
             ``fully_shard`` issues them). False on the presets; ``calibrate()`` reads it
             from a compiled program (:func:`jaxpg.plan.calibrate.collectives_per_tensor`).
+        fused_expert_mlp: whether an MoE's experts run their MLP as one tiled loop over
+            the routed rows (jaxpg's ``"tiled"`` grouped matmul, its choice on CPU), so
+            that the activation skips the dispatch buffer's unused rows, rather than as
+            two grouped matmuls with the activation over the whole buffer between them
+            (the Mosaic kernels and ``ragged_dot`` on GPU and TPU). False on the presets;
+            ``calibrate()`` reads jaxpg's choice for its devices.
     """
 
     name: str
@@ -99,6 +106,7 @@ class Hardware:
     overlap: bool = True
     op_overhead: float = 0.0
     per_tensor_collectives: bool = False
+    fused_expert_mlp: bool = False
 
     def __post_init__(self) -> None:
         if not self.flops or any(not v > 0 for v in self.flops.values()):

@@ -164,7 +164,8 @@ def block_bytes(job: Job, layout: Layout, remat: str, *, moe: bool,
     rows = moe_buffer_rows(job, layout, tokens)[0] if moe and buffers else None
     return block_activation_bytes(job.model, moe=moe, tokens=tokens, seq_len=job.seq_len,
                                   tp=layout.tp, sp=layout.sp, remat=remat, act=job.act_bytes,
-                                  expert_rows=rows)
+                                  expert_rows=rows,
+                                  fused_experts=job.hardware.fused_expert_mlp)
 
 
 def _mean_block_bytes(job: Job, layout: Layout, remat: str, moe_fraction: float) -> float:

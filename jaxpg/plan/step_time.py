@@ -56,7 +56,8 @@ from jaxpg.plan.memory import (
     timetable,
 )
 
-__all__ = ["StepTime", "block_kernels", "moe_buffer_bytes", "step_time"]
+__all__ = ["EXPERT_TILE_ROWS", "StepTime", "block_kernels", "expert_tile_rows", "moe_buffer_bytes",
+           "step_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +105,32 @@ def moe_buffer_bytes(job: Job, layout: Layout, tokens: float) -> float:
     zero fill, the scatter into it and the combine's gather out of it (four passes of
     ``dim``-wide rows), its rows past the routed ``tokens · top_k`` through the hidden
     layer (the first matmul's output, the activation read and written, the second matmul's
-    read: four passes of ``expert_ffn``-wide rows), and the send and receive buffers of
-    each direction, ``ep · per_pair`` rows, filled, exchanged and read (eight passes).
+    read: four passes of ``expert_ffn``-wide rows; one, the pre-activations' zero fill,
+    where the experts' MLP is one tiled loop over the routed rows,
+    ``Hardware.fused_expert_mlp``), and the send and receive buffers of each direction,
+    ``ep · per_pair`` rows, filled, exchanged and read (eight passes).
     """
     s = job.model
     grouped, per_pair = moe_buffer_rows(job, layout, tokens)
     padded = max(0.0, grouped - tokens * s.top_k)
-    return job.act_bytes * (4.0 * padded * s.expert_ffn / layout.tp + 4.0 * grouped * s.dim
-                            + 8.0 * layout.ep * per_pair * s.dim)
+    hidden_passes = 1.0 if job.hardware.fused_expert_mlp else 4.0
+    return job.act_bytes * (hidden_passes * padded * s.expert_ffn / layout.tp
+                            + 4.0 * grouped * s.dim + 8.0 * layout.ep * per_pair * s.dim)
+
+
+EXPERT_TILE_ROWS = 128  # jaxpg.expert_parallel.grouped_matmul.TILE_ROWS, the Mosaic block_m
+
+
+def expert_tile_rows(job: Job, layout: Layout, tokens: float) -> float:
+    """The rows one device's experts multiply for ``tokens`` tokens: the routed
+    ``tokens · top_k`` (balanced over the ep ranks) in tiles of ``EXPERT_TILE_ROWS``, each
+    local expert's rows starting a tile of their own, so up to ``E / ep − 1`` partial tiles
+    more than the rows fill. jaxpg's tiled loop and the Mosaic kernels both work so; it is
+    written here rather than imported (that module needs jax, and specs plan without it)."""
+    s = job.model
+    routed = tokens * s.top_k
+    tiles = -(-routed // EXPERT_TILE_ROWS) + s.experts // layout.ep - 1
+    return max(routed, EXPERT_TILE_ROWS * tiles)
 
 
 def _block_compute(job: Job, layout: Layout, *, moe: bool) -> tuple[float, float, float]:
@@ -122,6 +141,9 @@ def _block_compute(job: Job, layout: Layout, *, moe: bool) -> tuple[float, float
                 (s.expert_ffn if moe else s.ffn) / layout.tp)
     rate = hw.matmul_rate(job.dtype, width)
     gemm = 2.0 * tokens * s.block_matmul_params(moe) / layout.tp / rate
+    if moe:  # the experts' partial tiles (expert_tile_rows), beyond the routed rows
+        extra = expert_tile_rows(job, layout, tokens) - tokens * s.top_k
+        gemm += 2.0 * extra * s.expert_params / layout.tp / rate
     attn_flops = s.attention_flops_per_token(job.seq_len) * tokens / layout.tp
     if s.flash_attention:
         attn_flops *= 0.5  # causal: the fused kernel skips the masked blocks

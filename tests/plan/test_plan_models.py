@@ -156,3 +156,51 @@ def test_an_moe_block_s_experts_are_counted_on_their_dispatch_buffer_s_rows():
         assert extra == pytest.approx(padded * (2 * spec.expert_ffn + spec.dim) * 4), ep
     small, large = (memory(job, Layout(dp_shard=8, ep=ep, zero=1)) for ep in (1, 4))
     assert large.activations > small.activations
+
+
+def test_fused_experts_keep_their_pre_activations_only_and_skip_the_buffers_hidden_passes():
+    # with the experts' MLP one tiled loop (Hardware.fused_expert_mlp, XLA:CPU's), each
+    # buffer row keeps one ffn-wide tensor (the pre-activations), not GeLU's two, and the
+    # buffer's unused rows pass through the hidden layer once (the zero fill), not four times
+    from jaxpg.plan.memory import block_bytes, microbatch_size
+    from jaxpg.plan.step_time import moe_buffer_bytes
+
+    spec = TransformerSpec(layers=2, dim=128, heads=8, ffn=512, vocab=512, mlp="gelu",
+                           experts=8, top_k=2, expert_ffn=256, flash_attention=False)
+    separate = get_hardware("h100-80gb")
+    fused = separate.replace(fused_expert_mlp=True)
+    jobs = [Job(model=spec, devices=8, hardware=hw, seq_len=128, global_batch=16,
+                dtype="fp32", param_dtype="fp32") for hw in (separate, fused)]
+    layout = Layout(dp_shard=8, ep=4, zero=1)
+    tokens = microbatch_size(jobs[0], layout) * jobs[0].seq_len
+    rows = 8 * tokens  # ep * tokens * min(top_k, E / ep)
+    kept = [block_bytes(job, layout, "none", moe=True) for job in jobs]
+    assert kept[0] - kept[1] == pytest.approx(rows * spec.expert_ffn * 4)
+    padded = rows - tokens * spec.top_k
+    moved = [moe_buffer_bytes(job, layout, tokens) for job in jobs]
+    assert moved[0] - moved[1] == pytest.approx(3 * padded * spec.expert_ffn * 4)
+
+
+@pytest.mark.parametrize("ep, tiles", [(1, 11), (2, 7), (4, 5), (8, 4)])
+def test_the_experts_multiply_whole_tiles_each_expert_starting_its_own(ep, tiles):
+    # 512 routed rows (256 tokens, top-2) fill 4 tiles of 128; each of the E / ep local
+    # experts but the first starts a partial tile more, as the tiled loop's work items
+    # where a group's edge falls inside a tile (routing's case; the model's upper bound)
+    from jaxpg.expert_parallel.grouped_matmul import TILE_ROWS, _work_items
+    from jaxpg.plan.step_time import EXPERT_TILE_ROWS, expert_tile_rows
+
+    assert EXPERT_TILE_ROWS == TILE_ROWS
+    spec = TransformerSpec(layers=2, dim=128, heads=8, ffn=512, vocab=512, mlp="gelu",
+                           experts=8, top_k=2, expert_ffn=256)
+    job = Job(model=spec, devices=8, hardware="h100-80gb", seq_len=128, global_batch=16,
+              dtype="fp32", param_dtype="fp32")
+    rows = expert_tile_rows(job, Layout(dp_shard=8, ep=ep, zero=1), 256)
+    assert rows == tiles * EXPERT_TILE_ROWS
+    import jax.numpy as jnp  # the loop's own count, for groups whose edges miss the tiles'
+
+    local = spec.experts // ep
+    sizes = [512 // local] * local
+    if local > 1:  # every boundary 5 rows past a multiple of 64, as routing leaves them
+        sizes[0], sizes[-1] = sizes[0] + 5, sizes[-1] - 5
+    count = _work_items(jnp.asarray(sizes, jnp.int32), 512 // TILE_ROWS)[0]
+    assert int(count) == tiles

@@ -115,10 +115,10 @@ def test_the_planners_moe_buffers_are_the_layers(world, ep):
                                                       fn.lower(*args).as_text())}
     tokens = microbatch_size(job, layout) * job.seq_len  # a device's tokens
     grouped, per_pair = moe_buffer_rows(job, layout, tokens)
-    # the experts' hidden layer holds the worst case's rows (CPU's tiled grouped matmul
-    # pads them to whole tiles inside its loop, and nothing is larger)
-    assert (grouped, WIDE_MOE.expert_ffn) in shapes, sorted(shapes)
+    # the experts' pre-activations hold the worst case's rows, padded to whole tiles by
+    # CPU's tiled MLP loop (jaxpg.expert_parallel.grouped_mlp), and nothing is larger
     tiles = -(-grouped // TILE_ROWS) * TILE_ROWS
+    assert (tiles, WIDE_MOE.expert_ffn) in shapes, sorted(shapes)
     assert max(rows for rows, cols in shapes if cols == WIDE_MOE.expert_ffn) <= tiles
     assert (ep * per_pair, WIDE_MOE.dim) in shapes, sorted(shapes)
     assert per_pair < grouped // ep  # the first try is smaller than the worst case
@@ -177,3 +177,16 @@ def test_the_profile_s_collective_count_is_the_compiled_fsdp_step_s():
     else:
         assert gathers <= units, gathers
     assert collectives_per_tensor(devices=jax.devices()[:1]) is False
+
+
+def test_the_profile_reads_whether_the_experts_run_fused():
+    # calibrate() records jaxpg's choice of the experts' grouped matmul for the backend:
+    # the tiled loop (its MLP fused) on CPU, whose trial steps run it
+    import jax.numpy as jnp
+
+    from jaxpg.expert_parallel.grouped_matmul import resolve_grouped_matmul
+    from jaxpg.plan.calibrate import experts_fused
+
+    rows, experts = jnp.zeros((8, 128)), jnp.zeros((2, 128, 128))
+    assert experts_fused() == (resolve_grouped_matmul("auto", rows, experts) == "tiled")
+    assert experts_fused() is (jax.default_backend() == "cpu")
