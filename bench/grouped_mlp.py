@@ -39,20 +39,13 @@ from _results import add_flag, save  # noqa: E402
 from _rounds import ratio_median, run_rounds  # noqa: E402
 
 import jaxpg.expert_parallel.dispatch as dispatch  # noqa: E402
-from jaxpg.expert_parallel.grouped_matmul import grouped_matmul  # noqa: E402
-from jaxpg.expert_parallel.grouped_mlp import grouped_mlp  # noqa: E402
+from jaxpg.expert_parallel.grouped_mlp import grouped_mlp, separate_mlp  # noqa: E402
 
 QUICK_ARGS = ["--rounds", "2", "--eps", "1", "4"]
 TOKENS = 256  # a device's tokens in the planner's MoE trial (16 x 128 over 8 devices)
 
 
-def separate(rows, w1, w2, group_sizes, activation, impl="auto"):
-    """The experts' MLP as two grouped matmuls, the activation over every row between."""
-    hidden = grouped_matmul(rows, w1, group_sizes, impl=impl)
-    return grouped_matmul(activation(hidden), w2, group_sizes, impl=impl)
-
-
-VARIANTS = {"separate": separate, "fused": grouped_mlp}
+VARIANTS = {"separate": separate_mlp, "fused": grouped_mlp}
 
 
 def mlp_steps(ep: int) -> dict:

@@ -31,7 +31,7 @@ from jaxpg.expert_parallel.grouped_matmul import (
     resolve_grouped_matmul,
 )
 
-__all__ = ["grouped_mlp"]
+__all__ = ["grouped_mlp", "separate_mlp"]
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -55,6 +55,14 @@ def grouped_mlp(rows: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.
     """
     if resolve_grouped_matmul(impl, rows, w1) == "tiled":
         return _fused(activation, rows, w1, w2, group_sizes.astype(jnp.int32))
+    return separate_mlp(rows, w1, w2, group_sizes, activation, impl)
+
+
+def separate_mlp(rows: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.Array,
+                 activation: Activation, impl: str = "auto") -> jax.Array:
+    """The same MLP as two grouped matmuls, the activation over every row between them
+    (what the non-tiled implementations run; ``bench/grouped_mlp.py`` times it beside the
+    fused loop)."""
     hidden = grouped_matmul(rows, w1, group_sizes, impl=impl)
     return grouped_matmul(activation(hidden), w2, group_sizes, impl=impl)
 
@@ -107,7 +115,8 @@ def _backward(activation: Activation, rows: jax.Array, w1: jax.Array, w2: jax.Ar
 
     def body(e, row0, mask, carry):
         d_rows, d_w1, d_w2 = carry
-        tile = jnp.where(mask, lax.dynamic_slice_in_dim(rows_p, row0, TILE_ROWS), 0)
+        # only the group's rows get a cotangent, so every product below is zero elsewhere
+        tile = lax.dynamic_slice_in_dim(rows_p, row0, TILE_ROWS)
         d_y = jnp.where(mask, lax.dynamic_slice_in_dim(d_out_p, row0, TILE_ROWS), 0)
         a, act_vjp = jax.vjp(activation, lax.dynamic_slice_in_dim(pre, row0, TILE_ROWS))
         d_a = _dot(d_y, _index(w2, e), (1, 1)).astype(a.dtype)
@@ -117,7 +126,7 @@ def _backward(activation: Activation, rows: jax.Array, w1: jax.Array, w2: jax.Ar
         d_rows = lax.dynamic_update_slice_in_dim(d_rows, cur + jnp.where(mask, d_tile, 0),
                                                  row0, 0)
         d_w1 = _add_at(d_w1, e, _dot(tile, d_p, (0, 0)))
-        d_w2 = _add_at(d_w2, e, _dot(jnp.where(mask, a, 0), d_y, (0, 0)))
+        d_w2 = _add_at(d_w2, e, _dot(a, d_y, (0, 0)))
         return d_rows, d_w1, d_w2
 
     init = (jnp.zeros((padded, rows.shape[1]), rows.dtype),
