@@ -4,7 +4,9 @@ and teardown of its tests), and the CPU seconds they used, this process's and it
 processes' (the ``cpu_s`` and ``children_cpu_s`` properties tests/conftest.py records), so
 each CI leg's output can be read against the per-file budgets in docs/development.md. The
 two legs share two cores, so CPU is what a file costs the run. Usage:
-``.ci/file_times.py junit.xml [N]`` (default: 25 files, by wall time, then 15 by CPU)."""
+``.ci/file_times.py junit.xml [N]`` (default: 25 files, by wall time, then 15 by CPU).
+Failed tests come last, each with its message and the end of its report, so that the tail of
+a CI log names them."""
 
 import collections
 import sys
@@ -17,6 +19,7 @@ def main() -> None:
     cpu: collections.Counter[str] = collections.Counter()
     children: collections.Counter[str] = collections.Counter()
     tests: collections.Counter[str] = collections.Counter()
+    failed: list[tuple[str, str, str]] = []
     for case in ET.parse(path).getroot().iter("testcase"):
         parts = case.get("classname", "").split(".")  # tests.dir.test_file[.TestClass]
         module = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
@@ -26,6 +29,9 @@ def main() -> None:
         props = {p.get("name"): float(p.get("value", 0)) for p in case.iter("property")}
         cpu[name] += props.get("cpu_s", 0.0)
         children[name] += props.get("children_cpu_s", 0.0)
+        for bad in list(case.iter("failure")) + list(case.iter("error")):
+            failed.append((f"{name}::{case.get('name')}", bad.get("message") or "",
+                           bad.text or ""))
     total = sum(seconds.values())
     total_cpu = sum(cpu.values()) + sum(children.values())
     print(f"== slowest {top} test files ({total / 60:.1f} min in {len(seconds)} files; "
@@ -40,6 +46,12 @@ def main() -> None:
     for name, c in both.most_common(15):
         print(f"{c:8.1f} CPU s ({cpu[name]:7.1f} + {children[name]:7.1f}), {seconds[name]:8.1f} "
               f"wall s  {name}")
+    if failed:
+        print(f"== {len(failed)} failed test(s)")
+    for test, message, text in failed:
+        print(f"FAILED {test}: {message[:500]}")
+        for line in text.strip().splitlines()[-12:]:
+            print(f"    {line[:300]}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ agree.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -40,6 +41,7 @@ from jaxpg.expert_parallel.grouped_matmul import check_grouped_matmul
 from jaxpg.expert_parallel.router import route
 from jaxpg.groups import world as _world
 from jaxpg.groups.mesh_axis import resolve_mesh_axis
+from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.spmd_lowering import SpmdContext, current_context
 from jaxpg.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -210,6 +212,27 @@ def _binds_axis(ep_group: Any, api: str) -> bool:
     return True
 
 
+def _bound(ep_group: Any) -> tuple[Any, Any]:
+    """The mesh that traced code binds, and the group to run over it: the group's whole mesh
+    and the group, or, where only the group's axis is bound (a ``shard_map`` over the
+    group's own devices, as a pipeline stage's programs are), the 1-D mesh of this process's
+    group's devices and that group alone (without its siblings on the other rows)."""
+    mesh, pg = ep_group.mesh, ep_group.group
+    for name in mesh.axis_names:
+        try:
+            lax.axis_size(name)
+        except NameError:
+            return jax.sharding.Mesh(np.asarray(pg.devices), (ep_group.axis,)), _row_group(pg)
+    return mesh, pg
+
+
+@functools.lru_cache(maxsize=64)
+def _row_group(pg: Any) -> Any:
+    """``pg``'s own ranks as a group of their own (named after ``pg``: no new group name is
+    drawn, so every process keeps the same sequence of group names)."""
+    return ProcessGroup(pg._world, pg.ranks, name=f"{pg.group_name}.row", timeout=pg.timeout)
+
+
 def _check_same_on_every_rank(pg: Any, shapes: list[tuple[int, ...]], api: str) -> None:
     """Host code across processes: every rank's argument shapes must agree."""
     flat = np.array([[len(s) for s in shapes] + [v for s in shapes for v in s]], np.int32)
@@ -293,8 +316,9 @@ def moe(x: Any, gate_w: Any, w1: Any, w2: Any, *, group: Any = None, top_k: int 
     if current_context() is not None:
         return _moe_per_rank(x, gate_w, w1, w2, **options)
     if _binds_axis(ep_group, api):  # a plain jax.shard_map over the group's mesh
-        with SpmdContext(ep_group.mesh, _world.current()):
-            return _moe_per_rank(x, gate_w, w1, w2, **options)
+        mesh, bound = _bound(ep_group)
+        with SpmdContext(mesh, _world.current()):
+            return _moe_per_rank(x, gate_w, w1, w2, **{**options, "group": bound})
     if ep == 1 or _global_view(x, gate_w, w1):
         # no communication: plain code on these arrays (ep = 1, or traced global arrays
         # holding every expert, which XLA partitions as they are laid out)

@@ -23,7 +23,15 @@
   ``ScheduleInterleaved1F1B`` (4 processes, the same launch);
 * fully sharded stages (pp = 2 x dp_shard = 2, ``fsdp_group=``) give the un-pipelined
   model's losses, gradients and SGD step on the whole batch, their parameters and
-  gradients split over dp_shard (4 processes, the same launch).
+  gradients split over dp_shard (4 processes, the same launch);
+* expert-parallel stages (pp = 2 x ep = 2, ``expert_parallel_group=``, each process its half
+  of the batch) give the un-pipelined model's losses, gradients and SGD step on the whole
+  batch with every expert on one device, their experts split over ep (4 processes, the
+  same launch);
+* context-parallel stages (pp = 2 x cp = 2, ``context_parallel_group=``, ring attention,
+  each process its part of every sequence and its position ids, carried between the stages)
+  give the un-pipelined model's losses, gradients and SGD step with plain attention over
+  each whole sequence (4 processes, the same launch).
 """
 
 from __future__ import annotations
@@ -278,17 +286,30 @@ def test_tensor_parallel_stages_give_the_un_sharded_gradients(results4):
         assert checks == want, (rank, checks, text[-3000:])
 
 
+#: The stages whose group splits the data, by the prefix their worker's checks print
+#: (pipeline_stage_tp_worker.py, _ep_worker.py, _cp_worker.py): their layout check.
+SPLIT_DATA = {"FSDP": "params_split", "EP": "experts_split", "CP": "params_replicated"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_fully_sharded_stages_give_the_un_sharded_gradients(results4):
-    """pp = 2 stages, each fully sharded over its 2 processes (``("pp", "dp_shard")`` mesh,
-    ``fsdp_group=mesh["dp_shard"]``, each process its half of the batch): the parameters
-    split over dp_shard, a Schedule1F1B step's losses and gradients (reduce-scattered, kept
-    split) and an SGD step over them give the un-pipelined model's on the whole batch; then
-    a ScheduleGPipe step with ``reshard_after_forward=False`` (pipeline_stage_tp_worker.py)."""
+@pytest.mark.parametrize("kind", list(SPLIT_DATA))
+def test_stages_over_a_group_that_splits_the_data_give_the_un_pipelined_gradients(
+        results4, kind):
+    """pp = 2 stages, each over its 2 processes' group, each process feeding its part of
+    the batch: fully sharded (``fsdp_group=mesh["dp_shard"]``, the parameters split over
+    dp_shard, the GPipe step with ``reshard_after_forward=False``), expert parallel
+    (``expert_parallel_group=mesh["ep"]``, each process its half of the rows, routed and
+    exchanged by all_to_all, the experts split over ep) or context parallel
+    (``context_parallel_group=mesh["cp"]``, ring attention, each process its load-balanced
+    part of every sequence and its position ids, the parameters replicated). A Schedule1F1B
+    step's losses and gradients, an SGD step over them and a ScheduleGPipe step must give
+    the un-pipelined model's on the whole batch (every expert on one device; plain attention
+    over each whole sequence), the layout kept."""
+    layout = SPLIT_DATA[kind]
     for rank, text in enumerate(results4[1]):
-        checks = set(re.findall(r"^FSDP (\w+) ok$", text, re.M))
-        want = {"params_split", "grads_1f1b", "sgd_params", "grads_gpipe"}
+        checks = set(re.findall(rf"^{kind} (\w+) ok$", text, re.M))
+        want = {layout, "grads_1f1b", "sgd_params", "grads_gpipe"}
         if rank >= 2:  # the last stage's processes (pp coordinate 1)
             want |= {"losses_1f1b", "losses_gpipe"}
         assert checks == want, (rank, checks, text[-3000:])

@@ -54,14 +54,17 @@ def modules():
     return EmbedMLP(nnx.Rngs(3)), NormHead(nnx.Rngs(4))
 
 
-def reference(tokens, labels):
+def reference(tokens, labels, stages=None, extra=()):
     """The whole model on the whole batch (one device): microbatch losses, each stage's
-    gradient of their mean, and each stage's parameters after an SGD step."""
-    graphs, params = zip(*(nnx.split(m, nnx.Param) for m in modules()), strict=True)
+    gradient of their mean, and each stage's parameters after an SGD step. ``stages``: the
+    two stage modules (default :func:`modules`'), the first taking ``(tokens, *extra)``."""
+    graphs, params = zip(*(nnx.split(m, nnx.Param) for m in stages or modules()), strict=True)
+    params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), params)  # on this device
 
     def mean_loss(ps):
-        h = nnx.merge(graphs[0], ps[0])(tokens)
-        per = optax.softmax_cross_entropy_with_integer_labels(nnx.merge(graphs[1], ps[1])(h),
+        h = nnx.merge(graphs[0], ps[0])(tokens, *extra)
+        h = h if isinstance(h, tuple) else (h,)
+        per = optax.softmax_cross_entropy_with_integer_labels(nnx.merge(graphs[1], ps[1])(*h),
                                                               labels)
         per = per.reshape(M, -1).mean(axis=1)
         return per.mean(), per
@@ -83,15 +86,17 @@ def close(got, want):
 def run_pipeline(stages, tokens, labels, split):
     """One step of both stages' programs over ``M`` microbatches (all forwards, then the
     backwards; ``split``: each backward as ZB's input and weight halves), as a schedule's
-    step runs them."""
+    step runs them. ``tokens``: the first stage's input, or a tuple of its inputs."""
     progs = [stage_programs(st, ce) for st in stages]
     params = [st.program_params() for st in stages]
     rests = [st.placed(st.frozen_state()) for st in stages]
     rows = B // M
     losses, grads, keep = [], [None, None], []
+    inputs = tokens if isinstance(tokens, tuple) else (tokens,)  # the first stage's inputs
     for mb in range(M):
-        x, t = tokens[mb * rows:(mb + 1) * rows], labels[mb * rows:(mb + 1) * rows]
-        h, vjp0 = progs[0].forward(params[0], rests[0], (x,))
+        x = tuple(a[mb * rows:(mb + 1) * rows] for a in inputs)
+        t = labels[mb * rows:(mb + 1) * rows]
+        h, vjp0 = progs[0].forward(params[0], rests[0], x)
         loss, _, vjp1 = progs[1].forward_loss(params[1], rests[1], h, t)
         losses.append(float(loss))
         keep.append((vjp0, vjp1, loss))
@@ -106,6 +111,27 @@ def run_pipeline(stages, tokens, labels, split):
             _, grads[0] = progs[0].backward(vjp0, dh, grads[0])
     grads = [st.finish_grads(g) for st, g in zip(stages, grads, strict=True)]
     return np.array(losses), [jax.tree.map(lambda g: g / M, g) for g in grads], keep
+
+
+def check_step(stages, losses, grads, want_losses, want_grads):
+    """A step's losses and gradients against the reference's, each gradient in its
+    parameter's layout."""
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-6)
+    for s, st in enumerate(stages):
+        close(grads[s], want_grads[s])
+        for g, p in zip(jax.tree.leaves(grads[s]), jax.tree.leaves(st.params()), strict=True):
+            assert g.sharding.is_equivalent_to(p.sharding, p.ndim), (g.sharding, p.sharding)
+
+
+def check_sgd(stages, grads, want_after):
+    """An optax SGD step over each stage's gradients, in their layout, gives the reference's
+    parameters."""
+    tx = optax.sgd(0.1)
+    for s, st in enumerate(stages):
+        params = st.params()
+        updates, _ = tx.update(grads[s], tx.init(params), params)
+        nnx.update(st.submod, optax.apply_updates(params, updates))
+        close(st.params(), want_after[s])
 
 
 @pytest.mark.parametrize(("split", "reshard"), [(False, True), (True, True), (False, False)],
@@ -132,11 +158,7 @@ def test_fully_sharded_stages_give_the_un_pipelined_gradients(world, split, resh
     assert {a.sharding.spec for st in stages for a in jax.tree.leaves(st.program_params())
             if a.ndim} == ({P("dp_shard")} if reshard else {P()})
     losses, grads, keep = run_pipeline(stages, tokens, labels, split)
-    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-6)
-    for s, st in enumerate(stages):
-        close(grads[s], want_grads[s])
-        for g, p in zip(jax.tree.leaves(grads[s]), jax.tree.leaves(st.params()), strict=True):
-            assert g.sharding.is_equivalent_to(p.sharding, p.ndim), (g.sharding, p.sharding)
+    check_step(stages, losses, grads, want_losses, want_grads)
     # the forward kept no gathered parameter for the backward (reshard_after_forward)
     whole = {tuple(a.shape) for st in stages for a in jax.tree.leaves(st.params()) if a.ndim}
     for vjp0, vjp1, _ in keep if reshard else ():
@@ -145,14 +167,9 @@ def test_fully_sharded_stages_give_the_un_pipelined_gradients(world, split, resh
             assert not kept & whole, kept & whole
 
     # an SGD step over the shards gives the reference's parameters
-    tx = optax.sgd(0.1)
-    for s, st in enumerate(stages):
-        params = st.params()
-        updates, _ = tx.update(grads[s], tx.init(params), params)
-        nnx.update(st.submod, optax.apply_updates(params, updates))
-        close(st.params(), want_after[s])
-        assert all(a.sharding.spec == P("dp_shard")
-                   for a in jax.tree.leaves(st.params()) if a.ndim)
+    check_sgd(stages, grads, want_after)
+    assert all(a.sharding.spec == P("dp_shard")
+               for st in stages for a in jax.tree.leaves(st.params()) if a.ndim)
 
 
 def test_fully_sharded_stage_names_what_does_not_split(world):

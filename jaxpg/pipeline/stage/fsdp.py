@@ -21,12 +21,8 @@ kept for its microbatches; each rank sums its own whole gradient, and one progra
 reduce-scatters that sum after the step's last backward.
 
 Data parallelism inside the stage: each process of the group passes its own part of the
-batch to ``step`` (as each torch FSDP rank feeds its own data); microbatch ``i`` of the
-stage is the processes' ``i``-th microbatches together, activations travel as each
-process's rows to the same dp_shard rank of the next stage, and every rank's loss is
-divided by the group's size inside the differentiated function, so the gradients summed by
-the reduce-scatter are those of the mean over the whole batch, and the loss each process
-reports is that mean (a ``psum``).
+batch to ``step`` (as each torch FSDP rank feeds its own data), and the reduce-scatter sums
+the ranks' gradients of their rows (``jaxpg.pipeline.stage.data_split``).
 """
 
 from __future__ import annotations
@@ -45,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.resolve import resolve_group
+from jaxpg.pipeline.stage.data_split import DataSplit, summed_gradient
 from jaxpg.pipeline.stage.programs import GATHERED, plain_programs
 
 __all__ = ["StageFSDP", "stage_fully_shard"]
@@ -55,23 +52,6 @@ def _state_paths(state: Any) -> list[str]:
     return [".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
                      for k in path if getattr(k, "name", None) != "value")
             for path, _ in jax.tree_util.tree_leaves_with_path(state)]  # fmt: skip
-
-
-@functools.lru_cache(maxsize=16)
-def _summed_gradient(axis: str):
-    """The identity whose transpose sums over ``axis`` (a replicated parameter's use)."""
-    @jax.custom_vjp
-    def same(x):
-        return x
-
-    def fwd(x):
-        return x, None
-
-    def bwd(_, g):
-        return (lax.psum(g, axis),)
-
-    same.defvjp(fwd, bwd)
-    return same
 
 
 @functools.lru_cache(maxsize=16)
@@ -105,7 +85,7 @@ def _reduce_scatter(layout: StageFSDP):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class StageFSDP:
+class StageFSDP(DataSplit):
     """A stage's full sharding: its dp_shard group as the 1-D mesh ``mesh`` (axis ``axis``),
     this process's device, and which parameters are split (the rest are replicated).
 
@@ -130,25 +110,10 @@ class StageFSDP:
     param_specs: tuple[Any, tuple] = dataclasses.field(default=(), repr=False)
     rest_specs: tuple[Any, tuple] = dataclasses.field(default=(), repr=False)
     reshard_after_forward: bool = True
-
-    @property
-    def size(self) -> int:
-        """The group's size: how many shards each parameter has."""
-        return self.mesh.size
-
-    @property
-    def local_count(self) -> int:
-        """How many of the stage mesh's devices this process holds."""
-        return sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+    arg_name = "fsdp_group"
 
     def __repr__(self) -> str:
         return f"StageFSDP(axis={self.axis!r}, devices={[d.id for d in self.mesh.devices.flat]})"
-
-    # what the sub-mesh programs (``jaxpg.pipeline.stage.submesh_programs``) ask of a layout
-    @property
-    def out_spec(self) -> P:
-        """Activations are split over the batch (dimension 0)."""
-        return P(self.axis)
 
     def shard_specs(self) -> tuple[Any, Any]:
         """``(param specs, rest specs)`` of the placed state, as trees of its structure."""
@@ -201,7 +166,7 @@ class StageFSDP:
         rank's gradient is its own."""
         if not self.reshard_after_forward:
             return params
-        same = _summed_gradient(self.axis)
+        same = summed_gradient(self.axis)
 
         def one(x, spec):
             if spec == P():
@@ -209,31 +174,6 @@ class StageFSDP:
             return checkpoint_name(lax.all_gather(x, self.axis, axis=0, tiled=True), GATHERED)
 
         return jax.tree.map(one, params, self.shard_specs()[0])
-
-    def data_spec(self, x: Any) -> P:
-        """The spec of an activation, target or cotangent: rows split over the group (a
-        0-d value, the loss's cotangent, replicated)."""
-        return P() if np.ndim(x) == 0 else P(self.axis)
-
-    def reduce_loss(self, loss: Any) -> Any:
-        """The whole microbatch's mean loss from the ranks' divided ones."""
-        return lax.psum(loss, self.axis)
-
-    def _factor(self) -> int:
-        return self.size // self.local_count
-
-    def global_struct(self, struct: Any) -> jax.ShapeDtypeStruct:
-        """The global shape of an activation of this process's shape ``struct``."""
-        shape = tuple(struct.shape)
-        return jax.ShapeDtypeStruct((shape[0] * self._factor(), *shape[1:]), struct.dtype)
-
-    def local_struct(self, struct: Any) -> jax.ShapeDtypeStruct:
-        """The shape this process holds of a global activation ``struct``."""
-        shape = tuple(struct.shape)
-        return jax.ShapeDtypeStruct((shape[0] // self._factor(), *shape[1:]), struct.dtype)
-
-    def check_outputs(self, tree: Any, what: str) -> None:
-        """Nothing to check: each rank's outputs are its own rows."""
 
     # placement
     def _shard(self, a: Any, spec: P) -> jax.Array:
@@ -252,39 +192,6 @@ class StageFSDP:
         mesh with the layout's specs."""
         params = jax.tree.structure(tree) == self.param_specs[0]
         return jax.tree.map(self._shard, tree, self.shard_specs()[0 if params else 1])
-
-    def to_global(self, tree: Any) -> Any:
-        """This process's rows (activations, targets, cotangents) as arrays on the mesh."""
-        here = jax.process_index()
-        local = [d for d in self.mesh.devices.flat if d.process_index == here]
-
-        def one(x):
-            spec = self.data_spec(x)
-            sharding = NamedSharding(self.mesh, spec)
-            if isinstance(x, jax.Array) and x.sharding == sharding:
-                return x
-            if spec == P():
-                return jax.make_array_from_single_device_arrays(
-                    np.shape(x), sharding, [jax.device_put(x, d) for d in local])
-            rows = np.shape(x)[0]
-            if rows % len(local):
-                raise ValueError(
-                    f"PipelineStage fsdp_group={self.group!r}: a microbatch of {rows} rows "
-                    f"(shape {tuple(np.shape(x))}) does not split over this process's "
-                    f"{len(local)} devices of the stage's dp_shard group; use a batch of "
-                    f"n_microbatches x a multiple of {len(local)} rows.")
-            return jax.make_array_from_process_local_data(
-                sharding, x, (rows * self._factor(), *np.shape(x)[1:]))
-
-        return jax.tree.map(one, tree)
-
-    def to_local(self, tree: Any) -> Any:
-        """This process's part of each array: the shard on its device (the whole array when
-        the process holds the whole stage mesh)."""
-        if self.local_count == self.size:
-            return tree
-        return jax.tree.map(lambda x: next(s.data for s in x.addressable_shards
-                                           if s.device == self.device), tree)
 
 
 def stage_fully_shard(module: nnx.Module, given: Any, *, device: Any, me: int,

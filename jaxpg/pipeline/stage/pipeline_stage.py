@@ -39,6 +39,17 @@ same tp ranks of neighbouring stages, and ``grads`` keep the parameters' own tp-
 layout, so an optax update over them trains the stage. Every process of a stage calls
 ``step`` with the same inputs (the first stage) or targets (the last).
 
+**Fully sharded, expert- and context-parallel stages** (FSDP x PP and CP x PP, as
+torchtitan; EP x PP, as DeepSeek-V3): ``fsdp_group=mesh["dp_shard"]`` splits every
+parameter over the stage's dp_shard processes (``jaxpg.pipeline.stage.fsdp``);
+``expert_parallel_group=mesh["ep"]`` runs a module whose ``MoELayer`` layers were built over
+``mesh["ep"]``, its experts split over the stage's ep processes and its other parameters
+replicated; ``context_parallel_group=mesh["cp"]`` runs one whose attention is
+``ContextParallelAttention`` over that group, each process feeding its part of every
+sequence (``jaxpg.pipeline.stage.data_split``). In each, the processes of the group build
+the same module and feed their own part of the batch, and
+``grads`` are the whole batch's, in the parameters' layout.
+
 Example (two processes, ``jaxpg-run --nproc-per-node 2``)::
 
     stage = PipelineStage(my_stage_module, jaxpg.get_rank(), 2)
@@ -67,6 +78,7 @@ from jaxpg.groups.device_mesh import DeviceMesh
 from jaxpg.groups.process_group import ProcessGroup
 from jaxpg.groups.resolve import resolve_group
 from jaxpg.pipeline.stage.carried import check_stage_output
+from jaxpg.pipeline.stage.data_split import stage_context_parallel, stage_expert_parallel
 from jaxpg.pipeline.stage.fsdp import stage_fully_shard
 from jaxpg.pipeline.stage.submesh_programs import submesh_output_structs
 from jaxpg.pipeline.stage.tp import stage_tensor_parallel
@@ -131,13 +143,24 @@ class PipelineStage:
             backward, gradients reduce-scattered per microbatch; False gathers them once a
             step and keeps them, each rank summing its whole gradient until the step's last
             backward, then reduce-scatters it once.
+        expert_parallel_group: the ep group holding this stage (e.g. ``mesh["ep"]`` of a
+            ``("pp", "ep")`` mesh), over which the module's ``MoELayer`` layers split their
+            experts (``jaxpg.pipeline.stage.data_split``); each of its processes passes the
+            same module and its own part of the batch, the other parameters replicated.
+            None: no expert parallelism.
+        context_parallel_group: the cp group holding this stage (e.g. ``mesh["cp"]`` of a
+            ``("pp", "cp")`` mesh), over which the module's ``ContextParallelAttention``
+            layers attend; each of its processes passes the same module and its part of
+            every sequence (dimension 1), the parameters replicated. None: no context
+            parallelism.
     """
 
     def __init__(self, module: nnx.Module, stage_index: int, num_stages: int,
                  device: Any = None, *, input_args: Any = None, output_args: Any = None,
                  group: Any = None, data_parallel_group: Any = None,
                  tensor_parallel_group: Any = None, fsdp_group: Any = None,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True,
+                 expert_parallel_group: Any = None, context_parallel_group: Any = None) -> None:
         if not isinstance(module, nnx.Module):
             raise TypeError(f"PipelineStage module must be a flax.nnx.Module, got "
                             f"{type(module).__name__}.")
@@ -169,8 +192,22 @@ class PipelineStage:
         self.output_args = output_args
         self.grads: nnx.State | None = None
         self.dp_group = self._data_parallel_group(data_parallel_group)
-        # a fully sharded module's arrays are split over dp_shard: no tp group to infer
-        found = None if fsdp_group is not None and tensor_parallel_group is None else \
+        me = self.group.ranks[self.group_rank]
+        others = {"data_parallel_group": data_parallel_group,
+                  "tensor_parallel_group": tensor_parallel_group, "fsdp_group": fsdp_group}
+        experts = stage_expert_parallel(module, expert_parallel_group, device=self.device,
+                                        me=me, pipeline=self.group, others={
+                                            **others,
+                                            "context_parallel_group": context_parallel_group})
+        self.ep_group, self.ep = experts if experts is not None else (None, None)
+        context = stage_context_parallel(module, context_parallel_group, device=self.device,
+                                         me=me, pipeline=self.group, others=others)
+        self.cp_group, self.cp = context if context is not None else (None, None)
+        # a fully sharded, expert- or context-parallel module's arrays are on its group's
+        # mesh: no tp group to infer
+        found = None if (fsdp_group is not None or self.ep is not None or
+                         self.cp is not None) and \
+            tensor_parallel_group is None else \
             stage_tensor_parallel(module, tensor_parallel_group, device=self.device,
                                   me=self.group.ranks[self.group_rank], pipeline=self.group,
                                   data_parallel=self.dp_group)
@@ -220,8 +257,9 @@ class PipelineStage:
 
     @property
     def layout(self) -> Any:
-        """The stage's sub-mesh layout (``StageTP`` or ``StageFSDP``), or None (one device)."""
-        return self.tp if self.tp is not None else self.fsdp
+        """The stage's sub-mesh layout (``StageTP``, ``StageFSDP`` or ``StageDataParallel``),
+        or None (one device)."""
+        return next((x for x in (self.tp, self.fsdp, self.ep, self.cp) if x is not None), None)
 
     def placed(self, state: nnx.State) -> nnx.State:
         """``state`` where the stage's programs take it: on its device, or on its sub-mesh

@@ -38,13 +38,14 @@ from jaxpg.groups.resolve import resolve_group
 from jaxpg.pipeline.stage.programs import plain_programs
 from jaxpg.reduce_op import ReduceOp
 
-__all__ = ["StageTP", "stage_tensor_parallel"]
+__all__ = ["PlacedParams", "StageTP", "check_stage_group", "mesh_row", "on_row",
+           "stage_tensor_parallel", "state_arrays", "state_specs"]
 
 _FIX = ("parallelize the stage's module over this process's tp group first "
         "(parallelize_module(module, mesh['tp'], plan)) and pass that group")
 
 
-def _arrays(module: nnx.Module) -> list[tuple[str, Any]]:
+def state_arrays(module: nnx.Module) -> list[tuple[str, Any]]:
     """``(path, array)`` for every array of the module's state."""
     leaves = jax.tree_util.tree_leaves_with_path(nnx.state(module))
     return [(".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
@@ -52,7 +53,7 @@ def _arrays(module: nnx.Module) -> list[tuple[str, Any]]:
             for path, v in leaves if isinstance(v, jax.Array)]  # fmt: skip
 
 
-def _row(mesh: Mesh, axis: str, device: Any) -> Mesh:
+def mesh_row(mesh: Mesh, axis: str, device: Any) -> Mesh:
     """The 1-D mesh along ``axis`` of ``mesh`` through ``device``."""
     where = np.argwhere(np.asarray(mesh.devices) == device)
     if where.size == 0:
@@ -62,8 +63,52 @@ def _row(mesh: Mesh, axis: str, device: Any) -> Mesh:
     return Mesh(np.asarray(mesh.devices)[index], (axis,))
 
 
+def on_row(row: Mesh, a: Any) -> Any:
+    """``a`` (laid out on a mesh through ``row``'s devices) on the 1-D mesh ``row``, each
+    device keeping its own shard; other values as they are."""
+    if not isinstance(a, jax.Array) or not isinstance(a.sharding, NamedSharding) or \
+            a.sharding.mesh == row:
+        return a
+    devices = set(row.devices.flat)
+    shards = [s.data for s in a.addressable_shards if s.device in devices]
+    return jax.make_array_from_single_device_arrays(
+        a.shape, NamedSharding(row, a.sharding.spec), shards)
+
+
+def state_specs(state: Any) -> tuple[Any, tuple]:
+    """``(treedef, specs)`` of a placed state's arrays."""
+    leaves, tree = jax.tree.flatten(state)
+    return tree, tuple(a.sharding.spec for a in leaves)
+
+
+class PlacedParams:
+    """The part of the sub-mesh layout protocol of a stage whose programs take the
+    parameters as they are placed (``param_specs``, ``rest_specs``) and give their gradients
+    in the same layout, nothing gathered or reduce-scattered around a step."""
+
+    def specs(self) -> tuple[Any, Any]:
+        """``(param specs, rest specs)`` as trees of the state's structure."""
+        return tuple(jax.tree.unflatten(*s) for s in (self.param_specs, self.rest_specs))
+
+    def grad_specs(self) -> Any:
+        """The specs of the weight gradients a program gives: the parameters'."""
+        return self.specs()[0]
+
+    def weight_grads(self, grads: Any) -> Any:
+        """A rank's weight gradients as the programs give them: its shards'."""
+        return grads
+
+    def step_params(self, params: Any) -> Any:
+        """The parameters a step's programs take: the placed ones."""
+        return params
+
+    def finish_grads(self, grads: Any) -> Any:
+        """A step's summed gradients, as ``stage.grads`` holds them: as they are."""
+        return grads
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
-class StageTP(MeshAxis):
+class StageTP(PlacedParams, MeshAxis):
     """A stage's tensor parallelism: its group as an axis (a :class:`MeshAxis` over the
     stage's own 1-D mesh), this process's device, and the specs of the module's state.
 
@@ -82,16 +127,8 @@ class StageTP(MeshAxis):
 
     def with_specs(self, module: nnx.Module) -> StageTP:
         """This layout with the specs of ``module``'s state (placed on ``mesh``)."""
-        def specs(state):
-            leaves, tree = jax.tree.flatten(state)
-            return tree, tuple(a.sharding.spec for a in leaves)
-
-        return dataclasses.replace(self, param_specs=specs(nnx.state(module, nnx.Param)),
-                                   rest_specs=specs(nnx.state(module, nnx.Not(nnx.Param))))
-
-    def specs(self) -> tuple[Any, Any]:
-        """``(param specs, rest specs)`` as trees of the state's structure."""
-        return tuple(jax.tree.unflatten(*s) for s in (self.param_specs, self.rest_specs))
+        return dataclasses.replace(self, param_specs=state_specs(nnx.state(module, nnx.Param)),
+                                   rest_specs=state_specs(nnx.state(module, nnx.Not(nnx.Param))))
 
     # what the sub-mesh programs (``jaxpg.pipeline.stage.submesh_programs``) ask of a layout
     out_spec = P()  # activations are replicated over tp
@@ -103,22 +140,6 @@ class StageTP(MeshAxis):
     def gather(self, params: Any) -> Any:
         """The parameters a tp rank's module takes: its own shards."""
         return params
-
-    def grad_specs(self) -> Any:
-        """The specs of the weight gradients a program gives: the parameters'."""
-        return self.specs()[0]
-
-    def weight_grads(self, grads: Any) -> Any:
-        """A rank's weight gradients as the programs give them: its shards'."""
-        return grads
-
-    def step_params(self, params: Any) -> Any:
-        """The parameters a step's programs take: the placed ones."""
-        return params
-
-    def finish_grads(self, grads: Any) -> Any:
-        """A step's summed gradients, as ``stage.grads`` holds them: as they are."""
-        return grads
 
     def data_spec(self, x: Any) -> P:
         """The spec of an activation, target or cotangent: replicated over tp."""
@@ -140,17 +161,7 @@ class StageTP(MeshAxis):
 
     def place(self, tree: Any) -> Any:
         """``tree``'s arrays on the stage's mesh, each device keeping its own shard."""
-        row = set(self.mesh.devices.flat)
-
-        def one(a):
-            if not isinstance(a, jax.Array) or not isinstance(a.sharding, NamedSharding) or \
-                    a.sharding.mesh == self.mesh:
-                return a
-            shards = [s.data for s in a.addressable_shards if s.device in row]
-            return jax.make_array_from_single_device_arrays(
-                a.shape, NamedSharding(self.mesh, a.sharding.spec), shards)
-
-        return jax.tree.map(one, tree)
+        return jax.tree.map(lambda a: on_row(self.mesh, a), tree)
 
     def to_global(self, tree: Any) -> Any:
         """This process's copy of replicated values (activations) as arrays on the mesh."""
@@ -211,11 +222,14 @@ def _spread(mesh: Mesh, axis: str):
                                  check_vma=False))
 
 
-def _check_group(tp: ProcessGroup, arg: str, me: int, others: dict[str, Any]) -> None:
+def check_stage_group(tp: ProcessGroup, arg: str, me: int, others: dict[str, Any],
+                      kind: str = "tensor-parallel", dim: str = "tp") -> None:
+    """Raises unless the stage's ``kind`` group ``tp`` (mesh dimension ``dim``) holds this
+    process's rank ``me`` and meets each of ``others`` (name: group or None) only there."""
     if me not in tp.ranks:
         raise ValueError(f"PipelineStage {arg} (ranks {list(tp.ranks)}) does not hold this "
-                         f"process's rank {me}; pass this process's tensor-parallel group "
-                         "(e.g. mesh['tp'] of the ('pp', 'tp') mesh).")
+                         f"process's rank {me}; pass this process's {kind} group "
+                         f"(e.g. mesh['{dim}'] of the ('pp', '{dim}') mesh).")
     for name, group in others.items():
         if group is None:
             continue
@@ -223,7 +237,7 @@ def _check_group(tp: ProcessGroup, arg: str, me: int, others: dict[str, Any]) ->
         if shared != [me]:
             raise ValueError(f"PipelineStage {arg} shares ranks {shared} with the {name} group "
                              f"{group!r}; the two must be different dimensions of one mesh, "
-                             f"meeting only at this process (e.g. mesh['tp'] and "
+                             f"meeting only at this process (e.g. mesh['{dim}'] and "
                              f"mesh['{'pp' if name == 'pipeline' else 'dp'}']).")
 
 
@@ -273,7 +287,7 @@ def stage_tensor_parallel(module: nnx.Module, given: Any, *, device: Any, me: in
         ValueError: a group without this process, sharing ranks with the pipeline or
             data-parallel group, or a module not parallelized over it.
     """
-    arrays = _arrays(module)
+    arrays = state_arrays(module)
     if given is None:
         group = _inferred(arrays, world.current(), me)
         if group is None:
@@ -282,10 +296,10 @@ def stage_tensor_parallel(module: nnx.Module, given: Any, *, device: Any, me: in
     else:
         group = resolve_group(given, api="PipelineStage", arg="tensor_parallel_group")
         arg = f"tensor_parallel_group={given!r}"
-    _check_group(group, arg, me, {"pipeline": pipeline, "data-parallel": data_parallel})
+    check_stage_group(group, arg, me, {"pipeline": pipeline, "data-parallel": data_parallel})
     tp = resolve_mesh_axis(group, "tp", api="PipelineStage", arg="tensor_parallel_group")
     mesh, axis = tp.mesh, tp.axis
-    row = _row(mesh, axis, device)
+    row = mesh_row(mesh, axis, device)
     if list(row.devices.flat) != list(group.devices):
         raise ValueError(f"PipelineStage {arg} is not one dimension of a mesh; pass "
                          "mesh['tp'] of the ('pp', 'tp') mesh.")

@@ -100,17 +100,22 @@ def close(got, want, tol=1e-5):
                                           strict=True))
 
 
-def reference(tokens, labels):
+def reference(tokens, labels, pieces=None, extra=()):
     """The whole model on the whole batch: per step, the microbatch losses and each stage's
     gradients of their mean, with an SGD step between; and the parameters after it (run
-    by rank 0, the others get its results: one compile instead of four)."""
-    gd, params = nnx.split(Chain([stage_module(s) for s in range(2)]), nnx.Param)
+    by rank 0, the others get its results: one compile instead of four). ``pieces``: the
+    stage modules (default this file's), the first taking ``(tokens, *extra)``."""
+    gd, params = nnx.split(Chain(pieces or [stage_module(s) for s in range(2)]), nnx.Param)
+    params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), params)  # on this device
 
     @jax.jit
     def sgd_step(params):
         def mean_loss(p):  # one forward of the batch; each microbatch's loss from its rows
-            logits = nnx.merge(gd, p)(tokens)
-            per = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+            out = (tokens, *extra)
+            for piece in nnx.merge(gd, p).pieces:
+                out = piece(*out)
+                out = out if isinstance(out, tuple) else (out,)
+            per = optax.softmax_cross_entropy_with_integer_labels(out[0], labels)
             per = per.reshape(M, -1).mean(axis=1)
             return per.mean(), per
 
@@ -124,6 +129,43 @@ def reference(tokens, labels):
         if len(steps) == 1:
             after_sgd = _numpy(nnx.to_pure_dict(params)["pieces"])
     return steps, after_sgd
+
+
+def two_steps(stage, inputs, target, ref, loss_fn, verify, laid_out, again=None):
+    """A ``Schedule1F1B`` step, SGD over ``stage.grads``, a ``ScheduleGPipe`` step (on
+    ``again(stage)``'s stage, if given) of a stage whose group splits the data: each check
+    against ``ref`` (:func:`reference`'s, the stage's own part of the batch given as
+    ``inputs`` or ``target``) passed to ``verify(name, ok)``, every state ``laid_out``."""
+    steps, after_sgd = ref
+    s, tx = stage.stage_index, optax.sgd(LR)
+
+    def full(state):  # the whole arrays, gathered from the stage's mesh
+        return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
+                            nnx.to_pure_dict(_gather(stage.layout.mesh)(state)))
+
+    @jax.jit
+    def sgd(grads, params):  # plain SGD: each parameter's update in its own layout
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    for step, (name, cls) in enumerate((("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe))):
+        want_losses, want_grads = steps[step]
+        schedule = cls(stage, M, loss_fn=loss_fn)
+        if stage.is_first:
+            schedule.step(*inputs)
+        else:
+            losses = []
+            out = schedule.step(target=target, losses=losses)  # this process's part
+            verify(f"losses_{name}", out.shape[:-1] == target.shape and
+                   close(np.array([float(x) for x in losses]), want_losses))
+        verify(f"grads_{name}", close(full(stage.grads), want_grads[s]) and
+               laid_out(stage.grads))
+        if step == 0:
+            nnx.update(stage.submod, sgd(stage.grads, stage.params()))
+            stage.zero_grad()
+            verify("sgd_params", close(full(stage.params()), after_sgd[s]) and
+                   laid_out(stage.params()))
+            stage = again(stage) if again is not None else stage
 
 
 def _numpy(tree):
@@ -230,39 +272,14 @@ def run_fully_sharded(tokens: np.ndarray, labels: np.ndarray) -> None:
     steps, after_sgd = jaxpg.broadcast_object_list(list(ref), src=0)
     stage = PipelineStage(stage_module(s), s, 2, group=mesh["pp"],
                           fsdp_group=mesh["dp_shard"])
-    gather = _gather(stage.fsdp.mesh)
-
-    def full(state):
-        return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
-                            nnx.to_pure_dict(gather(state)))
 
     def split_over_dp_shard(state):
         return all(a.sharding.spec == P("dp_shard") for a in jax.tree.leaves(state))
 
-    _verify("params_split", split_over_dp_shard(stage.params()))
-    tx = optax.sgd(LR)
+    def gathered_once(stage):  # the GPipe step gathers the parameters once a step (torch's
+        return PipelineStage(stage.submod, s, 2, group=mesh["pp"],  # reshard_after_forward)
+                             fsdp_group=mesh["dp_shard"], reshard_after_forward=False)
 
-    @jax.jit
-    def sgd(grads, params):  # plain SGD: the update of the sharded gradients, shard by shard
-        updates, _ = tx.update(grads, tx.init(params), params)
-        return optax.apply_updates(params, updates)
-    for step, (name, cls) in enumerate((("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe))):
-        want_losses, want_grads = steps[step]
-        schedule = cls(stage, M, loss_fn=ce_loss)
-        if stage.is_first:
-            schedule.step(jnp.asarray(tokens[mine]))
-        else:
-            losses = []
-            logits = schedule.step(target=jnp.asarray(labels[mine]), losses=losses)
-            _verify(f"losses_{name}", logits.shape == (half, tokens.shape[1], V) and
-                    close(np.array([float(x) for x in losses]), want_losses))
-        _verify(f"grads_{name}", close(full(stage.grads), want_grads[s]) and
-                split_over_dp_shard(stage.grads))
-        if step == 0:
-            nnx.update(stage.submod, sgd(stage.grads, stage.params()))
-            stage.zero_grad()
-            _verify("sgd_params", close(full(stage.params()), after_sgd[s]) and
-                    split_over_dp_shard(stage.params()))
-            # the GPipe step gathers the parameters once (torch's reshard_after_forward=False)
-            stage = PipelineStage(stage.submod, s, 2, group=mesh["pp"],
-                                  fsdp_group=mesh["dp_shard"], reshard_after_forward=False)
+    _verify("params_split", split_over_dp_shard(stage.params()))
+    two_steps(stage, (jnp.asarray(tokens[mine]),), jnp.asarray(labels[mine]),
+              (steps, after_sgd), ce_loss, _verify, split_over_dp_shard, gathered_once)

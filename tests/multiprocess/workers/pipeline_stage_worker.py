@@ -716,6 +716,18 @@ def main() -> None:
         run_tensor_parallel(tokens, labels)
         print(f"jaxpg tensor parallel {time.perf_counter() - start:.1f} s "
               f"({time.process_time() - cpu:.1f} s CPU)", flush=True)
+        from pipeline_stage_ep_worker import run_expert_parallel
+
+        start, cpu = time.perf_counter(), time.process_time()
+        run_expert_parallel(np.random.default_rng(2))
+        print(f"jaxpg expert parallel {time.perf_counter() - start:.1f} s "
+              f"({time.process_time() - cpu:.1f} s CPU)", flush=True)
+        from pipeline_stage_cp_worker import run_context_parallel
+
+        start, cpu = time.perf_counter(), time.process_time()
+        run_context_parallel(np.random.default_rng(1))
+        print(f"jaxpg context parallel {time.perf_counter() - start:.1f} s "
+              f"({time.process_time() - cpu:.1f} s CPU)", flush=True)
         from pipeline_stage_dp_worker import run_pipeline_layer_data_parallel
 
         start = time.perf_counter()
