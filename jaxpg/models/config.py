@@ -1,10 +1,11 @@
 """The model families' configurations: Llama 3, Qwen 3 and Qwen3-MoE, with published sizes.
 
-One ``@dataclass(kw_only=True)`` per family, validated in ``__post_init__``, holding what
-the modules and the planner need: widths, heads and key/value heads, RoPE and its scaling,
-the experts. :data:`PRESETS` names the published sizes (``"llama3-8b"``, ``"qwen3-30b-a3b"``,
-...) and tiny ones for tests (``"llama3-tiny"``, ...); :func:`config_for` returns a fresh
-copy by name.
+One frozen ``@dataclass(kw_only=True)`` per family (hashable, as a module's static
+attribute must be for programs cached by the module's structure), validated in
+``__post_init__``, holding what the modules and the planner need: widths, heads and
+key/value heads, RoPE and its scaling, the experts. :data:`PRESETS` names the published
+sizes (``"llama3-8b"``, ``"qwen3-30b-a3b"``, ...) and tiny ones for tests
+(``"llama3-tiny"``, ...); :func:`config_for` returns a fresh copy by name.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
@@ -79,7 +80,7 @@ class ModelConfig:
             if self.hidden_size % self.num_heads:
                 raise ValueError(f"{api}: hidden_size={self.hidden_size} is not divisible by "
                                  f"num_heads={self.num_heads}; pass head_dim=.")
-            self.head_dim = self.hidden_size // self.num_heads
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim % 2:
             raise ValueError(f"{api}: head_dim={self.head_dim} must be even (RoPE rotates "
                              "pairs).")
@@ -111,14 +112,14 @@ class ModelConfig:
         return 3 * self.hidden_size * self.intermediate_size
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class LlamaConfig(ModelConfig):
     """Llama 3: grouped-query attention and RoPE with Llama 3's frequency scaling."""
 
     family: ClassVar[str] = "llama"
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class Qwen3Config(ModelConfig):
     """Qwen 3: Llama's layout with a per-head RMSNorm on queries and keys."""
 
@@ -131,7 +132,7 @@ class Qwen3Config(ModelConfig):
         return True
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class Qwen3MoeConfig(Qwen3Config):
     """Qwen3-MoE: Qwen 3 whose MLPs are mixtures of SwiGLU experts.
 
@@ -154,7 +155,7 @@ class Qwen3MoeConfig(Qwen3Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"Qwen3MoeConfig: num_experts_per_tok={self.num_experts_per_tok} "
                              f"must be between 1 and num_experts={self.num_experts}.")

@@ -5,7 +5,9 @@ the layers with the embedding counted on the first stage and the head on the las
 as ``edge_cost`` layers). :func:`pipeline_stages` returns one NNX module per stage that
 shares the model's parameters: stage 0 embeds the tokens, the last applies the final
 norm and the head, and chaining them is the model's forward. Each takes
-``(x, positions)``: token ids (stage 0) or hidden states, and the global positions.
+``(x, positions)``: token ids (stage 0) or hidden states, and the global positions; each
+but the last returns ``(hidden states, positions)``, the next one's inputs, so that
+``jaxpg.pipeline.PipelineStage`` carries the positions between stages.
 """
 
 from __future__ import annotations
@@ -71,7 +73,12 @@ class Stage(nnx.Module):
             if hasattr(model, "lm_head"):
                 self.lm_head = model.lm_head
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array
+                 ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """The stage's layers on ``x`` (token ids on the first stage); the last stage gives
+        the logits, the others ``(hidden states, positions)``: the next stage's inputs, the
+        positions carried beside the activations (as torch's ``PipelineStage`` carries a
+        stage's outputs; under context parallelism they are not ``arange(seq)``)."""
         if self.first:
             x = self.embed_tokens(x)
         cos, sin = rope_tables(jnp.broadcast_to(positions, x.shape[:2]),
@@ -84,7 +91,7 @@ class Stage(nnx.Module):
                 return self.lm_head(x)
             table = self.embed_tokens.embedding[...]  # tied: one stage holds both
             return jnp.einsum("bsd,vd->bsv", x, table.astype(x.dtype))
-        return x
+        return x, positions
 
 
 def pipeline_stages(model: Any, num_stages: int | None = None, *,

@@ -115,10 +115,10 @@ def test_pipeline_stages_chain_to_the_model_and_bounds_balance_the_edges():
     def both(state, tokens):
         m = nnx.merge(*state)
         parts = models.pipeline_stages(m, bounds=[0, 1, 3])
-        h = tokens
-        for stage in parts:
-            h = stage(h, positions)
-        return h, m.forward(tokens, positions)
+        out = (tokens, positions)
+        for stage in parts:  # each but the last gives the next one's (h, positions)
+            out = stage(*out)
+        return out, m.forward(tokens, positions)
 
     chained, whole = both(nnx.split(model), TOKENS)
     np.testing.assert_allclose(np.asarray(chained), np.asarray(whole), rtol=0, atol=1e-6)

@@ -6,8 +6,8 @@ microbatch by microbatch by hand, each ep rank routing its own rows.
 Losses, gradients and an SGD step must equal the un-pipelined model's with every expert on
 one device (ep = 1, the same seeds) on the whole batch; the experts and their gradients
 must stay split over ep and the other parameters replicated, also with a dense first stage
-(no experts: every parameter replicated). (Schedules across processes
-run the same programs: tests/multiprocess/workers/pipeline_stage_ep_worker.py.)
+(no experts: every parameter replicated). (Schedules across processes run the same
+programs: tests/multiprocess/workers/pipeline_stage_ep_worker.py.)
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class MoEHead(nnx.Module):
 
 
 def modules(group, dense_first=False):
-    return (EmbedMLP if dense_first else EmbedMoE)(group, nnx.Rngs(3)), MoEHead(group,
-                                                                               nnx.Rngs(4))
+    first = EmbedMLP if dense_first else EmbedMoE
+    return first(group, nnx.Rngs(3)), MoEHead(group, nnx.Rngs(4))
 
 
 def _stages(mesh, dense_first):
@@ -98,7 +98,6 @@ def test_expert_parallel_stages_give_the_un_pipelined_gradients(world, split, de
 
     losses, grads, _ = run_pipeline(stages, tokens, labels, split)
     check_step(stages, losses, grads, want_losses, want_grads)
-
     check_sgd(stages, grads, want_after)  # an SGD step gives the reference's parameters
 
 
