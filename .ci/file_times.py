@@ -49,7 +49,7 @@ def main() -> None:
     if failed:
         print(f"== {len(failed)} failed test(s)")
     for test, message, text in failed:
-        print(f"FAILED {test}: {message[:500]}")
+        print(f"FAILED {test}: {(message.splitlines() or [''])[0][:300]}")
         for line in text.strip().splitlines()[-12:]:
             print(f"    {line[:300]}")
 
