@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["GROUPED_MATMUL_IMPLS", "TILE_ROWS", "grouped_matmul", "resolve_grouped_matmul",
-           "mosaic_applies"]
+           "mosaic_applies", "pad_rows", "round_up", "tile_loop"]
 
 GROUPED_MATMUL_IMPLS = ("auto", "xla", "tiled", "mosaic")
 TILE_ROWS = 128  # rows per tile of the "tiled" loop: a matmul large enough to run at speed
@@ -120,18 +120,21 @@ def _work_items(group_sizes: jax.Array, num_tiles: int) -> tuple[jax.Array, ...]
     return last_item[-1], group, tile, starts, ends
 
 
-def _round_up(m: int, block: int) -> int:
+def round_up(m: int, block: int) -> int:
     """``m`` rounded up to whole blocks."""
     return -(-m // block) * block
 
 
-def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
+def pad_rows(a: jax.Array, rows: int) -> jax.Array:
+    """``a`` with zero rows appended up to ``rows``."""
     return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
 
 
-def _tile_loop(body: Any, init: Any, group_sizes: jax.Array, m: int) -> Any:
-    """Runs ``body(group, row0, mask, carry)`` over the work items; returns the carry."""
-    num_tiles = _round_up(m, TILE_ROWS) // TILE_ROWS
+def tile_loop(body: Any, init: Any, group_sizes: jax.Array, m: int) -> Any:
+    """Runs ``body(group, row0, mask, carry)`` over the work items (the tiles holding a
+    group's rows; ``mask`` marks them in the tile); returns the carry. The tiled matmul and
+    the fused MLP (:mod:`.grouped_mlp`) both run on it."""
+    num_tiles = round_up(m, TILE_ROWS) // TILE_ROWS
     count, group, tile, starts, ends = _work_items(group_sizes, num_tiles)
     offsets = jnp.arange(TILE_ROWS, dtype=jnp.int32)
 
@@ -149,8 +152,8 @@ def _tiled_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                    transpose_rhs: bool) -> jax.Array:
     """``lhs[r] @ rhs[e(r)]`` (``rhs[e]ᵀ`` when ``transpose_rhs``)."""
     m = lhs.shape[0]
-    padded = _round_up(m, TILE_ROWS)
-    lhs_p = _pad_rows(lhs, padded)
+    padded = round_up(m, TILE_ROWS)
+    lhs_p = pad_rows(lhs, padded)
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
@@ -163,7 +166,7 @@ def _tiled_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         cur = lax.dynamic_slice_in_dim(out, row0, TILE_ROWS)
         return lax.dynamic_update_slice_in_dim(out, cur + jnp.where(mask, prod, 0), row0, 0)
 
-    out = _tile_loop(body, jnp.zeros((padded, n), out_dtype), group_sizes, m)
+    out = tile_loop(body, jnp.zeros((padded, n), out_dtype), group_sizes, m)
     return out[:m]
 
 
@@ -171,8 +174,8 @@ def _tiled_weight_grad(lhs: jax.Array, d_out: jax.Array, group_sizes: jax.Array,
                        num_groups: int, dtype: Any) -> jax.Array:
     """``d rhs[e] = lhs[rows of e]ᵀ · d_out[rows of e]``: ``(E, k, n)``."""
     m = lhs.shape[0]
-    padded = _round_up(m, TILE_ROWS)
-    lhs_p, d_out_p = _pad_rows(lhs, padded), _pad_rows(d_out, padded)
+    padded = round_up(m, TILE_ROWS)
+    lhs_p, d_out_p = pad_rows(lhs, padded), pad_rows(d_out, padded)
 
     def body(e: jax.Array, row0: jax.Array, mask: jax.Array, grad: jax.Array) -> jax.Array:
         tile = jnp.where(mask, lax.dynamic_slice_in_dim(lhs_p, row0, TILE_ROWS), 0)
@@ -183,7 +186,7 @@ def _tiled_weight_grad(lhs: jax.Array, d_out: jax.Array, group_sizes: jax.Array,
         return lax.dynamic_update_index_in_dim(grad, cur + part, e, 0)
 
     shape = (num_groups, lhs.shape[1], d_out.shape[1])
-    grad = _tile_loop(body, jnp.zeros(shape, jnp.float32), group_sizes, m)
+    grad = tile_loop(body, jnp.zeros(shape, jnp.float32), group_sizes, m)
     return grad.astype(dtype)
 
 
@@ -220,7 +223,7 @@ def _mosaic_ragged(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     m = lhs.shape[0]
-    out = ragged_dot_mgpu.ragged_dot(_pad_rows(lhs, _mosaic_rows(m)), rhs,
+    out = ragged_dot_mgpu.ragged_dot(pad_rows(lhs, _mosaic_rows(m)), rhs,
                                      group_sizes=group_sizes, transpose_rhs=transpose_rhs,
                                      **_MOSAIC_BLOCKS)[:m]
     used = jnp.arange(m) < jnp.sum(group_sizes)  # the kernel leaves the tail
@@ -229,7 +232,7 @@ def _mosaic_ragged(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
 def _mosaic_rows(m: int) -> int:
     """Rows padded to whole blocks: the kernels' memory tiling needs it (zero rows, unused)."""
-    return _round_up(m, _MOSAIC_BLOCKS["block_m"])
+    return round_up(m, _MOSAIC_BLOCKS["block_m"])
 
 
 def _mosaic_weight_grad(lhs: jax.Array, d_out: jax.Array, group_sizes: jax.Array,
@@ -239,7 +242,7 @@ def _mosaic_weight_grad(lhs: jax.Array, d_out: jax.Array, group_sizes: jax.Array
 
     rows = _mosaic_rows(lhs.shape[0])
     grad = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        _pad_rows(lhs, rows), _pad_rows(d_out, rows), group_sizes=group_sizes,
+        pad_rows(lhs, rows), pad_rows(d_out, rows), group_sizes=group_sizes,
         **_MOSAIC_BLOCKS)
     return grad.astype(dtype)
 

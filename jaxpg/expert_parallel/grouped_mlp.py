@@ -24,11 +24,11 @@ from jax import lax
 
 from jaxpg.expert_parallel.grouped_matmul import (
     TILE_ROWS,
-    _pad_rows,
-    _round_up,
-    _tile_loop,
     grouped_matmul,
+    pad_rows,
     resolve_grouped_matmul,
+    round_up,
+    tile_loop,
 )
 
 __all__ = ["grouped_mlp", "separate_mlp"]
@@ -84,8 +84,8 @@ def _forward(activation: Activation, rows: jax.Array, w1: jax.Array, w2: jax.Arr
              group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The output ``(m, d_out)`` and the pre-activations, ``(padded m, h)``."""
     m = rows.shape[0]
-    padded = _round_up(m, TILE_ROWS)
-    rows_p = _pad_rows(rows, padded)
+    padded = round_up(m, TILE_ROWS)
+    rows_p = pad_rows(rows, padded)
     hidden_dtype = jnp.result_type(rows.dtype, w1.dtype)
     out_dtype = jnp.result_type(hidden_dtype, w2.dtype)
 
@@ -102,7 +102,7 @@ def _forward(activation: Activation, rows: jax.Array, w1: jax.Array, w2: jax.Arr
 
     init = (jnp.zeros((padded, w2.shape[2]), out_dtype),
             jnp.zeros((padded, w1.shape[2]), hidden_dtype))
-    out, pre = _tile_loop(body, init, group_sizes, m)
+    out, pre = tile_loop(body, init, group_sizes, m)
     return out[:m], pre
 
 
@@ -111,7 +111,7 @@ def _backward(activation: Activation, rows: jax.Array, w1: jax.Array, w2: jax.Ar
     """Gradients of the rows and of both matrices, tile by tile."""
     m = rows.shape[0]
     padded = pre.shape[0]
-    rows_p, d_out_p = _pad_rows(rows, padded), _pad_rows(d_out, padded)
+    rows_p, d_out_p = pad_rows(rows, padded), pad_rows(d_out, padded)
 
     def body(e, row0, mask, carry):
         d_rows, d_w1, d_w2 = carry
@@ -131,7 +131,7 @@ def _backward(activation: Activation, rows: jax.Array, w1: jax.Array, w2: jax.Ar
 
     init = (jnp.zeros((padded, rows.shape[1]), rows.dtype),
             jnp.zeros(w1.shape, jnp.float32), jnp.zeros(w2.shape, jnp.float32))
-    d_rows, d_w1, d_w2 = _tile_loop(body, init, group_sizes, m)
+    d_rows, d_w1, d_w2 = tile_loop(body, init, group_sizes, m)
     return d_rows[:m], d_w1.astype(w1.dtype), d_w2.astype(w2.dtype)
 
 

@@ -116,3 +116,5 @@ def test_context_parallel_stage_names_what_it_cannot_run(world):
     with pytest.raises(ValueError, match=r"a microbatch of 6 positions along dimension 1 .* "
                                          r"does not split over this process's 4 devices"):
         stage.layout.to_global(jnp.zeros((2, 6, D)))
+    with pytest.raises(ValueError, match=r"an activation of shape \(2,\) has no dimension 1"):
+        stage.layout.to_global(jnp.zeros((2,)))

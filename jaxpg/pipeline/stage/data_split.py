@@ -126,10 +126,10 @@ class DataSplit:
     def _factor(self) -> int:
         return self.size // self.local_count
 
-    def _resized(self, struct: Any, times: float) -> jax.ShapeDtypeStruct:
+    def _resized(self, struct: Any, times: int, over: int = 1) -> jax.ShapeDtypeStruct:
         shape = list(struct.shape)
         if len(shape) > self.split_dim:
-            shape[self.split_dim] = int(shape[self.split_dim] * times)
+            shape[self.split_dim] = shape[self.split_dim] * times // over
         return jax.ShapeDtypeStruct(tuple(shape), struct.dtype)
 
     def global_struct(self, struct: Any) -> jax.ShapeDtypeStruct:
@@ -138,7 +138,7 @@ class DataSplit:
 
     def local_struct(self, struct: Any) -> jax.ShapeDtypeStruct:
         """The shape this process holds of a global activation ``struct``."""
-        return self._resized(struct, 1 / self._factor())
+        return self._resized(struct, 1, self._factor())
 
     def check_outputs(self, tree: Any, what: str) -> None:
         """Nothing to check: each rank's outputs are its own rows."""
