@@ -46,13 +46,17 @@ def free_port() -> int:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any launcher's variables, plus ``extra``."""
+    """This environment without any launcher's variables, plus ``extra``.
+
+    ``PYTHONFAULTHANDLER``: a worker that dies of a fatal signal (an abort in C++) prints
+    every Python thread's traceback, which names the thread at fault."""
     prefixes = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
     names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
              "MASTER_PORT", "JAXPG_COORDINATOR_HOSTED"}
     env = {k: v for k, v in os.environ.items()
            if k not in names and not k.startswith(prefixes)}
-    env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), **extra)
+    env.update(PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=xla_flags(), **extra)
     return env
 
 

@@ -31,7 +31,9 @@
 * context-parallel stages (pp = 2 x cp = 2, ``context_parallel_group=``, ring attention,
   each process its part of every sequence and its position ids, carried between the stages)
   give the un-pipelined model's losses, gradients and SGD step with plain attention over
-  each whole sequence (4 processes, the same launch).
+  each whole sequence (4 processes, the same launch);
+* the same across 8 processes (one launch): fully sharded over dp_shard = 4, expert parallel
+  over ep = 2 with pp = 4 unequal stages, context parallel over cp = 4.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from _require import import_or_skip
 from jaxpg.internal import free_port
 
 WORKER = Path(__file__).parent / "workers" / "pipeline_stage_worker.py"
+WORKER8 = Path(__file__).parent / "workers" / "pipeline_stage8_worker.py"
 MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
          "ScheduleLoopedBFS", "ScheduleDualPipeV")
 V_PLACED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # the last stage on rank 0
@@ -286,6 +289,22 @@ def test_tensor_parallel_stages_give_the_un_sharded_gradients(results4):
         assert checks == want, (rank, checks, text[-3000:])
 
 
+@pytest.fixture(scope="module")
+def texts8():
+    """pipeline_stage8_worker.py on 8 processes: each rank's output."""
+    env = child_env()
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAXPG_FR_BUFFER_SIZE="500")
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER8), str(r), "8", str(port)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+             for r in range(8)]  # fmt: skip
+    runs = finish(procs, timeout=840)
+    for rc, text in runs:
+        assert rc == 0 and "DONE" in text, text[-5000:]
+    return [t for _, t in runs]
+
+
 #: The stages whose group splits the data, by the prefix their worker's checks print
 #: (pipeline_stage_tp_worker.py, _ep_worker.py, _cp_worker.py): their layout check.
 SPLIT_DATA = {"FSDP": "params_split", "EP": "experts_split", "CP": "params_replicated"}
@@ -311,5 +330,28 @@ def test_stages_over_a_group_that_splits_the_data_give_the_un_pipelined_gradient
         checks = set(re.findall(rf"^{kind} (\w+) ok$", text, re.M))
         want = {layout, "grads_1f1b", "sgd_params", "grads_gpipe"}
         if rank >= 2:  # the last stage's processes (pp coordinate 1)
+            want |= {"losses_1f1b", "losses_gpipe"}
+        assert checks == want, (rank, checks, text[-3000:])
+
+
+#: The 8-process launch's layouts: (pp, the group's size) of each kind's mesh.
+SPLIT_DATA8 = {"FSDP": (2, 4), "EP": (4, 2), "CP": (2, 4)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", list(SPLIT_DATA))
+def test_stages_over_a_group_that_splits_the_data_across_8_processes(texts8, kind):
+    """The same stages across 8 processes: fully sharded over dp_shard = 4 (pp = 2), expert
+    parallel over ep = 2 with pp = 4 unequal stages (two middle ones that only receive and
+    send, 4 microbatches), context parallel over cp = 4 (pp = 2, a quarter of every
+    sequence each). Each kind's Schedule1F1B step, SGD step and ScheduleGPipe step must give
+    the un-pipelined model's losses, gradients and parameters on the whole batch, on every
+    rank, the layout kept."""
+    pp, size = SPLIT_DATA8[kind]
+    for rank, text in enumerate(texts8):
+        checks = set(re.findall(rf"^{kind} (\w+) ok$", text, re.M))
+        want = {SPLIT_DATA[kind], "grads_1f1b", "sgd_params", "grads_gpipe"}
+        if rank // size == pp - 1:  # the last stage's processes
             want |= {"losses_1f1b", "losses_gpipe"}
         assert checks == want, (rank, checks, text[-3000:])

@@ -41,9 +41,9 @@ def ce(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def run_context_parallel(rng: np.random.Generator) -> None:
-    """CP stages: pp = 2 x cp = 2, each process its part of every sequence."""
-    mesh = jaxpg.init_device_mesh((2, 2), ("pp", "cp"))
+def run_context_parallel(rng: np.random.Generator, cp: int = 2) -> None:
+    """CP stages: pp = 2 x ``cp``, each process its part of every sequence."""
+    mesh = jaxpg.init_device_mesh((2, cp), ("pp", "cp"))
     s = mesh.get_local_rank("pp")
     tokens = rng.integers(0, V, (4, S)).astype(np.int32)
     labels = rng.integers(0, V, (4, S)).astype(np.int32)

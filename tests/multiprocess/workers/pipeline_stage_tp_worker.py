@@ -100,11 +100,11 @@ def close(got, want, tol=1e-5):
                                           strict=True))
 
 
-def reference(tokens, labels, pieces=None, extra=()):
-    """The whole model on the whole batch: per step, the microbatch losses and each stage's
-    gradients of their mean, with an SGD step between; and the parameters after it (run
-    by rank 0, the others get its results: one compile instead of four). ``pieces``: the
-    stage modules (default this file's), the first taking ``(tokens, *extra)``."""
+def reference(tokens, labels, pieces=None, extra=(), m=M):
+    """The whole model on the whole batch: per step, the ``m`` microbatch losses and each
+    stage's gradients of their mean, with an SGD step between; and the parameters after it
+    (run by rank 0, the others get its results: one compile instead of four). ``pieces``:
+    the stage modules (default this file's), the first taking ``(tokens, *extra)``."""
     gd, params = nnx.split(Chain(pieces or [stage_module(s) for s in range(2)]), nnx.Param)
     params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), params)  # on this device
 
@@ -116,7 +116,7 @@ def reference(tokens, labels, pieces=None, extra=()):
                 out = piece(*out)
                 out = out if isinstance(out, tuple) else (out,)
             per = optax.softmax_cross_entropy_with_integer_labels(out[0], labels)
-            per = per.reshape(M, -1).mean(axis=1)
+            per = per.reshape(m, -1).mean(axis=1)
             return per.mean(), per
 
         (_, per), g = jax.value_and_grad(mean_loss, has_aux=True)(params)
@@ -131,11 +131,22 @@ def reference(tokens, labels, pieces=None, extra=()):
     return steps, after_sgd
 
 
-def two_steps(stage, inputs, target, ref, loss_fn, verify, laid_out, again=None):
+def split_order(rows: int, parts: int, m: int = M) -> np.ndarray:
+    """The whole batch's rows in the order a pipeline over ``parts`` processes that each
+    feed their own consecutive ``rows / parts`` rows sees them: microbatch ``i`` is every
+    process's ``i``-th microbatch, in process order."""
+    part = rows // parts
+    per = part // m
+    return np.concatenate([np.arange(h * part + i * per, h * part + (i + 1) * per)
+                           for i in range(m) for h in range(parts)])
+
+
+def two_steps(stage, inputs, target, ref, loss_fn, verify, laid_out, again=None, m=M):
     """A ``Schedule1F1B`` step, SGD over ``stage.grads``, a ``ScheduleGPipe`` step (on
-    ``again(stage)``'s stage, if given) of a stage whose group splits the data: each check
-    against ``ref`` (:func:`reference`'s, the stage's own part of the batch given as
-    ``inputs`` or ``target``) passed to ``verify(name, ok)``, every state ``laid_out``."""
+    ``again(stage)``'s stage, if given), ``m`` microbatches each, of a stage whose group
+    splits the data: each check against ``ref`` (:func:`reference`'s, the stage's own part
+    of the batch given as ``inputs`` (the first stage) or ``target`` (the last)) passed to
+    ``verify(name, ok)``, every state ``laid_out``."""
     steps, after_sgd = ref
     s, tx = stage.stage_index, optax.sgd(LR)
 
@@ -150,9 +161,11 @@ def two_steps(stage, inputs, target, ref, loss_fn, verify, laid_out, again=None)
 
     for step, (name, cls) in enumerate((("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe))):
         want_losses, want_grads = steps[step]
-        schedule = cls(stage, M, loss_fn=loss_fn)
+        schedule = cls(stage, m, loss_fn=loss_fn)
         if stage.is_first:
             schedule.step(*inputs)
+        elif not stage.is_last:
+            schedule.step()
         else:
             losses = []
             out = schedule.step(target=target, losses=losses)  # this process's part
@@ -256,17 +269,15 @@ def _verify(name: str, cond: bool) -> None:
     print(f"FSDP {name} ok", flush=True)
 
 
-def run_fully_sharded(tokens: np.ndarray, labels: np.ndarray) -> None:
-    """FSDP stages: pp = 2 x dp_shard = 2, each process its half of the batch."""
-    mesh = jaxpg.init_device_mesh((2, 2), ("pp", "dp_shard"))
+def run_fully_sharded(tokens: np.ndarray, labels: np.ndarray, k: int = 2) -> None:
+    """FSDP stages: pp = 2 x dp_shard = ``k``, each process its ``k``-th of the batch."""
+    mesh = jaxpg.init_device_mesh((2, k), ("pp", "dp_shard"))
     s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
-    half = len(tokens) // 2
-    mine = slice(d * half, (d + 1) * half)
-    # microbatch i of the step is both halves' i-th microbatches: the reference's batch in
+    part = len(tokens) // k
+    mine = slice(d * part, (d + 1) * part)
+    # microbatch i of the step is every part's i-th microbatch: the reference's batch in
     # that order has them as its i-th M-th
-    rows = half // M
-    order = np.concatenate([np.arange(h * half + i * rows, h * half + (i + 1) * rows)
-                            for i in range(M) for h in range(2)])
+    order = split_order(len(tokens), k)
     ref = reference(jnp.asarray(tokens[order]), jnp.asarray(labels[order])) \
         if jaxpg.get_rank() == 0 else (None, None)
     steps, after_sgd = jaxpg.broadcast_object_list(list(ref), src=0)
