@@ -276,7 +276,8 @@ PIPELINE_FOLDERS = {
     "lockstep": {"lockstep", "stage", "schedule"},
     "process": {"process", "stage", "schedule"},
 }
-PIPELINE_TOP = {"api", "train_step", "zero", "param_placement", "dp_grad_reducer",
+PIPELINE_TOP = {"api", "train_step", "zero", "fully_sharded", "param_placement",
+                "dp_grad_reducer",
                 "torch_api", "paddle_api", "layer_groups"}
 NOT_PLAIN_PYTHON = ("jax", "jaxlib", "flax", "optax", "orbax")
 

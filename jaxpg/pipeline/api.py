@@ -67,8 +67,9 @@ def check_param_specs(param_specs: Any, params: StagedParams, mesh: Mesh, pp_axi
     ``param_specs`` is a ``StagedParams`` of ``PartitionSpec`` trees shaped as the
     parameters: for ``stages`` the spec of *one* stage's arrays (the stage dimension is
     the pipeline's), for ``first`` and ``last`` the arrays' own; a bare tree is taken as
-    the stages' specs. Specs name mesh axes other than the pipeline and data-parallel ones
-    (a tensor-parallel axis).
+    the stages' specs. Specs name mesh axes other than the pipeline one: a tensor-parallel
+    axis, or the data-parallel one (``dp_axis``) for parameters each data-parallel rank holds
+    a part of (experts routed over it, fully sharded parameters).
     """
     if param_specs is None:
         return None
@@ -86,11 +87,12 @@ def check_param_specs(param_specs: Any, params: StagedParams, mesh: Mesh, pp_axi
     for spec in leaves:
         for entry in spec:
             for axis in (entry if isinstance(entry, tuple) else (entry,)) if entry else ():
-                if axis not in mesh.axis_names or axis in (pp_axis, dp_axis):
+                if axis not in mesh.axis_names or axis == pp_axis:
                     raise ValueError(
                         f"param_specs: {spec} names mesh axis {axis!r}; a parameter may be "
-                        f"split over the mesh's other axes ({mesh.axis_names} less "
-                        f"{pp_axis!r} and {dp_axis!r}), such as the tensor-parallel one."
+                        f"split over the mesh's axes other than the pipeline's "
+                        f"({mesh.axis_names} less {pp_axis!r}), such as the tensor-parallel "
+                        "or the data-parallel one."
                     )
     return tuple(leaves), treedef
 
@@ -186,7 +188,12 @@ def pipeline_value_and_grad(
         param_specs: for parameters split over another mesh axis (tensor parallelism on a
             HybridCommunicateGroup's ``mp``): a ``StagedParams`` of ``PartitionSpec`` trees
             with the parameters' structure, one stage's specs for ``stages`` (see
-            ``check_param_specs``). Inside, each stage sees its local shards. None:
+            ``check_param_specs``). Inside, each stage sees its local shards. A spec may
+            name ``dp_axis`` too: experts split over the data-parallel ranks, each routing
+            its own rows to them (``jaxpg.expert_parallel.moe(..., group=mesh[dp_axis])``),
+            or parameters ``stage_fn`` gathers itself (fully sharded); the default reducer
+            then divides such a gradient by the data-parallel size instead of averaging it
+            (the collectives' transposes already summed every rank's rows into it). None:
             everything replicated but the stage dimension.
 
     Returns:

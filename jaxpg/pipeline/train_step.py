@@ -26,6 +26,7 @@ from jaxpg.pipeline.api import (
     StagedParams,
     pipeline_value_and_grad,
 )
+from jaxpg.pipeline.fully_sharded import fully_sharded_specs, gathering
 from jaxpg.pipeline.param_placement import place_pipeline_params, put_copy
 from jaxpg.pipeline.process.executor import mpmd_unsupported_reason
 from jaxpg.pipeline.stage.order import check_stage_order
@@ -49,13 +50,20 @@ def init_train_state(
     Optimizer-state leaves that are not already laid out on the mesh (step counters
     and other scalars) are replicated over it, so the train step compiles once: its
     outputs then have the same placement as its inputs. With ``zero_stage`` 1 or 2 the
-    optimizer state is split over ``dp_axis`` instead (ZeRO-1 and 2 store the same state;
-    pass the same ``zero_stage`` to :func:`make_train_step`).
+    optimizer state is split over ``dp_axis`` instead (ZeRO-1 and 2 store the same state),
+    with 3 the parameters too, and the state with them
+    (:mod:`jaxpg.pipeline.fully_sharded`). Pass the same ``zero_stage`` to
+    :func:`make_train_step`.
 
     Returns:
         ``(placed_params, opt_state)``.
     """
-    if _zero_stage(zero_stage, "init_train_state"):
+    stage = _zero_stage(zero_stage, "init_train_state")
+    if stage == 3:
+        dp_axis = data_parallel_axis(mesh, dp_axis)
+        _refuse_specs_with_zero3(param_specs, "init_train_state")
+        param_specs = fully_sharded_specs(params, mesh, dp_axis)
+    elif stage:
         from jaxpg.pipeline.zero import init_zero_train_state
 
         dp_axis = data_parallel_axis(mesh, dp_axis)
@@ -132,14 +140,30 @@ def make_train_step(
         param_specs: how parameters are split over other mesh axes (tensor parallelism);
             see ``pipeline_value_and_grad``. Place them with the same ``param_specs``.
         zero_stage: 0 (replicated optimizer state), 1 (the optimizer state split over
-            ``dp_axis``) or 2 (and the gradients reduce-scattered over it instead of
-            all-reduced); the state from ``init_train_state(..., zero_stage=)``. Stage 3
-            (sharded parameters) is not offered inside a pipeline.
-        params: the parameters (placed, or their shapes), for ``zero_stage`` 1 and 2:
-            the optimizer state's split is made from them.
+            ``dp_axis``), 2 (and the gradients reduce-scattered over it instead of
+            all-reduced) or 3 (and the parameters, all-gathered by each stage, embedding
+            and head before it runs, per microbatch: :mod:`jaxpg.pipeline.fully_sharded`;
+            on the lockstep executor); the state from ``init_train_state(...,
+            zero_stage=)``.
+        params: the parameters (placed, or their shapes), for ``zero_stage`` 1 to 3:
+            the optimizer state's or the parameters' split is made from them.
     """
     dp_axis = data_parallel_axis(mesh, dp_axis)
-    if _zero_stage(zero_stage, "make_train_step"):
+    stage = _zero_stage(zero_stage, "make_train_step")
+    if stage == 3:
+        if params is None:
+            raise ValueError("make_train_step: zero_stage=3 splits the parameters by their "
+                             "shapes; pass params= (the placed parameters, or their shapes).")
+        _refuse_specs_with_zero3(param_specs, "make_train_step")
+        if executor == "mpmd":
+            raise ValueError("make_train_step: zero_stage=3 runs on the lockstep executor "
+                             "(one jitted step); pass executor='auto' or 'spmd', or fully "
+                             "shard PipelineStages with fsdp_group= across processes.")
+        param_specs = fully_sharded_specs(params, mesh, dp_axis)
+        stage_fn = gathering(stage_fn, param_specs.stages, dp_axis)
+        first_fn = gathering(first_fn, param_specs.first, dp_axis)
+        loss_fn = gathering(loss_fn, param_specs.last, dp_axis)
+    elif stage:
         if params is None:
             raise ValueError(f"make_train_step: zero_stage={zero_stage} splits the optimizer "
                              "state by the parameters' shapes; pass params= (the placed "
@@ -204,12 +228,18 @@ def make_train_step(
 
 
 def _zero_stage(zero_stage: int, api: str) -> int:
-    """``zero_stage`` checked: 0, 1 or 2 inside a pipeline."""
+    """``zero_stage`` checked: 0 to 3 inside a pipeline."""
     from jaxpg.data_parallel.zero import resolve_zero_stage
 
-    return resolve_zero_stage(api, (0, 1, 2), 0, zero_stage,
-                              hint=" Stage 3 (sharded parameters) is not offered inside a "
-                                   "pipeline.")
+    return resolve_zero_stage(api, (0, 1, 2, 3), 0, zero_stage)
+
+
+def _refuse_specs_with_zero3(param_specs: Any, api: str) -> None:
+    if param_specs is not None:
+        raise ValueError(f"{api}: zero_stage=3 splits every parameter over the data-parallel "
+                         "axis itself and cannot also take param_specs (tensor-parallel "
+                         "stages); drop one of them, or split the stages' parameters over "
+                         "dp in param_specs yourself and gather them in stage_fn.")
 
 
 def _jax_mesh(mesh: Any) -> Any:

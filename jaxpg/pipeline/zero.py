@@ -5,9 +5,9 @@ replica of a stage keeps a ``1/dp`` share of that stage's optimizer state (stage
 its reduced gradients (stage 2); each steps its share and the new parameters are
 all-gathered over ``dp``. A stage stack leaf ``[S, d1, ...]`` (already split over ``pp``
 on dim 0) is split over ``dp`` on dim 1, padded to a multiple of ``dp``; the embedding
-and head leaves on dim 0. Stage 3 (sharded parameters) is not offered inside a pipeline,
-as in Megatron and Paddle: each stage's forward would gather its parameters once per
-microbatch.
+and head leaves on dim 0. Stage 3 (sharded parameters) is
+``make_train_step(..., zero_stage=3)`` (:mod:`jaxpg.pipeline.fully_sharded`): each stage
+gathers its parameters once per microbatch, which Megatron and Paddle do not offer.
 
 Example::
 
@@ -155,8 +155,8 @@ def make_zero_train_step(
     """
     zero_stage = resolve_zero_stage(
         "make_zero_train_step", (1, 2), 1, zero_stage,
-        hint=" Stage 3 (sharded parameters) is not offered inside a pipeline; stage 0 "
-             "(replicated) is jaxpg.pipeline.make_train_step.")
+        hint=" Stages 0 (replicated) and 3 (sharded parameters) are "
+             "jaxpg.pipeline.make_train_step(zero_stage=).")
     if "grad_reducer" in pipeline_kwargs:
         raise ValueError("make_zero_train_step reduces the gradients itself; drop grad_reducer.")
     if pipeline_kwargs.get("param_specs") is not None:

@@ -1,8 +1,13 @@
-"""Expert parallelism inside pipeline stages: a ``("dp", "pp", "ep")`` mesh, each stage a
-block with an ``MoELayer`` over ``ep`` (``replicated_tokens=True``: the stage's activations
-are the same on every ep rank, as in a tensor-parallel stage), run by the lockstep executor
-with ``param_specs``; the loss and every gradient against the un-pipelined model on one
-device."""
+"""Expert parallelism inside pipeline stages, run by the lockstep executor with
+``param_specs``; the loss and every gradient against the un-pipelined model on one device:
+
+* a ``("dp", "pp", "ep")`` mesh, each stage a block with an ``MoELayer`` over ``ep``
+  (``replicated_tokens=True``: the stage's activations are the same on every ep rank, as in
+  a tensor-parallel stage);
+* a ``("pp", "dp")`` mesh whose data-parallel ranks are the expert-parallel group (EP
+  borrowing DP, DeepSeek-V3's layout): each dp rank routes its own rows to the experts split
+  over dp, the other parameters replicated and averaged.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +52,12 @@ def _data():
     return first, last, x, t
 
 
-def test_moe_stages_of_a_dp_pp_ep_pipeline_equal_the_un_pipelined_model():
-    mesh = jaxpg.init_device_mesh((2, 2, 2), ("dp", "pp", "ep"))
+def _reference(x, t):
+    """The un-pipelined model (every expert on one device): its stages' stacked arrays, the
+    embedding and head, and the loss and gradients of all three on the whole batch."""
     one, _ = jaxpg.new_subgroups(group_size=1)
     blocks = [Block(one, 10 + s, False) for s in range(STAGES)]  # whole arrays, ep = 1
-    first, last, x, t = _data()
+    first, last, _, _ = _data()
     graph = nnx.split(blocks[0])[0]
     # host copies: the one-device layers' arrays live on a one-rank group's mesh
     stages = jax.tree.map(lambda *a: jnp.asarray(np.stack([np.asarray(x) for x in a])),
@@ -65,16 +71,49 @@ def test_moe_stages_of_a_dp_pp_ep_pipeline_equal_the_un_pipelined_model():
 
     want, want_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(
         stages, first, last)
+    return StagedParams(stages, first, last), want, want_grads
 
-    template = Block(mesh["ep"], 10, True)  # the stage's code and one stage's specs
-    ep_graph, ep_state = nnx.split(template)
-    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-    specs = StagedParams(param_specs(ep_state), replicated(first), replicated(last))
-    loss, grads = pipeline_value_and_grad(
-        module_fn(ep_graph), _loss, StagedParams(stages, first, last), x, t, mesh=mesh,
-        schedule="1f1b", num_microbatches=2, first_fn=_embed, param_specs=specs)
+
+def _check(loss, grads, want, want_grads):
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
     for got, exp in ((grads.stages, want_grads[0]), (grads.first, want_grads[1]),
                      (grads.last, want_grads[2])):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(exp), strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_stages_of_a_dp_pp_ep_pipeline_equal_the_un_pipelined_model():
+    mesh = jaxpg.init_device_mesh((2, 2, 2), ("dp", "pp", "ep"))
+    _, _, x, t = _data()
+    params, want, want_grads = _reference(x, t)
+    template = Block(mesh["ep"], 10, True)  # the stage's code and one stage's specs
+    ep_graph, ep_state = nnx.split(template)
+    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    specs = StagedParams(param_specs(ep_state), replicated(params.first),
+                         replicated(params.last))
+    loss, grads = pipeline_value_and_grad(
+        module_fn(ep_graph), _loss, params, x, t, mesh=mesh,
+        schedule="1f1b", num_microbatches=2, first_fn=_embed, param_specs=specs)
+    _check(loss, grads, want, want_grads)
+
+
+def test_experts_split_over_the_data_parallel_ranks_that_route_their_own_rows():
+    """pp = 2 x dp = 4, the MoE layers over ``mesh["dp"]``: each dp rank pipelines its
+    quarter of the batch and routes its rows to the experts of every dp rank (one each);
+    ``param_specs`` name dp for the experts, whose gradients then hold every rank's rows
+    (divided by dp), while the replicated parameters' are averaged over dp."""
+    mesh = jaxpg.init_device_mesh((2, 4), ("pp", "dp"))
+    _, _, x, t = _data()
+    params, want, want_grads = _reference(x, t)
+    ep_graph, ep_state = nnx.split(Block(mesh["dp"], 10, False))
+    specs = param_specs(ep_state)
+    assert {str(k) for k, v in nnx.to_flat_state(specs) if "dp" in v} == {
+        "('moe', 'w1')", "('moe', 'w2')"}
+    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    specs = StagedParams(specs, replicated(params.first), replicated(params.last))
+    loss, grads = pipeline_value_and_grad(
+        module_fn(ep_graph), _loss, params, x, t, mesh=mesh,
+        schedule="1f1b", num_microbatches=2, first_fn=_embed, param_specs=specs)
+    _check(loss, grads, want, want_grads)
+    w1 = grads.stages["moe"]["w1"]
+    assert w1.sharding.spec == P("pp", "dp"), w1.sharding  # each rank keeps its expert's

@@ -20,7 +20,8 @@ TORCH_WORKER = Path(__file__).parent / "workers" / "torch_fsdp2_worker.py"
 CHECKS = {"stage1_reshard_fp32", "stage2_reshard_fp32", "stage3_reshard_fp32",
           "stage3_keep_bf16",
           "resume_from_4_ranks", "holds_its_shard", "saved_sharded", "damaged_newest_skipped",
-          "pipeline_zero2_over_dp", "group_without_this_process", "shape_mismatch_named"}
+          "pipeline_zero2_over_dp", "pipeline_zero3_over_dp", "group_without_this_process",
+          "shape_mismatch_named"}
 OPT = optax.sgd(0.5, momentum=0.9)  # linear in the gradient: a wrong average shows
 
 

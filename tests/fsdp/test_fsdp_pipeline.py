@@ -1,4 +1,4 @@
-"""ZeRO-1 and ZeRO-2 over dp inside pipeline stages, against the plain pipeline step."""
+"""ZeRO-1, 2 and 3 over dp inside pipeline stages, against the plain pipeline step."""
 
 import sys
 from pathlib import Path
@@ -57,14 +57,50 @@ def test_zero_inside_stages_equals_the_plain_step(plain, zero_stage):
     assert params.stages["b"].sharding.spec == jax.sharding.PartitionSpec("pp")
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_zero3_inside_stages_equals_the_plain_step(plain, remat):
+    """zero_stage=3 on dp_shard = 2 x pp = 4: every parameter split over dp_shard (the
+    embedding on its second dimension, which 2 divides), gathered by each stage per
+    microbatch; three steps give the plain step's parameters and loss, and the parameters
+    and optimizer state stay split."""
+    mesh = jaxpg.ParallelDims(dp_shard=2, pp=4)
+    params, opt_state = init_train_state(make_params(4), OPT, mesh, zero_stage=3)
+    step = make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=3, params=params,
+                           schedule="1f1b", num_microbatches=4, first_fn=embed, remat=remat)
+    x, t = make_batch(16)
+    for _ in range(3):
+        params, opt_state, loss = step(params, opt_state, x, t)
+    want, want_loss = plain
+    for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+    spec = jax.sharding.PartitionSpec
+    assert params.stages["w"].sharding.spec == spec("pp", "dp_shard")
+    assert params.first.sharding.spec == spec(None, "dp_shard")  # (3, 8): 2 divides 8
+    assert params.last.sharding.spec == spec("dp_shard")
+    assert params.stages["w"].addressable_shards[0].data.shape == (1, 4, 8)
+    assert opt_state[1][0].trace.stages["w"].sharding.spec == spec("pp", "dp_shard")
+
+
 def test_bad_zero_options():
     mesh = jaxpg.ParallelDims(dp_replicate=2, pp=4)
     with pytest.raises(ValueError, match=r"make_zero_train_step: zero_stage=3 is not a "
-                                         r"ZeRO stage it runs.*one of 1 .*, 2 .*Stage 3"):
+                                         r"ZeRO stage it runs.*one of 1 .*, 2 .*Stages 0 .* "
+                                         r"and 3 .*make_train_step\(zero_stage=\)"):
         make_zero_train_step(block, head_loss, OPT, make_params(4), mesh=mesh, zero_stage=3)
-    with pytest.raises(ValueError, match=r"make_train_step: zero_stage=3 is not a ZeRO stage "
-                                         r"it runs.*Stage 3 .*not offered inside a pipeline"):
-        make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=3, params=make_params(4))
+    with pytest.raises(ValueError, match=r"make_train_step: zero_stage=4 is not a ZeRO stage"):
+        make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=4, params=make_params(4))
+    with pytest.raises(ValueError, match="zero_stage=3 splits the parameters by their shapes; "
+                                         "pass params="):
+        make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=3)
+    with pytest.raises(ValueError, match="zero_stage=3 runs on the lockstep executor"):
+        make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=3, params=make_params(4),
+                        executor="mpmd")
+    with pytest.raises(ValueError, match=r"init_train_state: zero_stage=3 splits every "
+                                         r"parameter .* cannot also take param_specs"):
+        init_train_state(make_params(4), OPT, mesh, zero_stage=3,
+                         param_specs=jax.tree.map(lambda _: jax.sharding.PartitionSpec(),
+                                                  make_params(4)))
     with pytest.raises(ValueError, match="zero_stage=1 splits the optimizer state by the "
                                          "parameters' shapes; pass params="):
         make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=1)

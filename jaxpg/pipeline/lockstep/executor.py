@@ -86,6 +86,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxpg.data_parallel.leaf_split import spec_axes
 from jaxpg.pipeline.lockstep import buffer_plan as cols
 from jaxpg.pipeline.lockstep.buffer_plan import BufferPlan, plan_buffers
 from jaxpg.pipeline.lockstep.tick_program import KIND_OF, slot_buffers, tick_steps, write_slot
@@ -98,7 +99,7 @@ from jaxpg.pipeline.stage.params import StagedParams
 from jaxpg.pipeline.stage.split import split_stage
 from jaxpg.supervision.step_recording import recorded_step
 
-__all__ = ["run_spmd"]
+__all__ = ["data_parallel_mean", "run_spmd"]
 
 
 def _body(cfg: PipelineConfig, plan: BufferPlan, act_struct, params, inputs, targets):
@@ -208,12 +209,34 @@ def _body(cfg: PipelineConfig, plan: BufferPlan, act_struct, params, inputs, tar
     )
     if cfg.dp_axis is not None:
         loss = lax.pmean(loss, cfg.dp_axis)
-        reducer = cfg.grad_reducer or functools.partial(lax.pmean, axis_name=cfg.dp_axis)
-        grads = reducer(grads)
+        grads = (cfg.grad_reducer or data_parallel_mean(cfg))(grads)
     elif cfg.grad_reducer is not None:
         grads = cfg.grad_reducer(grads)
     grads = grads._replace(stages=jax.tree.map(lambda a: a[:, None], grads.stages))
     return loss, grads
+
+
+def data_parallel_mean(cfg: PipelineConfig) -> Any:
+    """The default ``grad_reducer`` over ``cfg.dp_axis`` (inside the loop's ``shard_map``):
+    the mean over the data-parallel ranks of each replicated parameter's gradient; a
+    gradient split over dp (its spec in ``cfg.param_specs`` names the axis: experts the ranks
+    route their rows to, fully sharded parameters) divided by the axis' size, as the
+    collectives' transposes summed every rank's contribution into its part (torch FSDP's
+    averaging reduce-scatter)."""
+    dp = cfg.dp_axis
+    if cfg.param_specs is None:
+        return functools.partial(lax.pmean, axis_name=dp)
+    split = [dp in spec_axes(spec) for spec in cfg.param_specs[0]]
+    if not any(split):
+        return functools.partial(lax.pmean, axis_name=dp)
+
+    def reduce(grads: StagedParams) -> StagedParams:
+        leaves, treedef = jax.tree.flatten(grads)
+        size = lax.axis_size(dp)
+        return jax.tree.unflatten(treedef, [g / size if own else lax.pmean(g, dp)
+                                            for g, own in zip(leaves, split, strict=True)])
+
+    return reduce
 
 
 def _run(cfg: PipelineConfig, plan: BufferPlan, params: StagedParams, inputs, targets):

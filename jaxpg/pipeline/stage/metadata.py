@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from jaxpg.data_parallel.loss_check import LossDoesNotTrainError, check_depends
 from jaxpg.pipeline.stage.config import PipelineConfig
@@ -201,8 +202,29 @@ def batch_stage_metadata(cfg: PipelineConfig, params: Any, inputs: Any,
     def mb_struct(tree: Any) -> Any:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), tree)
 
+    stage_fn, first_fn, loss_fn = cfg.stage_fn, cfg.first_fn, cfg.loss_fn
+    if cfg.param_specs is not None:  # functions on parameter shards, with their collectives
+        specs = jax.tree.unflatten(cfg.param_specs[1], cfg.param_specs[0])
+        stage_fn, first_fn, loss_fn = (
+            on_shards(fn, spec, cfg.mesh) for fn, spec in
+            ((stage_fn, specs.stages), (first_fn, specs.first), (loss_fn, specs.last)))
     return infer_stage_metadata(
-        cfg.stage_fn, params.stages, mb_struct(inputs), num_ranks=p, num_chunks=v,
-        first_fn=cfg.first_fn, first_params=params.first, loss_fn=cfg.loss_fn,
+        stage_fn, params.stages, mb_struct(inputs), num_ranks=p, num_chunks=v,
+        first_fn=first_fn, first_params=params.first, loss_fn=loss_fn,
         last_params=params.last, targets=mb_struct(targets),
     ), rows  # fmt: skip
+
+
+def on_shards(fn: Callable[..., Any] | None, specs: Any, mesh: Any
+              ) -> Callable[..., Any] | None:
+    """``fn(params, *rest)`` traced as the executor runs it: inside a ``shard_map`` over
+    ``mesh``, on the shards of ``params`` that ``specs`` make (so that its collectives over
+    the mesh's axes are bound), ``rest`` and the result as they are on every rank."""
+    if fn is None:
+        return None
+
+    def run(params: Any, *rest: Any) -> Any:
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, *(P(),) * len(rest)),
+                             out_specs=P(), check_vma=False)(params, *rest)
+
+    return run

@@ -108,27 +108,37 @@ def main(scratch):
     check("damaged_newest_skipped", (step, data_state) == (5, {"batch": 5}) and len(texts) == 1
           and "step=6: array file" in texts[0] and close(resumed.full_params(), at5, tol=0))
 
-    # 4. ZeRO-2 over dp inside a pipeline stage (dp=2 across the processes, pp=1)
-    from jax.sharding import Mesh
+    # 4. ZeRO-2 and 3 over dp inside a pipeline stage (dp=2 across the processes, pp=1)
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     from test_executor import block, embed, head_loss, make_batch, make_params
 
     from jaxpg.pipeline.train_step import init_train_state, make_train_step
     from jaxpg.pipeline.zero import init_zero_train_state, make_zero_train_step
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 1), ("dp", "pp"))
+    whole = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
     x, t = (np.asarray(a) for a in make_batch(8))
     results = []
-    for zero in (0, 2):
-        init = init_zero_train_state if zero else init_train_state
-        params, opt_state = init(make_params(1), OPT, mesh)
+    for zero in (0, 2, 3):
         kwargs = {"schedule": "gpipe", "num_microbatches": 2, "first_fn": embed}
-        step = (make_zero_train_step(block, head_loss, OPT, params, mesh=mesh, zero_stage=2,
-                                     **kwargs) if zero else
-                make_train_step(block, head_loss, OPT, mesh=mesh, **kwargs))
+        if zero == 2:
+            params, opt_state = init_zero_train_state(make_params(1), OPT, mesh)
+            step = make_zero_train_step(block, head_loss, OPT, params, mesh=mesh,
+                                        zero_stage=2, **kwargs)
+        else:  # zero_stage=3: every parameter split over dp, gathered by each stage
+            params, opt_state = init_train_state(make_params(1), OPT, mesh, zero_stage=zero)
+            step = make_train_step(block, head_loss, OPT, mesh=mesh, zero_stage=zero,
+                                   params=params, **kwargs)
         for _ in range(2):
             params, opt_state, _ = step(params, opt_state, x, t)
-        results.append([np.asarray(a.addressable_shards[0].data) for a in jax.tree.leaves(params)])
+        split = NamedSharding(mesh, P("pp", "dp"))
+        if zero == 3 and not params.stages["w"].sharding.is_equivalent_to(split, 3):
+            raise AssertionError(f"zero_stage=3 left {params.stages['w'].sharding}")
+        results.append([np.asarray(a.addressable_shards[0].data)
+                        for a in jax.tree.leaves(whole(params))])
     check("pipeline_zero2_over_dp", close(results[0], results[1]))
+    check("pipeline_zero3_over_dp", close(results[0], results[2]))
 
     # 5. a group that holds no rank of this process
     only0 = jaxpg.new_group([0])
