@@ -97,23 +97,32 @@ def test_moe_stages_of_a_dp_pp_ep_pipeline_equal_the_un_pipelined_model():
     _check(loss, grads, want, want_grads)
 
 
+def experts_over_dp(mesh):
+    """The pipeline over ``mesh`` (axes ``pp`` and ``dp``) with its MoE layers over
+    ``mesh["dp"]``, the experts split over dp in ``param_specs``: ``(loss, grads)``, and the
+    un-pipelined model's ``(loss, grads)`` on the whole batch (also run by
+    tests/multiprocess/workers/pipeline_stage8_worker.py across processes)."""
+    _, _, x, t = _data()
+    params, want, want_grads = _reference(x, t)
+    ep_graph, ep_state = nnx.split(Block(mesh["dp"], 10, False))
+    specs = param_specs(ep_state)
+    split = {str(k) for k, v in nnx.to_flat_state(specs) if "dp" in v}
+    assert split == {"('moe', 'w1')", "('moe', 'w2')"}, split
+    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    specs = StagedParams(specs, replicated(params.first), replicated(params.last))
+    loss, grads = pipeline_value_and_grad(
+        module_fn(ep_graph), _loss, params, x, t, mesh=mesh,
+        schedule="1f1b", num_microbatches=2, first_fn=_embed, param_specs=specs)
+    return (loss, grads), (want, want_grads)
+
+
 def test_experts_split_over_the_data_parallel_ranks_that_route_their_own_rows():
     """pp = 2 x dp = 4, the MoE layers over ``mesh["dp"]``: each dp rank pipelines its
     quarter of the batch and routes its rows to the experts of every dp rank (one each);
     ``param_specs`` name dp for the experts, whose gradients then hold every rank's rows
     (divided by dp), while the replicated parameters' are averaged over dp."""
     mesh = jaxpg.init_device_mesh((2, 4), ("pp", "dp"))
-    _, _, x, t = _data()
-    params, want, want_grads = _reference(x, t)
-    ep_graph, ep_state = nnx.split(Block(mesh["dp"], 10, False))
-    specs = param_specs(ep_state)
-    assert {str(k) for k, v in nnx.to_flat_state(specs) if "dp" in v} == {
-        "('moe', 'w1')", "('moe', 'w2')"}
-    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-    specs = StagedParams(specs, replicated(params.first), replicated(params.last))
-    loss, grads = pipeline_value_and_grad(
-        module_fn(ep_graph), _loss, params, x, t, mesh=mesh,
-        schedule="1f1b", num_microbatches=2, first_fn=_embed, param_specs=specs)
+    (loss, grads), (want, want_grads) = experts_over_dp(mesh)
     _check(loss, grads, want, want_grads)
     w1 = grads.stages["moe"]["w1"]
     assert w1.sharding.spec == P("pp", "dp"), w1.sharding  # each rank keeps its expert's

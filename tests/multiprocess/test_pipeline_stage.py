@@ -33,7 +33,9 @@
   give the un-pipelined model's losses, gradients and SGD step with plain attention over
   each whole sequence (4 processes, the same launch);
 * the same across 8 processes (one launch): fully sharded over dp_shard = 4, expert parallel
-  over ep = 2 with pp = 4 unequal stages, context parallel over cp = 4.
+  over ep = 2 with pp = 4 unequal stages, context parallel over cp = 4; and in that launch
+  stacked MoE stages through ``pipeline_value_and_grad`` over pp = 2 x dp = 4, the experts
+  split over the data-parallel processes that route their rows to them.
 """
 
 from __future__ import annotations
@@ -355,3 +357,15 @@ def test_stages_over_a_group_that_splits_the_data_across_8_processes(texts8, kin
         if rank // size == pp - 1:  # the last stage's processes
             want |= {"losses_1f1b", "losses_gpipe"}
         assert checks == want, (rank, checks, text[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_stacked_moe_stages_over_8_processes_route_over_the_data_parallel_ranks(texts8):
+    """``pipeline_value_and_grad`` (the lockstep executor, one program over 8 processes):
+    pp = 2 x dp = 4 stacked MoE stages whose dp processes each route their own rows to the
+    experts split over dp give the un-pipelined model's loss and gradients, the experts'
+    gradients split as their parameters."""
+    for rank, text in enumerate(texts8):
+        checks = set(re.findall(r"^STACKED (\w+) ok$", text, re.M))
+        assert checks == {"loss", "grads", "experts_split"}, (rank, checks, text[-3000:])

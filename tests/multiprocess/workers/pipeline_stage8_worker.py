@@ -10,21 +10,53 @@ the un-pipelined model on the whole batch:
   sequence: pipeline_stage_cp_worker.py's).
 
 Each runs a ``Schedule1F1B`` step, an SGD step and a ``ScheduleGPipe`` step; the checks print
-``FSDP|EP|CP <name> ok`` (a failure raises, failing the launch). Usage:
-``pipeline_stage8_worker.py RANK 8 PORT``.
+``FSDP|EP|CP <name> ok``. Then stacked MoE stages through ``pipeline_value_and_grad`` (the
+lockstep executor, one program over the 8 processes): pp = 2 x dp = 4, each dp process
+routing its rows to the experts split over dp (test_ep_pipeline.py's), whose loss and
+gradients must equal the un-pipelined model's; prints ``STACKED <name> ok``. A failure
+raises, failing the launch. Usage: ``pipeline_stage8_worker.py RANK 8 PORT``.
 """
 
 import datetime
 import sys
 import time
+from pathlib import Path
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from pipeline_stage_cp_worker import run_context_parallel
 from pipeline_stage_ep_worker import run_expert_parallel
 from pipeline_stage_tp_worker import run_fully_sharded
 from pipeline_stage_worker import B, S, V
 
 import jaxpg
+
+
+def _verify(name: str, cond: bool) -> None:
+    if not cond:
+        raise AssertionError(f"STACKED {name} failed on process {jax.process_index()}")
+    print(f"STACKED {name} ok", flush=True)
+
+
+def run_stacked_experts_over_dp() -> None:
+    """``pipeline_value_and_grad`` over pp = 2 x dp = 4 processes, the experts over dp."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "expert_parallel"))
+    from test_ep_pipeline import experts_over_dp
+
+    mesh = jaxpg.init_device_mesh((2, 4), ("pp", "dp"))
+    (loss, grads), (want, want_grads) = experts_over_dp(mesh)
+    whole = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh.jax_mesh, P()))
+    got = [np.asarray(a.addressable_data(0)) for a in jax.tree.leaves(whole(grads))]
+    ref = [np.asarray(a) for a in jax.tree.leaves(want_grads)]
+    _verify("loss", np.allclose(float(loss), float(want), rtol=1e-5))
+    _verify("grads", len(got) == len(ref) and all(
+        g.shape == w.shape and np.allclose(g, w, rtol=1e-5, atol=1e-6)
+        for g, w in zip(got, ref, strict=True)))
+    w1 = grads.stages["moe"]["w1"]
+    _verify("experts_split", w1.sharding.is_equivalent_to(
+        NamedSharding(mesh.jax_mesh, P("pp", "dp")), w1.ndim))
 
 
 def main() -> None:
@@ -38,7 +70,8 @@ def main() -> None:
                       ("expert parallel", lambda: run_expert_parallel(
                           np.random.default_rng(2), pp=4, ep=2, m=4)),
                       ("context parallel", lambda: run_context_parallel(
-                          np.random.default_rng(1), cp=4))):
+                          np.random.default_rng(1), cp=4)),
+                      ("stacked experts over dp", run_stacked_experts_over_dp)):
         start, cpu = time.perf_counter(), time.process_time()
         run()
         print(f"jaxpg {name} {time.perf_counter() - start:.1f} s "
