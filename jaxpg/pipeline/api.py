@@ -100,6 +100,15 @@ def check_param_specs(param_specs: Any, params: StagedParams, mesh: Mesh, pp_axi
 EXECUTORS = ("auto", "spmd", "mpmd")
 
 
+def _check_cp_axis(cp_axis: Any, mesh: Mesh, pp_axis: str, dp_axis: str | None) -> None:
+    if cp_axis is None:
+        return
+    if cp_axis not in mesh.axis_names or cp_axis in (pp_axis, dp_axis):
+        raise ValueError(f"cp_axis={cp_axis!r} must name a mesh axis other than the pipeline's "
+                         f"({pp_axis!r}) and the data-parallel one ({dp_axis!r}); the mesh has "
+                         f"axes {mesh.axis_names}.")
+
+
 def _use_mpmd(executor: Any, mesh: Mesh, args: Any, pp_axis: str, dp_axis: str | None,
               param_specs: Any) -> bool:
     """Whether the process executor runs this call (see ``executor`` in the docstring)."""
@@ -142,6 +151,7 @@ def pipeline_value_and_grad(
     stage_order: str = "model",
     executor: str = "auto",
     param_specs: Any = None,
+    cp_axis: str | None = None,
 ) -> tuple[jax.Array, Any]:
     """Mean loss over the batch and its gradient, computed by a pipeline schedule.
 
@@ -195,6 +205,14 @@ def pipeline_value_and_grad(
             then divides such a gradient by the data-parallel size instead of averaging it
             (the collectives' transposes already summed every rank's rows into it). None:
             everything replicated but the stage dimension.
+        cp_axis: a context-parallel mesh axis (``"cp"``; None: none): the inputs and
+            targets are split along their sequence dimension (1) over it, each rank running
+            every stage on its part of every sequence, its attention over the axis
+            (``ContextParallelAttention(group=mesh["cp"], method="all_gather")`` or
+            ``"all_to_all"``: a ``ppermute`` in a stage, as ring attention's, is refused,
+            see docs/pipeline.md), positions from
+            ``jaxpg.context_parallel.local_positions``); the loss is the mean over the parts
+            and each gradient follows ``dp_axis``' rule over it. Lockstep executor only.
 
     Returns:
         ``(loss, grads)``: the mean loss, and gradients of the same structure as ``params``.
@@ -222,6 +240,7 @@ def pipeline_value_and_grad(
     v = next(iter(counts)) // p
     timetable = resolve_schedule(schedule, p, num_microbatches, v)
     dp = dp_axis if dp_axis in mesh.axis_names else None
+    _check_cp_axis(cp_axis, mesh, pp_axis, dp)
     if not isinstance(remat, bool):
         raise TypeError(f"remat={remat!r} must be True or False.")
     # functions keyed by code and closure: a fresh lambda each call reuses the compiled step
@@ -229,7 +248,7 @@ def pipeline_value_and_grad(
         code_keyed(stage_fn), code_keyed(loss_fn), code_keyed(first_fn), mesh, timetable,
         pp_axis, dp, code_keyed(grad_reducer), remat,
         check_stage_order(stage_order),
-        check_param_specs(param_specs, staged, mesh, pp_axis, dp),
+        check_param_specs(param_specs, staged, mesh, pp_axis, dp), cp_axis,
     )
     run: PipelineExecutor = run_spmd
     if _use_mpmd(executor, mesh, (staged, inputs, targets), pp_axis, dp, param_specs):

@@ -108,6 +108,7 @@ def make_train_step(
     param_specs: Any = None,
     zero_stage: int = 0,
     params: Any = None,
+    cp_axis: str | None = None,
 ) -> Callable[[Any, Any, Any, Any], tuple[Any, Any, jax.Array]]:
     """Returns ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)``.
 
@@ -147,6 +148,8 @@ def make_train_step(
             zero_stage=)``.
         params: the parameters (placed, or their shapes), for ``zero_stage`` 1 to 3:
             the optimizer state's or the parameters' split is made from them.
+        cp_axis: a context-parallel axis splitting every sequence (see
+            ``pipeline_value_and_grad``); not with ``zero_stage`` 1 or 2.
     """
     dp_axis = data_parallel_axis(mesh, dp_axis)
     stage = _zero_stage(zero_stage, "make_train_step")
@@ -164,6 +167,9 @@ def make_train_step(
         first_fn = gathering(first_fn, param_specs.first, dp_axis)
         loss_fn = gathering(loss_fn, param_specs.last, dp_axis)
     elif stage:
+        if cp_axis is not None:
+            raise ValueError(f"make_train_step: zero_stage={zero_stage} with cp_axis= is not "
+                             "offered; use zero_stage=0 or 3 with context parallelism.")
         if params is None:
             raise ValueError(f"make_train_step: zero_stage={zero_stage} splits the optimizer "
                              "state by the parameters' shapes; pass params= (the placed "
@@ -199,6 +205,7 @@ def make_train_step(
             num_microbatches=num_microbatches, first_fn=first_fn, pp_axis=pp_axis,
             dp_axis=dp_axis, grad_reducer=grad_reducer, remat=remat,
             stage_order=stage_order, executor=executor, param_specs=param_specs,
+            cp_axis=cp_axis,
         )  # fmt: skip
 
     def update(params, opt_state, grads):

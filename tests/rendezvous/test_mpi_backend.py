@@ -41,7 +41,12 @@ def test_a_wrong_library_fails_import_jaxpg_with_the_fix_not_import_jax_with_an_
 
 @pytest.fixture
 def launcher_world(monkeypatch):
-    """A torchrun world of two whose peer never comes: the check must come before it."""
+    """A torchrun world of two whose peer never comes: the check must come before it.
+
+    It starts from no world: a test before it in this process may have left one (an
+    ``init_device_mesh`` call starts the default group, as torch's does)."""
+    if jaxpg.is_initialized():
+        jaxpg.destroy_process_group()
     for name, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT="9").items():
         monkeypatch.setenv(name, value)

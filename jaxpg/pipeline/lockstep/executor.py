@@ -97,6 +97,7 @@ from jaxpg.pipeline.stage.microbatch import split_microbatches
 from jaxpg.pipeline.stage.order import loop_view, stacked
 from jaxpg.pipeline.stage.params import StagedParams
 from jaxpg.pipeline.stage.split import split_stage
+from jaxpg.pipeline.stage.trace_tools import bound_axes
 from jaxpg.supervision.step_recording import recorded_step
 
 __all__ = ["data_parallel_mean", "run_spmd"]
@@ -112,6 +113,7 @@ def _body(cfg: PipelineConfig, plan: BufferPlan, act_struct, params, inputs, tar
     inputs = split_microbatches(inputs, m)
     targets = split_microbatches(targets, m)
     one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stages)
+    _refuse_permutes(cfg, one_stage, act_struct, (first_p, last_p), inputs, targets)
     stage_fn, hoisted = cfg.stage_fn, hoist_stage(cfg.stage_fn, one_stage, act_struct)
     if hoisted is not None:  # the stage's parameter layout work, once (stage_hoist)
         stage_fn, stages = hoisted.stage, jax.vmap(hoisted.prepare)(stages)
@@ -207,8 +209,8 @@ def _body(cfg: PipelineConfig, plan: BufferPlan, act_struct, params, inputs, tar
         lax.psum(acc["g_first"], cfg.pp_axis),
         lax.psum(g_last, cfg.pp_axis),
     )
-    if cfg.dp_axis is not None:
-        loss = lax.pmean(loss, cfg.dp_axis)
+    if cfg.data_axes:
+        loss = lax.pmean(loss, cfg.data_axes)
         grads = (cfg.grad_reducer or data_parallel_mean(cfg))(grads)
     elif cfg.grad_reducer is not None:
         grads = cfg.grad_reducer(grads)
@@ -216,25 +218,65 @@ def _body(cfg: PipelineConfig, plan: BufferPlan, act_struct, params, inputs, tar
     return loss, grads
 
 
+def _struct(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _float_sum(tree: Any) -> jax.Array:
+    return sum((jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(tree)
+                if jnp.issubdtype(a.dtype, jnp.inexact)), jnp.zeros((), jnp.float32))
+
+
+def _refuse_permutes(cfg: PipelineConfig, one_stage: Any, act_struct: Any, ends: tuple,
+                     inputs: Any, targets: Any) -> None:
+    """Raises if a stage function, forward or backward, binds ``ppermute`` over an axis
+    other than pp. Each pipeline rank runs its stages inside its own ``lax.cond``s, at its
+    own ticks; one ``ppermute`` spans the whole mesh, and XLA pairs the ranks that run it at
+    different ticks: the values come out wrong (ring attention did, on CPU)."""
+    x_mb, y_mb = (_struct(jax.tree.map(lambda a: a[0], t)) for t in (inputs, targets))
+    first_p, last_p = (_struct(t) for t in ends)
+    checks = [("stage_fn", cfg.stage_fn, (one_stage, act_struct)),
+              ("loss_fn", cfg.loss_fn, (last_p, act_struct, y_mb))]
+    if cfg.first_fn is not None:
+        checks.append(("first_fn", cfg.first_fn, (first_p, x_mb)))
+    for name, fn, args in checks:
+        grad = jax.grad(lambda *a, fn=fn: _float_sum(fn(*a)))
+        jaxpr = jax.make_jaxpr(grad)(*args)
+        axes = sorted(bound_axes(jaxpr, "ppermute") - {cfg.pp_axis})
+        if axes:
+            raise ValueError(
+                f"{name} binds lax.ppermute over mesh axis {axes[0]!r} (ring attention: "
+                "ContextParallelAttention(method='ring')). The lockstep executor runs each "
+                "pipeline rank's stages in its own conds at its own ticks, where XLA would "
+                "pair that collective across ranks at different ticks and give wrong values. "
+                "Use a collective over groups instead (ContextParallelAttention("
+                "method='all_gather' or 'all_to_all')), or run the stages as PipelineStages "
+                "(context_parallel_group=), whose programs run whole on their sub-mesh.")
+
+
 def data_parallel_mean(cfg: PipelineConfig) -> Any:
-    """The default ``grad_reducer`` over ``cfg.dp_axis`` (inside the loop's ``shard_map``):
-    the mean over the data-parallel ranks of each replicated parameter's gradient; a
-    gradient split over dp (its spec in ``cfg.param_specs`` names the axis: experts the ranks
-    route their rows to, fully sharded parameters) divided by the axis' size, as the
-    collectives' transposes summed every rank's contribution into its part (torch FSDP's
-    averaging reduce-scatter)."""
-    dp = cfg.dp_axis
+    """The default ``grad_reducer`` over ``cfg.data_axes`` (the data-parallel and
+    context-parallel axes, inside the loop's ``shard_map``): per axis, the mean over its
+    ranks of each replicated parameter's gradient; a gradient split over the axis (its spec
+    in ``cfg.param_specs`` names it: experts the ranks route their rows to, fully sharded
+    parameters) divided by the axis' size, as the collectives' transposes summed every
+    rank's contribution into its part (torch FSDP's averaging reduce-scatter)."""
+    axes = cfg.data_axes
     if cfg.param_specs is None:
-        return functools.partial(lax.pmean, axis_name=dp)
-    split = [dp in spec_axes(spec) for spec in cfg.param_specs[0]]
-    if not any(split):
-        return functools.partial(lax.pmean, axis_name=dp)
+        return functools.partial(lax.pmean, axis_name=axes)
+    owned = [spec_axes(spec) & set(axes) for spec in cfg.param_specs[0]]
+
+    def one(g: Any, own: set) -> Any:
+        rest = tuple(a for a in axes if a not in own)
+        g = lax.pmean(g, rest) if rest else g
+        for a in own:
+            g = g / lax.axis_size(a)
+        return g
 
     def reduce(grads: StagedParams) -> StagedParams:
         leaves, treedef = jax.tree.flatten(grads)
-        size = lax.axis_size(dp)
-        return jax.tree.unflatten(treedef, [g / size if own else lax.pmean(g, dp)
-                                            for g, own in zip(leaves, split, strict=True)])
+        return jax.tree.unflatten(treedef, [one(g, own)
+                                            for g, own in zip(leaves, owned, strict=True)])
 
     return reduce
 
@@ -243,7 +285,8 @@ def _run(cfg: PipelineConfig, plan: BufferPlan, params: StagedParams, inputs, ta
     tt = cfg.timetable
     metas, _ = batch_stage_metadata(cfg, params, inputs, targets)
     stages = jax.tree.map(lambda a: loop_view(a, tt, cfg.stage_order), params.stages)
-    batch_spec = P(cfg.dp_axis) if cfg.dp_axis is not None else P()
+    batch_spec = P(cfg.dp_axis, cfg.cp_axis) if cfg.cp_axis is not None else (
+        P(cfg.dp_axis) if cfg.dp_axis is not None else P())
     param_spec = _param_spec(cfg)
     # a reducer that reduce-scatters over dp (ZeRO-2, jaxpg.pipeline.zero) says how
     # its output is laid out, in this [v, p, ...] view

@@ -41,6 +41,8 @@ class PipelineConfig(NamedTuple):
         stage_order: ``"model"`` or ``"rank"``, the order of the stage stacks.
         param_specs: ``(leaves, treedef)`` of a ``StagedParams`` of ``PartitionSpec``
             trees for parameters split over another mesh axis, or None.
+        cp_axis: the context-parallel axis, over which the inputs and targets are split
+            along their sequence dimension (1), or None.
     """
 
     stage_fn: Callable
@@ -54,6 +56,13 @@ class PipelineConfig(NamedTuple):
     remat: bool
     stage_order: str
     param_specs: tuple | None = None
+    cp_axis: str | None = None
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes whose ranks each pipeline their own part of the batch (rows over
+        ``dp_axis``, the sequence over ``cp_axis``)."""
+        return tuple(a for a in (self.dp_axis, self.cp_axis) if a is not None)
 
 
 class PipelineExecutor(Protocol):

@@ -198,20 +198,34 @@ def batch_stage_metadata(cfg: PipelineConfig, params: Any, inputs: Any,
             f"num_microbatches {m} = {dp * m}; use a batch size that is a multiple of {dp * m}."
         )
     rows = size // (dp * m)
+    cp = cfg.mesh.shape[cfg.cp_axis] if cfg.cp_axis is not None else 1
 
-    def mb_struct(tree: Any) -> Any:
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), tree)
+    def local(a: Any, what: str) -> tuple[int, ...]:
+        shape = (rows, *a.shape[1:])
+        if cp == 1:
+            return shape
+        if len(shape) < 2 or shape[1] % cp:
+            raise ValueError(
+                f"cp_axis={cfg.cp_axis!r} splits the {what}' sequence dimension (1) over "
+                f"{cp} ranks, but a leaf has shape {tuple(a.shape)}; pass (batch, sequence, "
+                f"...) arrays whose sequence length is a multiple of {cp}.")
+        return (rows, shape[1] // cp, *shape[2:])
+
+    def mb_struct(tree: Any, what: str) -> Any:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(local(a, what), a.dtype), tree)
 
     stage_fn, first_fn, loss_fn = cfg.stage_fn, cfg.first_fn, cfg.loss_fn
-    if cfg.param_specs is not None:  # functions on parameter shards, with their collectives
-        specs = jax.tree.unflatten(cfg.param_specs[1], cfg.param_specs[0])
+    if cfg.param_specs is not None or cfg.cp_axis is not None:
+        # the functions on parameter shards and sequence parts, their collectives bound
+        specs = (jax.tree.map(lambda _: P(), params) if cfg.param_specs is None else
+                 jax.tree.unflatten(cfg.param_specs[1], cfg.param_specs[0]))
         stage_fn, first_fn, loss_fn = (
             on_shards(fn, spec, cfg.mesh) for fn, spec in
             ((stage_fn, specs.stages), (first_fn, specs.first), (loss_fn, specs.last)))
     return infer_stage_metadata(
-        stage_fn, params.stages, mb_struct(inputs), num_ranks=p, num_chunks=v,
+        stage_fn, params.stages, mb_struct(inputs, "inputs"), num_ranks=p, num_chunks=v,
         first_fn=first_fn, first_params=params.first, loss_fn=loss_fn,
-        last_params=params.last, targets=mb_struct(targets),
+        last_params=params.last, targets=mb_struct(targets, "targets"),
     ), rows  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """What the pipeline's traced programs share: evaluating a jaxpr's equations, telling its
-variables from its literals, the shape-and-dtype keys their caches and lanes use, and the
-one gradient accumulator."""
+variables from its literals, finding the axes a collective is bound over, the
+shape-and-dtype keys their caches and lanes use, and the one gradient accumulator."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal, Var
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
-__all__ = ["is_var", "eval_eqns", "leaves_key", "tree_key", "add_grads"]
+__all__ = ["is_var", "eval_eqns", "leaves_key", "tree_key", "add_grads", "bound_axes"]
 
 
 def is_var(v: Any) -> bool:
@@ -45,3 +45,27 @@ def tree_key(tree: Any) -> tuple:
 def add_grads(acc: Any, value: Any) -> Any:
     """``acc + value`` leaf by leaf (``value`` itself for the first, ``acc=None``)."""
     return value if acc is None else jax.tree.map(jnp.add, acc, value)
+
+
+def _sub_jaxprs(value: Any) -> Iterable[Jaxpr]:
+    if isinstance(value, ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, Jaxpr):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def bound_axes(jaxpr: Jaxpr | ClosedJaxpr, primitive: str) -> set[str]:
+    """The mesh axes over which ``jaxpr``, or any jaxpr nested in it (conds, loops,
+    custom derivatives, remat), binds the collective ``primitive`` (``"ppermute"``)."""
+    found: set[str] = set()
+    for eqn in (jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr).eqns:
+        if eqn.primitive.name == primitive:
+            names = eqn.params.get("axis_name", ())
+            found.update(names if isinstance(names, tuple | list) else (names,))
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                found |= bound_axes(sub, primitive)
+    return found
